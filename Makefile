@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make run` (router + embedded simulated fleet on 127.0.0.1:8000)
+# and `make test` (the whole suite). Both create .venv and install what they need.
+VENV := .venv
+PY := $(VENV)/bin/python
+export RAY_USAGE_STATS_ENABLED := 0
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_AUTH_MODE := disabled
+export RAY_SERVE_THROUGHPUT_OPTIMIZED := 1
+export RAY_SERVE_ENABLE_HA_PROXY := 1
+
+.PHONY: install run test test-unit typecheck
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+run: $(VENV)/.installed
+	$(VENV)/bin/serve run serve_config.yaml
+
+test: $(VENV)/.installed
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q tests
+
+test-unit: $(VENV)/.installed
+	$(PY) -m pytest -q tests/unit
+
+typecheck: $(VENV)/.installed
+	$(VENV)/bin/mypy

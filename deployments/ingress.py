@@ -1,0 +1,57 @@
+"""Ingress deployment: the FastAPI app of :mod:`narwhal_serve.gateway` over deployment handles."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+from ray.serve.handle import DeploymentHandle
+
+from narwhal_serve.config import NarwhalConfig
+from narwhal_serve.gateway.app import build_api
+from narwhal_serve.protocol.placement import PlacedRequest
+from narwhal_serve.relay.messages import RelayMessage
+from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
+
+
+class HandleBackend:
+    """The gateway's :class:`Backend` over Ray Serve handles."""
+
+    def __init__(self, scheduler: DeploymentHandle, assembler: DeploymentHandle) -> None:
+        self.scheduler = scheduler
+        self.assembler = assembler.options(stream=True)
+
+    async def admit(self, req: AdmitRequest) -> AdmitResult:
+        result: AdmitResult = await self.scheduler.admit.remote(req)
+        return result
+
+    async def cancel(self, ticket_id: str) -> None:
+        await self.scheduler.cancel.remote(ticket_id)
+
+    async def report(self, rep: Report) -> None:
+        await self.scheduler.report.remote(rep)
+
+    async def snapshot(self) -> dict[str, Any]:
+        snap: dict[str, Any] = await self.scheduler.snapshot.remote()
+        return snap
+
+    async def metrics_text(self) -> str:
+        text: str = await self.scheduler.metrics_text.remote()
+        return text
+
+    async def admin(self, op: str, arg: Any) -> Any:
+        return await self.scheduler.admin.remote(op, arg)
+
+    async def relay(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
+        async for msg in self.assembler.run.remote(placed):
+            yield msg
+
+
+class Ingress:
+    def __init__(self, config: dict[str, Any], scheduler: DeploymentHandle, assembler: DeploymentHandle) -> None:
+        self.cfg = NarwhalConfig.model_validate(config)
+        self.backend = HandleBackend(scheduler, assembler)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_api(self.cfg, self.backend)

@@ -1,0 +1,20 @@
+"""The embedded simulated fleet (SPEC §8): one HTTP server per simulated engine, in one replica."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from narwhal_serve.config import NarwhalConfig
+from narwhal_serve.sim.server import SimServer, start_server
+
+
+class SimFleet:
+    async def __init__(self, config: dict[str, Any]) -> None:
+        cfg = NarwhalConfig.model_validate(config)
+        self.servers: list[SimServer] = []
+        for i, e in enumerate(cfg.sim.engines):
+            engine_cfg = e.model_copy(update={"model": cfg.model})
+            self.servers.append(await start_server(engine_cfg, cfg.sim.host, cfg.sim.base_port + i))
+
+    async def ready(self) -> list[str]:
+        return [s.url for s in self.servers]

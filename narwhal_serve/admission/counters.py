@@ -1,0 +1,53 @@
+"""Global accounting: offered, unsized_offered and one terminal class per offered request."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from narwhal_serve.admission.outcomes import TERMINAL, Outcome
+
+
+@dataclass
+class Counters:
+    offered: int = 0
+    unsized_offered: int = 0
+    by_outcome: Counter[tuple[str, str]] = field(default_factory=Counter)  # (outcome, reason) -> n
+
+    def add(self, outcome: Outcome | str, reason: str = "", n: int = 1) -> None:
+        key = outcome.value if isinstance(outcome, Outcome) else outcome
+        self.by_outcome[(key, reason)] += n
+
+    def merge(self, delta: "CounterDelta") -> None:
+        self.offered += delta.offered
+        self.unsized_offered += delta.unsized_offered
+        for (o, r), n in delta.outcomes.items():
+            self.by_outcome[(o, r)] += n
+
+    def total(self, outcome: Outcome) -> int:
+        return sum(n for (o, _), n in self.by_outcome.items() if o == outcome.value)
+
+    def terminal_sum(self) -> int:
+        return sum(self.total(o) for o in TERMINAL)
+
+    def seed_view(self) -> dict[str, int]:
+        """The five seed counters under their seed names, plus the other terminal classes."""
+        out = {"offered": self.offered, "unsized_offered": self.unsized_offered}
+        for o in TERMINAL:
+            out[o.value] = self.total(o)
+        return out
+
+
+@dataclass
+class CounterDelta:
+    """Increments gathered by one ingress replica between two reports."""
+
+    offered: int = 0
+    unsized_offered: int = 0
+    outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
+
+    def add(self, outcome: Outcome, reason: str = "") -> None:
+        self.outcomes[(outcome.value, reason)] += 1
+
+    def empty(self) -> bool:
+        return not (self.offered or self.unsized_offered or self.outcomes)

@@ -1,0 +1,142 @@
+"""Typed application args (SPEC §2). Unknown keys are rejected, naming the key."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from narwhal_serve.sim.config import SimEngineConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServingConfig(_Strict):
+    max_request_bytes: int = Field(1_048_576, gt=0)
+    http_retention_limit: int = Field(4096, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    api_keys: tuple[str, ...] = ()
+
+
+class PhaseConcurrency(_Strict):
+    prefill: int = Field(64, gt=0)
+    decode: int = Field(1024, gt=0)
+
+
+class AdmissionConfig(_Strict):
+    mode: Literal["predictive", "open"] = "predictive"
+    queue_limit: int = Field(1024, ge=0)
+    max_wait_s: float = Field(30.0, gt=0)
+    ttft_budget_s: float = Field(2.0, gt=0)
+    max_ttft_budget_s: float = Field(60.0, gt=0)
+    phase_concurrency: PhaseConcurrency = PhaseConcurrency()
+
+
+class EngineConfig(_Strict):
+    name: str
+    url: str
+    role: Literal["prefill", "decode", "unified"] = "unified"
+    dialect: Literal["vllm", "sglang", "openai"] = "vllm"
+    wave: str = "a"
+    bootstrap_port: int | None = None  # SGLang P/D: the prefill engine's bootstrap port
+
+    @property
+    def base_url(self) -> str:
+        return self.url.rstrip("/")
+
+
+class MonitoringConfig(_Strict):
+    scrape_interval_s: float = Field(1.0, gt=0)
+    stale_after_s: float = Field(5.0, gt=0)
+    scrape_timeout_s: float = Field(2.0, gt=0)
+
+
+class LeaseConfig(_Strict):
+    backend: Literal["none", "ray", "redis"] = "none"
+    url: str | None = None
+    ttl_s: float = 10.0
+    renew_s: float = 3.0
+
+
+class HAConfig(_Strict):
+    role: Literal["active", "standby"] = "active"
+    lease: LeaseConfig = LeaseConfig()
+
+
+class AdminConfig(_Strict):
+    token_env: str = "NARWHAL_ADMIN_TOKEN"
+
+
+class SimFleetConfig(_Strict):
+    """The embedded simulated fleet used when ``engines`` is empty (SPEC §8)."""
+
+    host: str = "127.0.0.1"
+    base_port: int = Field(8100, gt=0, lt=65536)
+    engines: tuple[SimEngineConfig, ...] = (
+        SimEngineConfig(name="sim-prefill-0", role="prefill"),
+        SimEngineConfig(name="sim-decode-0", role="decode"),
+        SimEngineConfig(name="sim-unified-0", role="unified"),
+    )
+
+
+class DeploymentKnobs(_Strict):
+    """Ray Serve sizing of the three deployments."""
+
+    ingress_min_replicas: int = Field(1, ge=1)
+    ingress_max_replicas: int = Field(2, ge=1)
+    assembler_min_replicas: int = Field(1, ge=1)
+    assembler_max_replicas: int = Field(2, ge=1)
+    max_ongoing_requests: int = Field(1000, gt=0)
+
+
+class NarwhalConfig(_Strict):
+    model: str = "narwhal-sim"
+    serving: ServingConfig = ServingConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    engines: tuple[EngineConfig, ...] = ()
+    monitoring: MonitoringConfig = MonitoringConfig()
+    ha: HAConfig = HAConfig()
+    admin: AdminConfig = AdminConfig()
+    sim: SimFleetConfig = SimFleetConfig()
+    deployment: DeploymentKnobs = DeploymentKnobs()
+
+    @model_validator(mode="after")
+    def _check(self) -> "NarwhalConfig":
+        names = [e.name for e in self.engines]
+        if len(set(names)) != len(names):
+            raise ValueError("engines: names must be unique")
+        if self.admission.ttft_budget_s > self.admission.max_ttft_budget_s:
+            raise ValueError("admission.ttft_budget_s must not exceed admission.max_ttft_budget_s")
+        return self
+
+    def resolved_engines(self) -> tuple[EngineConfig, ...]:
+        """The configured engines, or the embedded simulated fleet when none are configured."""
+        if self.engines:
+            return self.engines
+        return tuple(
+            EngineConfig(
+                name=e.name,
+                url=f"http://{self.sim.host}:{self.sim.base_port + i}",
+                role=e.role,
+                dialect=e.dialect,
+            )
+            for i, e in enumerate(self.sim.engines)
+        )
+
+
+def format_validation_error(exc: Exception) -> str:
+    """A one-line-per-problem message naming each offending key (for start-up errors)."""
+    from pydantic import ValidationError
+
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown config key '{loc}'")
+        else:
+            lines.append(f"config key '{loc}': {err['msg']}")
+    return "invalid Narwhal config: " + "; ".join(lines)

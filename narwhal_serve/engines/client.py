@@ -1,0 +1,110 @@
+"""HTTP calls to engines: one streamed completion, one JSON completion.
+
+The ``httpx.AsyncClient`` is passed in, so tests inject ``httpx.MockTransport`` and the assembler
+shares one pooled client per replica.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from narwhal_serve.engines.errors import EngineFailure
+from narwhal_serve.engines.sse import SSEDecoder
+
+_DONE = b"[DONE]"
+
+
+def _upstream_message(engine: str, resp_body: bytes, status: int) -> str:
+    try:
+        err = json.loads(resp_body).get("error", {})
+        msg = err.get("message") if isinstance(err, dict) else None
+    except (ValueError, AttributeError):
+        msg = None
+    return f"HTTP {status}" + (f": {msg}" if msg else "")
+
+
+async def stream_chunks(
+    client: httpx.AsyncClient,
+    engine: str,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+) -> AsyncIterator[list[dict[str, Any]]]:
+    """POST a streaming request; yield the parsed chunks of each network read (coalesced).
+
+    Ends normally only after ``data: [DONE]``; a stream that closes before it, a non-200 answer or
+    a payload that is not a JSON object raises :class:`EngineFailure`.
+    """
+    req = client.build_request("POST", url, json=body, headers=headers)
+    try:
+        resp = await client.send(req, stream=True)
+    except httpx.HTTPError as exc:
+        raise EngineFailure(engine, f"request failed: {type(exc).__name__}: {exc}") from None
+    try:
+        if resp.status_code != 200:
+            raw = await resp.aread()
+            raise EngineFailure(engine, _upstream_message(engine, raw, resp.status_code), status=resp.status_code)
+        dec = SSEDecoder()
+        done = False
+        try:
+            async for raw_chunk in resp.aiter_raw():
+                batch: list[dict[str, Any]] = []
+                for data in dec.feed(raw_chunk):
+                    if data == _DONE:
+                        done = True
+                        break
+                    batch.append(_parse(engine, data))
+                if batch:
+                    yield batch
+                if done:
+                    return
+            for data in dec.flush():
+                if data == _DONE:
+                    return
+                yield [_parse(engine, data)]
+        except httpx.HTTPError as exc:
+            raise EngineFailure(engine, f"stream broken: {type(exc).__name__}: {exc}") from None
+        raise EngineFailure(engine, "stream ended without [DONE]")
+    finally:
+        await resp.aclose()
+
+
+def _parse(engine: str, data: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        raise EngineFailure(engine, f"malformed SSE payload: {data[:80]!r}") from None
+    if not isinstance(obj, dict):
+        raise EngineFailure(engine, "SSE payload is not a JSON object")
+    if "error" in obj and "choices" not in obj:
+        err = obj["error"]
+        msg = err.get("message") if isinstance(err, dict) else err
+        raise EngineFailure(engine, f"engine error event: {msg}")
+    return obj
+
+
+async def post_json(
+    client: httpx.AsyncClient,
+    engine: str,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+) -> dict[str, Any]:
+    """POST a non-streaming request and return its JSON object."""
+    try:
+        resp = await client.post(url, json=body, headers=headers)
+    except httpx.HTTPError as exc:
+        raise EngineFailure(engine, f"request failed: {type(exc).__name__}: {exc}") from None
+    if resp.status_code != 200:
+        raise EngineFailure(engine, _upstream_message(engine, resp.content, resp.status_code), status=resp.status_code)
+    try:
+        obj = resp.json()
+    except ValueError:
+        raise EngineFailure(engine, "response is not JSON") from None
+    if not isinstance(obj, dict):
+        raise EngineFailure(engine, "response is not a JSON object")
+    return obj

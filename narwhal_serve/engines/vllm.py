@@ -1,0 +1,46 @@
+"""vLLM dialect (SPEC §6): token IDs on every chunk, P/D by the two-step kv_transfer_params protocol."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from narwhal_serve.engines.dialect import streaming_body
+from narwhal_serve.protocol.requests import ParsedRequest
+
+# The prefill leg's request to a vLLM engine with a KV connector (NixlConnector and friends).
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class VLLMDialect:
+    name = "vllm"
+    supports_token_ids = True
+    supports_pd = True
+
+    def decode_body(self, req: ParsedRequest, kv_transfer_params: Any = None) -> dict[str, Any]:
+        body = streaming_body(req)
+        body["return_token_ids"] = True
+        body["stream_interval"] = 1
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params  # copied verbatim: opaque to the router
+        else:
+            body.pop("kv_transfer_params", None)
+        return body
+
+    def prefill_body(self, req: ParsedRequest) -> dict[str, Any]:
+        body = dict(req.body)
+        for key in ("stream_options", "min_tokens", "max_completion_tokens"):
+            body.pop(key, None)
+        body["stream"] = False
+        body["max_tokens"] = 1
+        body["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+        return body
+
+
+VLLM = VLLMDialect()

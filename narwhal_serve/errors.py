@@ -1,0 +1,172 @@
+"""One error tree for every refusal Narwhal sends (SPEC §4).
+
+    NarwhalError                      status  type                        code
+    ├── InvalidRequest                400     invalid_request_error       invalid_request
+    │   ├── InvalidSamplingWidth      400     invalid_request_error       invalid_sampling_width
+    │   ├── UnsupportedOption         400     invalid_request_error       unsupported_option
+    │   ├── ModelNotFound             404     invalid_request_error       model_not_found
+    │   └── RequestTooLarge           413     invalid_request_error       request_too_large
+    ├── InvalidApiKey                 401     authentication_error        invalid_api_key
+    ├── RateLimited                   429     rate_limit_error            (retention_full, queue_full,
+    │                                                                      ttft_budget_exceeded,
+    │                                                                      prompt_exceeds_ttft_budget)
+    ├── TerminalExpiry                504     timeout_error               (admission_wait_expired,
+    │                                                                      deadline_expired)
+    ├── Unavailable                   503     service_unavailable_error   (backend_unavailable,
+    │                                                                      router_unavailable)
+    └── BadEngineResponse             502     upstream_error              bad_engine_response
+
+Each error renders itself with :func:`envelope` and :meth:`NarwhalError.headers`; callers catch at any
+level.  Errors cross the Ray hop as :class:`ErrorInfo` (plain data) and come back with
+:func:`from_info`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """A serializable snapshot of an error: what crosses process boundaries."""
+
+    status: int
+    type: str
+    code: str
+    message: str
+    param: str | None = None
+    retry_after: int | None = None
+    reason: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        out: dict[str, str] = {"X-Narwhal-Reason": self.reason or self.code}
+        if self.retry_after is not None:
+            out["Retry-After"] = str(self.retry_after)
+        return out
+
+
+class NarwhalError(Exception):
+    status = 500
+    type = "internal_error"
+    code = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+        reason: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.retry_after = retry_after
+        self.reason = reason
+
+    def info(self) -> ErrorInfo:
+        return ErrorInfo(
+            status=self.status,
+            type=self.type,
+            code=self.code,
+            message=self.message,
+            param=self.param,
+            retry_after=self.retry_after,
+            reason=self.reason,
+        )
+
+
+class InvalidRequest(NarwhalError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class InvalidSamplingWidth(InvalidRequest):
+    code = "invalid_sampling_width"
+
+    def __init__(self, param: str) -> None:
+        super().__init__(f"Invalid sampling width: {param} must be 1", param=param)
+
+
+class UnsupportedOption(InvalidRequest):
+    code = "unsupported_option"
+
+
+class ModelNotFound(InvalidRequest):
+    status = 404
+    code = "model_not_found"
+
+
+class RequestTooLarge(InvalidRequest):
+    status = 413
+    code = "request_too_large"
+
+
+class InvalidApiKey(NarwhalError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class RateLimited(NarwhalError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limited"
+
+
+class TerminalExpiry(NarwhalError):
+    status = 504
+    type = "timeout_error"
+    code = "deadline_expired"
+
+
+class Unavailable(NarwhalError):
+    status = 503
+    type = "service_unavailable_error"
+    code = "backend_unavailable"
+
+
+class BadEngineResponse(NarwhalError):
+    status = 502
+    type = "upstream_error"
+    code = "bad_engine_response"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+
+
+
+
+def from_info(info: ErrorInfo) -> NarwhalError:
+    """Rebuild an error from its snapshot (after a Ray hop)."""
+    err = NarwhalError(
+        info.message,
+        param=info.param,
+        code=info.code,
+        retry_after=info.retry_after,
+        reason=info.reason,
+    )
+    err.status = info.status
+    err.type = info.type
+    return err
+
+
+def envelope(err: NarwhalError | ErrorInfo) -> dict[str, Any]:
+    """The OpenAI error envelope for ``err``."""
+    info = err.info() if isinstance(err, NarwhalError) else err
+    return info.body()

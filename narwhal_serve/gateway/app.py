@@ -1,0 +1,125 @@
+"""The HTTP surface (SPEC §3): completion routes, models, health, readiness, status, metrics, admin.
+
+``build_api`` takes a :class:`Backend`, so the same app runs inside the Ray ingress and in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from narwhal_serve.config import NarwhalConfig
+from narwhal_serve.errors import InvalidApiKey, InvalidRequest, NarwhalError
+from narwhal_serve.gateway.backend import Backend
+from narwhal_serve.gateway.completion import CompletionHandler
+from narwhal_serve.gateway.reporter import Reporter
+from narwhal_serve.gateway.responses import error_response
+
+
+def build_api(cfg: NarwhalConfig, backend: Backend, *, clock: Callable[[], float] = time.time) -> FastAPI:
+    app = FastAPI(title="Narwhal", docs_url=None, redoc_url=None, openapi_url=None)
+    reporter = Reporter(backend.report)
+    handler = CompletionHandler(cfg, backend, reporter, clock)
+    app.state.reporter = reporter
+    created = int(clock())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await handler.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handler.handle(request, "completion")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": cfg.model, "object": "model", "created": created, "owned_by": "narwhal"}],
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        snap = await backend.snapshot()
+        if snap["ready"]:
+            return JSONResponse({"ready": True, "state": "active"})
+        return JSONResponse({"ready": False, "reason": snap["state"]}, status_code=503)
+
+    @app.get("/status")
+    async def status() -> dict[str, Any]:
+        await reporter.flush()
+        return await backend.snapshot()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await reporter.flush()
+        return PlainTextResponse(await backend.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    def admin_route(op_on: str, op_off: str, parse: Callable[[Any], Any]) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            try:
+                _check_admin(cfg, request)
+                arg = parse(await _json(request))
+                result = await backend.admin(op_on if request.method == "POST" else op_off, arg)
+            except NarwhalError as err:
+                return error_response(err.info(), None)
+            except ValueError as exc:
+                return error_response(InvalidRequest(str(exc)).info(), None)
+            return JSONResponse({"ok": True, "result": result})
+
+        return route
+
+    app.add_api_route(
+        "/admin/maintenance",
+        admin_route("maintenance_on", "maintenance_off", _waves),
+        methods=["POST", "DELETE"],
+    )
+    app.add_api_route(
+        "/admin/engines", admin_route("register", "deregister", _engine_arg), methods=["POST", "DELETE"]
+    )
+    app.add_api_route("/admin/state", admin_route("set_mode", "set_mode", _mode_arg), methods=["POST"])
+    return app
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        raise InvalidRequest("admin body must be JSON") from None
+
+
+def _waves(body: Any) -> list[str]:
+    waves = body.get("waves") if isinstance(body, dict) else None
+    if not isinstance(waves, list) or not all(isinstance(w, str) for w in waves):
+        raise InvalidRequest("'waves' must be a list of strings", param="waves")
+    return waves
+
+
+def _engine_arg(body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise InvalidRequest("body must be an object")
+    return body.get("name") if set(body) == {"name"} else body
+
+
+def _mode_arg(body: Any) -> str:
+    mode = body.get("mode") if isinstance(body, dict) else None
+    if not isinstance(mode, str):
+        raise InvalidRequest("'mode' must be a string", param="mode")
+    return mode
+
+
+def _check_admin(cfg: NarwhalConfig, request: Request) -> None:
+    token = os.environ.get(cfg.admin.token_env, "")
+    given = request.headers.get("authorization", "")
+    if not token or not secrets.compare_digest(given, f"Bearer {token}"):
+        raise InvalidApiKey("admin routes need 'Authorization: Bearer <admin token>'")

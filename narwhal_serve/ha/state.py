@@ -1,0 +1,43 @@
+"""Router state: active, or one of the unavailable states the seed names (SPEC §3 /ready reasons)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from narwhal_serve.errors import ErrorInfo, Unavailable
+
+RouterMode = Literal["active", "standby", "fenced", "monitoring_degraded"]
+UNAVAILABLE_REASONS = ("standby", "fenced", "maintenance", "monitoring_degraded")
+
+
+@dataclass
+class RouterState:
+    mode: RouterMode = "active"
+    maintenance: set[str] = field(default_factory=set)  # waves under maintenance
+    started: bool = False  # the first monitoring pass has run
+
+    def unavailable_reason(self, all_waves: set[str]) -> str | None:
+        """The reason this router refuses everything now, or None when it serves."""
+        if self.mode != "active":
+            return self.mode
+        if all_waves and all_waves <= self.maintenance:
+            return "maintenance"  # whole-wave maintenance: every engine's wave is down
+        return None
+
+
+def router_unavailable(reason: str) -> ErrorInfo:
+    return Unavailable(
+        f"The router is not serving ({reason}); retry after the Retry-After delay.",
+        code="router_unavailable",
+        retry_after=1,
+        reason=reason,
+    ).info()
+
+
+def backend_unavailable() -> ErrorInfo:
+    return Unavailable(
+        "No placement-eligible engine is available; retry after the Retry-After delay.",
+        code="backend_unavailable",
+        retry_after=1,
+    ).info()

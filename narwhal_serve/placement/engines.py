@@ -1,0 +1,47 @@
+"""What the scheduler knows about each engine, and which engines may take a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from narwhal_serve.config import EngineConfig
+from narwhal_serve.engines.metrics import EngineLoad
+
+
+@dataclass
+class EngineState:
+    cfg: EngineConfig
+    healthy: bool = False
+    last_ok: float | None = None  # when /health and /metrics last both answered
+    load: EngineLoad = field(default_factory=EngineLoad)
+    inflight: int = 0  # requests the router has routed here and not yet seen end
+    failures: int = 0  # consecutive scrape failures
+    tpot_s: float | None = None  # measured time per output token (EWMA)
+
+    def fresh(self, now: float, stale_after_s: float) -> bool:
+        return self.last_ok is not None and now - self.last_ok <= stale_after_s
+
+    def eligible(self, now: float, stale_after_s: float, maintenance: frozenset[str]) -> bool:
+        """Healthy, with fresh metrics (stale counts as unusable), and not in a maintenance wave."""
+        return self.healthy and self.fresh(now, stale_after_s) and self.cfg.wave not in maintenance
+
+    def token_accounting(self) -> str:
+        return "token_ids" if self.cfg.dialect == "vllm" else "unavailable"
+
+    def view(self, now: float, stale_after_s: float, maintenance: frozenset[str]) -> dict[str, object]:
+        return {
+            "name": self.cfg.name,
+            "url": self.cfg.url,
+            "role": self.cfg.role,
+            "dialect": self.cfg.dialect,
+            "wave": self.cfg.wave,
+            "healthy": self.healthy,
+            "eligible": self.eligible(now, stale_after_s, maintenance),
+            "metrics_age_s": None if self.last_ok is None else round(now - self.last_ok, 3),
+            "running": self.load.running,
+            "waiting": self.load.waiting,
+            "kv_cache_usage": self.load.kv_usage,
+            "inflight": self.inflight,
+            "tpot_s": self.tpot_s,
+            "token_accounting": self.token_accounting(),
+        }

@@ -1,0 +1,45 @@
+"""Placement: eligibility filter → load score in [0, 1] → ordered candidate routes.
+
+Single-engine routes come from unified engines; P/D routes pair a prefill and a decode engine of the
+same dialect (two independent picks, as llm-d and the SGLang gateway do).  Ties rotate, so equal
+routes share the load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.protocol.placement import RouteChoice
+
+MAX_CANDIDATES = 3
+
+
+def load_score(e: EngineState, max_num_seqs_hint: float = 64.0) -> float:
+    """0 = idle, 1 = saturated: router in-flight and engine queue against a nominal batch size."""
+    busy = max(e.inflight, e.load.running) + 2.0 * e.load.waiting
+    return min(1.0, max(busy / max_num_seqs_hint, e.load.kv_usage))
+
+
+def candidate_routes(eligible: Sequence[EngineState], rotation: int) -> list[RouteChoice]:
+    """Ordered routes over ``eligible`` engines, best first, at most MAX_CANDIDATES."""
+    scored: list[tuple[float, int, RouteChoice]] = []
+    unified = [e for e in eligible if e.cfg.role == "unified"]
+    prefills = sorted((e for e in eligible if e.cfg.role == "prefill"), key=load_score)
+    decodes = sorted((e for e in eligible if e.cfg.role == "decode"), key=load_score)
+    n = 0
+    for e in unified:
+        scored.append((load_score(e), n, RouteChoice(kind="single", decode=e.cfg)))
+        n += 1
+    for d in decodes:
+        p = next((p for p in prefills if p.cfg.dialect == d.cfg.dialect), None)
+        if p is not None and d.cfg.dialect != "openai":
+            score = max(load_score(p), load_score(d))
+            scored.append((score, n, RouteChoice(kind="pd", decode=d.cfg, prefill=p.cfg)))
+            n += 1
+    if not scored:
+        return []
+    # rotate tie order so equal scores alternate between routes
+    n_routes = len(scored)  # (list.sort empties the list while it sorts)
+    scored.sort(key=lambda s: (round(s[0], 3), (s[1] - rotation) % n_routes))
+    return [r for _, _, r in scored[:MAX_CANDIDATES]]

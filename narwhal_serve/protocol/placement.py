@@ -1,0 +1,31 @@
+"""What the scheduler hands the assembler: a placed request and its ordered candidate routes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from narwhal_serve.config import EngineConfig
+from narwhal_serve.protocol.requests import ParsedRequest
+
+
+@dataclass(frozen=True)
+class RouteChoice:
+    """One way to serve a request: a single engine, or a prefill engine and a decode engine."""
+
+    kind: Literal["single", "pd"]
+    decode: EngineConfig  # the engine whose stream reaches the client (the unified engine for "single")
+    prefill: EngineConfig | None = None
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        return (self.prefill.name, self.decode.name) if self.prefill else (self.decode.name,)
+
+
+@dataclass(frozen=True)
+class PlacedRequest:
+    request_id: str
+    model: str
+    request: ParsedRequest
+    candidates: tuple[RouteChoice, ...]
+    deadline: float  # wall-clock seconds (time.time()), shared across processes

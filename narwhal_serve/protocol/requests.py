@@ -1,0 +1,223 @@
+"""Validation and sizing of client requests (the seed's validation rows, SPEC §4).
+
+Only the fields the router interprets are checked; every other field is forwarded to the engine
+verbatim.  Errors carry ``param`` as a dotted path (``messages.0.content``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from narwhal_serve.errors import (
+    InvalidRequest,
+    InvalidSamplingWidth,
+    ModelNotFound,
+    UnsupportedOption,
+)
+
+Route = Literal["chat", "completion"]
+
+# Tool types the non-streaming assembler can rebuild (seed: tool_calls / function_call rows).
+_ASSEMBLABLE_TOOL_TYPES = frozenset({"function"})
+_TEXT_PART_TYPES = frozenset({"text", "input_text"})
+_MEDIA_PART_TYPES = frozenset({"image_url", "input_image", "input_audio", "video_url", "file", "audio_url"})
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated, sized request: what crosses the Ray hop instead of a Starlette request."""
+
+    route: Route
+    body: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    prompt_tokens: int
+    max_output_tokens: int | None
+    prompt_token_ids: tuple[int, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _bad(param: str, what: str) -> InvalidRequest:
+    return InvalidRequest(f"'{param}' {what}", param=param)
+
+
+def decode_json(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        raise InvalidRequest("request body is empty; expected a JSON object", param=None)
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", param=None) from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object", param=None)
+    return body
+
+
+def _opt(body: dict[str, Any], key: str, check: Any, what: str) -> None:
+    v = body.get(key)
+    if v is not None and not check(v):
+        raise _bad(key, what)
+
+
+def _check_common(body: dict[str, Any], model: str) -> None:
+    m = body.get("model")
+    if not isinstance(m, str):
+        raise _bad("model", "is required and must be a string")
+    if m != model:
+        raise ModelNotFound(f"The model `{m}` does not exist. This router serves `{model}`.", param="model")
+    _opt(body, "stream", lambda v: isinstance(v, bool), "must be a boolean")
+    _opt(body, "return_token_ids", lambda v: isinstance(v, bool), "must be a boolean")
+    _opt(body, "max_tokens", lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")
+    _opt(body, "min_tokens", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
+    _opt(body, "temperature", _is_number, "must be a number")
+    _opt(body, "top_p", _is_number, "must be a number")
+    _opt(body, "seed", _is_int, "must be an integer")
+    _opt(body, "ignore_eos", lambda v: isinstance(v, bool), "must be a boolean")
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise _bad("stop", "must be a string or a list of strings")
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("stream_options", "must be an object")
+        iu = so.get("include_usage")
+        if iu is not None and not isinstance(iu, bool):
+            raise _bad("stream_options.include_usage", "must be a boolean")
+    for key in ("n", "best_of"):
+        v = body.get(key)
+        if v is None:
+            continue
+        if not _is_int(v) or v < 1:
+            raise _bad(key, "must be an integer >= 1")
+        if v > 1:
+            raise InvalidSamplingWidth(key)
+
+
+def _text_len_of_content(content: Any, path: str, stream: bool) -> int:
+    if content is None or isinstance(content, str):
+        return len(content or "")
+    if not isinstance(content, list):
+        raise _bad(path, "must be a string, a list of content parts, or null")
+    n = 0
+    for i, part in enumerate(content):
+        ppath = f"{path}.{i}"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise _bad(ppath, "must be a content part object with a string 'type'")
+        ptype = part["type"]
+        if ptype in _TEXT_PART_TYPES:
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _bad(f"{ppath}.text", "must be a string")
+            n += len(text)
+        elif ptype in _MEDIA_PART_TYPES:
+            n += 256  # a fixed size estimate for a media part
+        else:
+            raise UnsupportedOption(f"content part type '{ptype}' is not supported", param=f"{ppath}.type")
+    return n
+
+
+def _check_nonstream_options(body: dict[str, Any]) -> None:
+    """Options whose output the non-streaming assembler cannot rebuild (seed: 400 naming the option)."""
+    if body.get("audio") is not None:
+        raise UnsupportedOption("audio output is not supported for non-streaming requests", param="audio")
+    mods = body.get("modalities")
+    if mods is not None:
+        if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
+            raise _bad("modalities", "must be a list of strings")
+        other = [m for m in mods if m != "text"]
+        if other:
+            raise UnsupportedOption(
+                f"output modality '{other[0]}' is not supported for non-streaming requests", param="modalities"
+            )
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _bad("tools", "must be a list")
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict):
+                raise _bad(f"tools.{i}", "must be an object")
+            if tool.get("type") not in _ASSEMBLABLE_TOOL_TYPES:
+                raise UnsupportedOption(
+                    f"tool type '{tool.get('type')}' is not supported for non-streaming requests",
+                    param=f"tools.{i}.type",
+                )
+
+
+def _check_messages(body: dict[str, Any], stream: bool) -> int:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "is required and must be a non-empty list")
+    chars = 0
+    for i, msg in enumerate(msgs):
+        if not isinstance(msg, dict):
+            raise _bad(f"messages.{i}", "must be an object")
+        if not isinstance(msg.get("role"), str):
+            raise _bad(f"messages.{i}.role", "is required and must be a string")
+        chars += _text_len_of_content(msg.get("content"), f"messages.{i}.content", stream) + 4
+    return chars
+
+
+def _check_prompt(body: dict[str, Any]) -> tuple[int, tuple[int, ...] | None]:
+    """Returns (prompt chars, prompt token ids when the client sent ids)."""
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return len(p), None
+    if isinstance(p, list) and p:
+        if all(isinstance(s, str) for s in p):
+            if len(p) > 1:
+                raise InvalidSamplingWidth("prompt")
+            return len(p[0]), None
+        if all(_is_int(t) and t >= 0 for t in p):
+            return 0, tuple(p)
+        if all(isinstance(s, list) for s in p):
+            if len(p) > 1:
+                raise InvalidSamplingWidth("prompt")
+            if all(_is_int(t) and t >= 0 for t in p[0]):
+                return 0, tuple(p[0])
+    raise _bad("prompt", "is required and must be a string or a list of token ids")
+
+
+def parse_request(route: Route, raw: bytes, *, model: str) -> ParsedRequest:
+    """Validate ``raw`` for ``route``; raises an :class:`InvalidRequest` subclass."""
+    body = decode_json(raw)
+    _check_common(body, model)
+    stream = bool(body.get("stream", False))
+    ids: tuple[int, ...] | None = None
+    if route == "chat":
+        chars = _check_messages(body, stream)
+        _opt(body, "logprobs", lambda v: isinstance(v, bool), "must be a boolean")
+        _opt(body, "top_logprobs", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
+        _opt(body, "max_completion_tokens", lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")
+        max_out = body.get("max_completion_tokens", body.get("max_tokens"))
+    else:
+        chars, ids = _check_prompt(body)
+        _opt(body, "logprobs", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
+        _opt(body, "echo", lambda v: isinstance(v, bool), "must be a boolean")
+        max_out = body.get("max_tokens")
+    if not stream:
+        _check_nonstream_options(body)
+    so = body.get("stream_options") or {}
+    prompt_tokens = len(ids) if ids is not None else max(1, (chars + 3) // 4)
+    return ParsedRequest(
+        route=route,
+        body=body,
+        stream=stream,
+        include_usage=bool(so.get("include_usage", False)),
+        return_token_ids=bool(body.get("return_token_ids", False)),
+        prompt_tokens=prompt_tokens,
+        max_output_tokens=max_out if isinstance(max_out, int) else None,
+        prompt_token_ids=ids,
+    )

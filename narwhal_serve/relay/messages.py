@@ -1,0 +1,34 @@
+"""What the assembler sends the ingress over the one streaming hop: one message type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from narwhal_serve.errors import ErrorInfo
+
+
+@dataclass(frozen=True)
+class RelayStats:
+    route_kind: str
+    engines: tuple[str, ...]
+    ttft_s: float | None
+    output_tokens: int
+    decode_s: float  # time from the first to the last generated token
+    attempts: int
+
+
+@dataclass(frozen=True)
+class RelayMessage:
+    """``data`` is what the client gets (SSE events, or the assembled JSON body).
+
+    ``error`` set on a message with no data: the request failed before response headers, and
+    ``error`` is the refusal to send.  ``error`` set on a message with data: the stream failed after
+    headers and ``data`` already holds the error event and ``[DONE]``.  ``first_token`` marks the
+    end of the prefill phase; ``final`` the last message, with ``stats``.
+    """
+
+    data: bytes = b""
+    error: ErrorInfo | None = None
+    first_token: bool = False
+    final: bool = False
+    stats: RelayStats | None = None

@@ -1,0 +1,174 @@
+"""The assembler's work for one placed request: try candidate routes until one answers, then relay
+its stream (streaming clients) or fold it into one response (non-streaming clients).
+
+Before response headers a failed attempt (engine error, broken stream, bad token IDs) moves on to
+the next candidate while the deadline allows; after headers a failure ends the stream with one error
+event and ``[DONE]`` (SPEC §4) — never a silent truncation.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+
+from narwhal_serve.assembly.exposure import expose
+from narwhal_serve.assembly.fold import Assembler
+from narwhal_serve.assembly.tokens import check_token_ids
+from narwhal_serve.engines.errors import EngineFailure
+from narwhal_serve.engines.legs import dialect_of, open_route
+from narwhal_serve.errors import BadEngineResponse, ErrorInfo, TerminalExpiry
+from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
+from narwhal_serve.relay.messages import RelayMessage, RelayStats
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def sse_event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def error_events(err: ErrorInfo) -> bytes:
+    return sse_event(err.body()) + DONE_EVENT
+
+
+class _Meter:
+    """Counts validated output tokens and times them (TTFT, decode time)."""
+
+    __slots__ = ("start", "first", "last", "tokens", "check_ids", "route")
+
+    def __init__(self, start: float, check_ids: bool, route: str) -> None:
+        self.start = start
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+        self.check_ids = check_ids
+        self.route = route
+
+    def observe(self, chunk: dict[str, Any], now: float) -> None:
+        if self.check_ids:
+            n = check_token_ids(chunk, self.route)  # type: ignore[arg-type]
+        else:
+            n = _content_events(chunk)
+        if n:
+            self.tokens += n
+            if self.first is None:
+                self.first = now
+            self.last = now
+
+
+def _content_events(chunk: dict[str, Any]) -> int:
+    n = 0
+    for ch in chunk.get("choices") or ():
+        delta = ch.get("delta", ch)
+        if isinstance(delta, dict) and any(
+            delta.get(k) for k in ("content", "text", "reasoning", "reasoning_content", "refusal", "tool_calls")
+        ):
+            n += 1
+    return n
+
+
+class Relay:
+    """Runs one placed request. ``clock`` is wall time (deadlines cross processes)."""
+
+    def __init__(self, client: httpx.AsyncClient, clock: Callable[[], float] = time.time) -> None:
+        self.client = client
+        self.clock = clock
+
+    async def run(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
+        failures: list[str] = []
+        req = placed.request
+        headers = {"X-Request-Id": placed.request_id}
+        for attempt, route in enumerate(placed.candidates, start=1):
+            if self.clock() >= placed.deadline:
+                break
+            meter = _Meter(self.clock(), dialect_of(route.decode).supports_token_ids, req.route)
+            try:
+                work = self._stream if req.stream else self._assemble
+                async for msg in work(placed, route, headers, meter, attempt):
+                    yield msg
+                return
+            except (EngineFailure, BadEngineResponse) as exc:
+                failures.append(str(exc))
+        if self.clock() >= placed.deadline:
+            err = TerminalExpiry(
+                "terminal expiry: the request deadline passed before response headers", code="deadline_expired"
+            ).info()
+        else:
+            err = BadEngineResponse(
+                "no engine produced a usable answer: " + "; ".join(failures or ["no candidate route"])
+            ).info()
+        yield RelayMessage(error=err, final=True, stats=None)
+
+    def _stats(self, route: RouteChoice, meter: _Meter, attempts: int) -> RelayStats:
+        ttft = None if meter.first is None else meter.first - meter.start
+        decode = 0.0 if meter.first is None or meter.last is None else meter.last - meter.first
+        return RelayStats(route.kind, route.engines, ttft, meter.tokens, decode, attempts)
+
+    async def _stream(
+        self,
+        placed: PlacedRequest,
+        route: RouteChoice,
+        headers: dict[str, str],
+        meter: _Meter,
+        attempt: int,
+    ) -> AsyncIterator[RelayMessage]:
+        req = placed.request
+        committed = False
+        stream = open_route(self.client, route, req, headers)
+        try:
+            async for batch in stream:
+                out: list[bytes] = []
+                now = self.clock()
+                for chunk in batch:
+                    meter.observe(chunk, now)  # raises BadEngineResponse on bad token IDs
+                    if "model" in chunk:
+                        chunk["model"] = placed.model
+                    if not chunk.get("choices") and "usage" in chunk and not req.include_usage:
+                        continue  # the router asked for usage; this client did not
+                    if not req.include_usage:
+                        chunk.pop("usage", None)
+                    out.append(sse_event(expose(chunk, return_token_ids=req.return_token_ids)))
+                if out:
+                    first = not committed
+                    committed = True
+                    yield RelayMessage(data=b"".join(out), first_token=first)
+        except (EngineFailure, BadEngineResponse) as exc:
+            if not committed:
+                raise
+            err = exc.info() if isinstance(exc, BadEngineResponse) else BadEngineResponse(str(exc)).info()
+            yield RelayMessage(data=error_events(err), error=err, final=True, stats=self._stats(route, meter, attempt))
+            return
+        finally:
+            await stream.aclose()
+        yield RelayMessage(data=DONE_EVENT, first_token=not committed, final=True, stats=self._stats(route, meter, attempt))
+
+    async def _assemble(
+        self,
+        placed: PlacedRequest,
+        route: RouteChoice,
+        headers: dict[str, str],
+        meter: _Meter,
+        attempt: int,
+    ) -> AsyncIterator[RelayMessage]:
+        req = placed.request
+        asm = Assembler(req.route, return_token_ids=req.return_token_ids)
+        stream = open_route(self.client, route, req, headers)
+        try:
+            async for batch in stream:
+                now = self.clock()
+                had_first = meter.first is not None
+                for chunk in batch:
+                    meter.observe(chunk, now)
+                    asm.feed(chunk)
+                if not had_first and meter.first is not None:
+                    yield RelayMessage(first_token=True)  # prefill is over: frees the prefill permit
+        finally:
+            await stream.aclose()
+        result = asm.result(prompt_tokens=req.prompt_tokens if req.prompt_token_ids is None else len(req.prompt_token_ids))
+        result["model"] = placed.model
+        body = json.dumps(result, separators=(",", ":"), ensure_ascii=False).encode()
+        yield RelayMessage(data=body, final=True, stats=self._stats(route, meter, attempt))

@@ -1,0 +1,263 @@
+"""The scheduler: single source of truth for engines, router state, admission and counters.
+
+Plain asyncio, no Ray: the Ray deployment (``deployments/scheduler.py``) only forwards calls here,
+and tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from narwhal_serve.admission.controller import AdmissionController, Enqueued, Grant, Refusal
+from narwhal_serve.admission.counters import Counters
+from narwhal_serve.admission.outcomes import Outcome
+from narwhal_serve.config import EngineConfig, NarwhalConfig
+from narwhal_serve.errors import ErrorInfo, NarwhalError
+from narwhal_serve.ha.state import RouterState, backend_unavailable, router_unavailable
+from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.placement.picker import candidate_routes
+from narwhal_serve.protocol.placement import RouteChoice
+from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
+from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.scheduler.monitor import scrape_all
+from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, render_metrics
+
+_CANCELLED = NarwhalError("the client went away while waiting for admission", code="cancelled").info()
+_TOMBSTONES = 4096
+
+
+class SchedulerService:
+    def __init__(self, cfg: NarwhalConfig, *, clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.admission = AdmissionController(cfg.admission, cfg.serving)
+        self.engines: dict[str, EngineState] = {e.name: EngineState(e) for e in cfg.resolved_engines()}
+        self.router = RouterState(mode="standby" if cfg.ha.role == "standby" else "active")
+        self.counters = Counters()
+        self.histograms = {
+            "ttft": Histogram(),
+            "tpot": Histogram(TPOT_BUCKETS),
+            "admission_wait": Histogram(),
+            "ttft_prediction_error": Histogram(),
+        }
+        self._waiters: dict[str, asyncio.Future[AdmitResult]] = {}
+        self._routes: dict[str, tuple[str, ...]] = {}  # ticket -> engines counted in-flight
+        self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self._rotation = 0
+        self._client: httpx.AsyncClient | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._expiry: asyncio.TimerHandle | None = None
+        self.scrape_passes = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._monitor is None:
+            self._client = httpx.AsyncClient(timeout=self.cfg.monitoring.scrape_timeout_s)
+            self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
+
+    async def stop(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await self.scrape_once()
+            await asyncio.sleep(self.cfg.monitoring.scrape_interval_s)
+
+    async def scrape_once(self) -> None:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.cfg.monitoring.scrape_timeout_s)
+        await scrape_all(
+            self._client, list(self.engines.values()), self.clock(), self.cfg.monitoring.scrape_timeout_s
+        )
+        self.router.started = True
+        self.scrape_passes += 1
+        self._pump()  # engines may have become eligible for queued requests
+
+    # -- admission ---------------------------------------------------------------------------
+    def _eligible(self, now: float) -> list[EngineState]:
+        maint = frozenset(self.router.maintenance)
+        stale = self.cfg.monitoring.stale_after_s
+        return [e for e in self.engines.values() if e.eligible(now, stale, maint)]
+
+    def _routes_now(self, now: float) -> list[RouteChoice]:
+        self._rotation += 1
+        return candidate_routes(self._eligible(now), self._rotation)
+
+    def _refuse(self, refusal: Refusal) -> AdmitResult:
+        self.counters.add(refusal.outcome, refusal.reason)
+        return AdmitResult(error=refusal.error)
+
+    def _refuse_info(self, err: ErrorInfo, outcome: Outcome) -> AdmitResult:
+        self.counters.add(outcome, err.reason or err.code)
+        return AdmitResult(error=err)
+
+    def _placed(self, ticket_id: str, routes: list[RouteChoice]) -> AdmitResult:
+        first = routes[0].engines
+        self._routes[ticket_id] = first
+        for name in first:
+            if name in self.engines:
+                self.engines[name].inflight += 1
+        return AdmitResult(candidates=tuple(routes))
+
+    async def admit(self, req: AdmitRequest) -> AdmitResult:
+        now = self.clock()
+        if req.ticket_id in self._tombstones:
+            self._tombstones.pop(req.ticket_id)
+            return self._refuse_info(_CANCELLED, Outcome.CANCELLED)
+        reason = self.router.unavailable_reason({e.cfg.wave for e in self.engines.values()})
+        if reason is not None:
+            return self._refuse_info(router_unavailable(reason), Outcome.REJECTED)
+        routes = self._routes_now(now)
+        if not routes:
+            return self._refuse_info(backend_unavailable(), Outcome.REJECTED)
+        decision = self.admission.offer(req.ticket_id, now, req.request_deadline)
+        if isinstance(decision, Refusal):
+            return self._refuse(decision)
+        if isinstance(decision, Grant):
+            return self._placed(req.ticket_id, routes)
+        return await self._wait(decision)
+
+    async def _wait(self, decision: Enqueued) -> AdmitResult:
+        tid = decision.ticket.id
+        fut: asyncio.Future[AdmitResult] = asyncio.get_running_loop().create_future()
+        self._waiters[tid] = fut
+        self._arm_expiry()
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            self.cancel(tid)  # our caller was cancelled: give the queue slot back
+            if fut.done() and not fut.cancelled() and fut.result().candidates:
+                self.report(Report(released=[(tid, None)]))  # granted just as it was cancelled
+            raise
+
+    def _pump(self) -> None:
+        granted, expired = self.admission.pump(self.clock())
+        for t, refusal in expired:
+            fut = self._waiters.pop(t.id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(self._refuse(refusal))
+        for t in granted:
+            fut = self._waiters.pop(t.id, None)
+            if fut is None or fut.done():
+                self.admission.release(t.id)
+                continue
+            routes = self._routes_now(self.clock())
+            if not routes:
+                self.admission.release(t.id)
+                fut.set_result(self._refuse_info(backend_unavailable(), Outcome.REJECTED))
+            else:
+                fut.set_result(self._placed(t.id, routes))
+        self._arm_expiry()
+
+    def _arm_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        nxt = self.admission.next_expiry()
+        if nxt is not None:
+            delay = max(0.0, nxt - self.clock())
+            self._expiry = asyncio.get_running_loop().call_later(delay + 0.001, self._pump)
+
+    def cancel(self, ticket_id: str) -> None:
+        """The client went away while its admission call may still be waiting."""
+        fut = self._waiters.pop(ticket_id, None)
+        if fut is not None:
+            self.admission.release(ticket_id)
+            if not fut.done():
+                fut.set_result(self._refuse_info(_CANCELLED, Outcome.CANCELLED))
+            self._pump()
+        elif ticket_id not in self.admission.retained:
+            self._tombstones[ticket_id] = None
+            while len(self._tombstones) > _TOMBSTONES:
+                self._tombstones.popitem(last=False)
+
+    def report(self, rep: Report) -> None:
+        self.counters.merge(rep.counters)
+        for tid in rep.decode_started:
+            self.admission.enter_decode(tid)
+        for tid, stats in rep.released:
+            self.admission.release(tid)
+            for name in self._routes.pop(tid, ()):
+                if name in self.engines:
+                    self.engines[name].inflight -= 1
+            if stats is not None:
+                self._observe(stats)
+        for w in rep.admission_waits:
+            self.histograms["admission_wait"].observe(w)
+        self._pump()
+
+    def _observe(self, stats: RelayStats) -> None:
+        if stats.ttft_s is not None:
+            self.histograms["ttft"].observe(stats.ttft_s)
+        if stats.output_tokens > 1:
+            tpot = stats.decode_s / (stats.output_tokens - 1)
+            self.histograms["tpot"].observe(tpot)
+            e = self.engines.get(stats.engines[-1])
+            if e is not None:
+                e.tpot_s = tpot if e.tpot_s is None else 0.8 * e.tpot_s + 0.2 * tpot
+
+    def metrics_text(self) -> str:
+        return render_metrics(self.snapshot(), self.histograms)
+
+    # -- state, admin, views -----------------------------------------------------------------
+    def set_mode(self, mode: str) -> None:
+        if mode not in ("active", "standby", "fenced", "monitoring_degraded"):
+            raise ValueError(f"unknown router mode {mode!r}")
+        self.router.mode = mode  # type: ignore[assignment]
+
+    def maintenance(self, waves: list[str], on: bool) -> list[str]:
+        if on:
+            self.router.maintenance.update(waves)
+        else:
+            self.router.maintenance.difference_update(waves)
+        return sorted(self.router.maintenance)
+
+    def register_engine(self, engine: EngineConfig) -> None:
+        if engine.name in self.engines:
+            raise ValueError(f"engine {engine.name!r} is already registered")
+        self.engines[engine.name] = EngineState(engine)
+
+    def deregister_engine(self, name: str) -> bool:
+        return self.engines.pop(name, None) is not None
+
+    def readiness(self) -> tuple[bool, str]:
+        reason = self.router.unavailable_reason({e.cfg.wave for e in self.engines.values()})
+        if reason is not None:
+            return False, reason
+        if not self.router.started:
+            return False, "starting"
+        if not self._eligible(self.clock()):
+            return False, "no_eligible_engines"
+        return True, "active"
+
+    def snapshot(self) -> dict[str, Any]:
+        now = self.clock()
+        maint = frozenset(self.router.maintenance)
+        ready, reason = self.readiness()
+        return {
+            "ready": ready,
+            "state": reason,
+            "router_mode": self.router.mode,
+            "maintenance_waves": sorted(maint),
+            "admission_mode": self.cfg.admission.mode,
+            "counters": self.counters.seed_view(),
+            "counters_by_reason": [
+                {"outcome": o, "reason": r, "count": n} for (o, r), n in sorted(self.counters.by_outcome.items())
+            ],
+            "gauges": self.admission.gauges(),
+            "engines": [
+                e.view(now, self.cfg.monitoring.stale_after_s, maint) for e in self.engines.values()
+            ],
+        }

@@ -1,0 +1,52 @@
+"""``narwhal-sim``: run one simulated engine with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+
+import uvicorn
+
+from narwhal_serve.sim.config import FAULT_NAMES, SimEngineConfig
+from narwhal_serve.sim.server import bind_socket, uvicorn_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="narwhal-sim", description="Simulated vLLM-compatible engine")
+    d = SimEngineConfig()
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--name", default=d.name)
+    p.add_argument("--role", choices=["prefill", "decode", "unified"], default=d.role)
+    p.add_argument("--dialect", choices=["vllm", "sglang", "openai"], default=d.dialect)
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--prefill-overhead-s", type=float, default=d.prefill_overhead_s)
+    p.add_argument("--prefill-per-token-s", type=float, default=d.prefill_per_token_s)
+    p.add_argument("--tpot-base-s", type=float, default=d.tpot_base_s)
+    p.add_argument("--tpot-per-running-s", type=float, default=d.tpot_per_running_s)
+    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    p.add_argument("--kv-block-size", type=int, default=d.kv_block_size)
+    p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks)
+    p.add_argument("--eos-prob", type=float, default=d.eos_prob)
+    p.add_argument("--fault", action="append", default=[], choices=sorted(FAULT_NAMES),
+                   help="engine-wide fault (repeatable)")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> SimEngineConfig:
+    fields = set(SimEngineConfig.model_fields) - {"faults"}
+    return SimEngineConfig(**{k: v for k, v in vars(ns).items() if k in fields}, faults=list(ns.fault))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = build_parser().parse_args(argv)
+    cfg = config_from_args(ns)
+    sock = bind_socket(ns.host, ns.port)
+    config, _ = uvicorn_config(cfg, ns.host, sock.getsockname()[1])
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

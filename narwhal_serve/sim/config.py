@@ -1,0 +1,71 @@
+"""Configuration of one simulated engine (:class:`SimEngineConfig`) and the fault/script names."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+FAULT_NAMES: frozenset[str] = frozenset(
+    {
+        "error_500",
+        "hang",
+        "hang_mid_stream",
+        "reset_mid_stream",
+        "malformed_sse",
+        "bad_token_ids",
+        "missing_token_ids",
+        "negative_token_ids",
+        "missing_usage",
+        "unhealthy",
+        "stale_metrics",
+        "unsupported_field",
+        "tool_call_no_id",
+    }
+)
+"""Every fault the simulator knows; per request (``sim.fault``) or engine-wide (``faults``)."""
+
+SCRIPT_NAMES: frozenset[str] = frozenset(
+    {"reasoning", "reasoning_content", "tool_calls", "refusal", "function_call"}
+)
+"""Scripted chat outputs selectable per request with ``sim.script``."""
+
+TIMING_FIELDS: tuple[str, ...] = (
+    "prefill_overhead_s",
+    "prefill_per_token_s",
+    "tpot_base_s",
+    "tpot_per_running_s",
+)
+
+
+class SimEngineConfig(BaseModel):
+    """One simulated vLLM/SGLang/OpenAI-compatible engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "sim0"
+    role: Literal["prefill", "decode", "unified"] = "unified"
+    dialect: Literal["vllm", "sglang", "openai"] = "vllm"
+    model: str = "narwhal-sim"
+    seed: int = 0
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_model_len: int = Field(default=4096, ge=1)
+    prefill_overhead_s: float = Field(default=0.002, ge=0.0)
+    prefill_per_token_s: float = Field(default=0.00002, ge=0.0)
+    tpot_base_s: float = Field(default=0.002, ge=0.0)
+    tpot_per_running_s: float = Field(default=0.0001, ge=0.0)
+    default_max_tokens: int = Field(default=16, ge=1)
+    kv_block_size: int = Field(default=16, ge=1)
+    num_gpu_blocks: int = Field(default=4096, ge=1)
+    """KV-cache capacity in blocks: bounds the prefix cache and scales ``kv_cache_usage_perc``."""
+    eos_prob: float = Field(default=0.005, ge=0.0, le=1.0)
+    """Per-token probability (after ``min_tokens``) of a deterministic simulated EOS."""
+    faults: list[str] = Field(default_factory=list)
+
+    @field_validator("faults")
+    @classmethod
+    def _known_faults(cls, v: list[str]) -> list[str]:
+        unknown = sorted(set(v) - FAULT_NAMES)
+        if unknown:
+            raise ValueError(f"unknown fault(s) {unknown}; known: {sorted(FAULT_NAMES)}")
+        return v

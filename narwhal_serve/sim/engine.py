@@ -1,0 +1,203 @@
+"""The simulated engine: FIFO admission of at most ``max_num_seqs`` sequences, prefill and decode
+timing, the prefix cache, counters for ``/metrics`` and the request log for ``/sim/stats``."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.sim.scripts import Output, Step
+from narwhal_serve.sim.timing import PrefixCache, block_hashes, next_token_deadline, prefill_deadline
+
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error", "repetition")
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+)
+
+
+class Scheduler:
+    """FIFO admission: at most ``limit()`` holders; the rest wait in arrival order."""
+
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self._limit = limit
+        self.running = 0
+        self._waiting: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for f in self._waiting if not f.done())
+
+    async def acquire(self) -> None:
+        if not self._waiting and self.running < self._limit():
+            self.running += 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # granted and cancelled in the same tick: hand the slot on
+            else:
+                self._waiting.remove(fut)
+            raise
+
+    def release(self) -> None:
+        self.running -= 1
+        self.wake()
+
+    def wake(self) -> None:
+        """Admit waiters while there is room (also after ``max_num_seqs`` grows)."""
+        while self._waiting and self.running < self._limit():
+            fut = self._waiting.popleft()
+            if not fut.done():
+                self.running += 1
+                fut.set_result(None)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
+    sum: float = 0.0
+    count: int = 0
+
+    def observe(self, v: float) -> None:
+        self.sum += v
+        self.count += 1
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+
+
+@dataclass
+class Counters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    ttft: Histogram = field(default_factory=Histogram)
+    itl: Histogram = field(default_factory=Histogram)
+    e2e: Histogram = field(default_factory=Histogram)
+    success: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
+
+
+@dataclass
+class Job:
+    """One admitted generation: its prompt, what it outputs and whether prefill is skipped."""
+
+    prompt_ids: list[int]
+    output: Output
+    skip_prefill: bool = False
+    arrival: float = 0.0
+    block_ids: list[int] = field(default_factory=list)
+
+
+class Engine:
+    """Shared state of one simulated engine (one per app)."""
+
+    def __init__(self, cfg: SimEngineConfig) -> None:
+        self.cfg = cfg
+        self.scheduler = Scheduler(lambda: self.cfg.max_num_seqs)
+        self.cache = PrefixCache(cfg.num_gpu_blocks)
+        self.counters = Counters()
+        self.recent: deque[dict[str, Any]] = deque(maxlen=50)
+        self.total_requests = 0
+        self.port = 0
+        self._tokens_held: dict[int, int] = {}
+        self._seq = itertools.count()
+        self._shutdown: asyncio.Event | None = None
+
+    # ---- configuration / bookkeeping -------------------------------------------------------------
+
+    def reconfigure(self, cfg: SimEngineConfig) -> None:
+        if cfg.kv_block_size != self.cfg.kv_block_size:
+            self.cache.clear()
+        self.cache.capacity = cfg.num_gpu_blocks
+        self.cfg = cfg
+        self.scheduler.wake()
+
+    def record(self, path: str, request_id: str | None, body: Any) -> None:
+        self.total_requests += 1
+        self.recent.append({"path": path, "request_id": request_id, "body": body, "received_at": time.time()})
+
+    def kv_usage(self) -> float:
+        bs, cap = self.cfg.kv_block_size, self.cfg.num_gpu_blocks
+        used = sum(math.ceil(n / bs) for n in self._tokens_held.values())
+        return min(1.0, used / cap)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "name": self.cfg.name,
+            "running": self.scheduler.running,
+            "waiting": self.scheduler.waiting,
+            "total_requests": self.total_requests,
+            "prefix_cache_blocks": len(self.cache),
+            "requests": list(self.recent),
+        }
+
+    # ---- shutdown (releases hanging handlers) ---------------------------------------------------
+
+    def _shutdown_event(self) -> asyncio.Event:
+        if self._shutdown is None:
+            self._shutdown = asyncio.Event()
+        return self._shutdown
+
+    def shutdown(self) -> None:
+        self._shutdown_event().set()
+
+    async def stall(self) -> None:
+        """Wait until the app shuts down (a handler stalls here until cancelled by a disconnect)."""
+        await self._shutdown_event().wait()
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    async def run(self, job: Job) -> AsyncGenerator[Step, None]:
+        """Admit ``job``, then yield its steps at their simulated times (first after prefill).
+
+        Use through ``contextlib.aclosing`` so an abandoned stream releases its slot at once.
+        """
+        loop = asyncio.get_running_loop()
+        job.arrival = loop.time()
+        c = self.counters
+        await self.scheduler.acquire()
+        seq = next(self._seq)
+        finished = False
+        try:
+            cfg, bs = self.cfg, self.cfg.kv_block_size
+            hashes = block_hashes(job.prompt_ids, bs)
+            cached = len(job.prompt_ids) if job.skip_prefill else self.cache.cached_tokens(hashes, bs)
+            self._tokens_held[seq] = len(job.prompt_ids)
+            if job.skip_prefill:
+                deadline = loop.time()
+            else:
+                deadline = prefill_deadline(cfg, loop.time(), len(job.prompt_ids) - cached)
+            await asyncio.sleep(max(0.0, deadline - loop.time()))
+            job.block_ids = self.cache.insert(hashes)
+            if len(job.prompt_ids) % bs:
+                job.block_ids.append(self.cache.fresh_block_id())
+            c.prompt_tokens += len(job.prompt_ids)
+            last = loop.time()
+            c.ttft.observe(last - job.arrival)
+            for i, step in enumerate(job.output.steps):
+                if i:
+                    deadline = next_token_deadline(self.cfg, deadline, loop.time(), self.scheduler.running)
+                    await asyncio.sleep(max(0.0, deadline - loop.time()))
+                    now = loop.time()
+                    c.itl.observe(now - last)
+                    last = now
+                c.generation_tokens += 1
+                self._tokens_held[seq] += 1
+                yield step
+            finished = True
+        finally:
+            self._tokens_held.pop(seq, None)
+            self.scheduler.release()
+            reason = job.output.finish_reason if finished else "abort"
+            c.success["stop" if reason in ("tool_calls", "function_call") else reason] += 1
+            c.e2e.observe(loop.time() - job.arrival)

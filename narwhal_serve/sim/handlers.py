@@ -1,0 +1,273 @@
+"""``/v1/chat/completions`` and ``/v1/completions``: validation, P/D legs, faults, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from narwhal_serve.sim.chunks import (
+    Shape,
+    chat_response,
+    chat_role_chunk,
+    chat_step_chunk,
+    completion_response,
+    completion_step_chunk,
+    usage_chunk,
+)
+from narwhal_serve.sim.engine import Engine, Job
+from narwhal_serve.sim.faults import MALFORMED_EVENT, FaultPlan, SimulatedReset, corrupt_body, corrupt_stream_choice
+from narwhal_serve.sim.reqparse import (
+    ChatRequest,
+    CompletionRequest,
+    SimError,
+    bad_request,
+    check_sim_ext,
+    error_response,
+    parse_body,
+)
+from narwhal_serve.sim.scripts import Output, build_output
+from narwhal_serve.sim.textgen import encode_prompt, generate, render_chat, request_rng_seed, stable_hash
+
+Kind = Literal["chat", "completion"]
+_STREAM_FAULTS = ("hang_mid_stream", "reset_mid_stream", "malformed_sse")
+
+
+def fingerprint(name: str) -> str:
+    return f"vllm-0.32.0-{stable_hash('fingerprint', name) & 0xFFFFFFFF:08x}"
+
+
+def encode_event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+async def read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise SimError(400, f"JSON decode error: {exc}", "Bad Request", "body") from None
+
+
+async def wait_disconnect(request: Request, engine: Engine) -> None:
+    """Block until the client goes away (or the app shuts down) without sending anything."""
+
+    async def _receive() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    tasks = {asyncio.ensure_future(_receive()), asyncio.ensure_future(engine.stall())}
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class Prepared:
+    shape: Shape
+    output: Output
+    prompt_ids: list[int]
+    stream: bool
+    skip_prefill: bool
+    prefill_leg: bool
+    plan: FaultPlan
+    request_id: str
+
+
+def _completion_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
+    if isinstance(prompt, str):
+        return encode_prompt(prompt)
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return encode_prompt(prompt[0])
+    if len(prompt) == 1 and isinstance(prompt[0], list):
+        return list(prompt[0])
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [t for t in prompt if isinstance(t, int)]
+    raise bad_request("the simulator serves exactly one prompt per request", "prompt")
+
+
+def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> Prepared:
+    cfg = engine.cfg
+    req: ChatRequest | CompletionRequest
+    if kind == "chat":
+        req = parse_body(ChatRequest, raw)
+        prompt_ids = render_chat([(m.role, m.text()) for m in req.messages])
+    else:
+        req = parse_body(CompletionRequest, raw)
+    check_sim_ext(req.sim)
+    if req.model is not None and req.model != cfg.model:
+        raise SimError(404, f"The model `{req.model}` does not exist. Valid aliases: {cfg.model}.",
+                       "NotFoundError", "model")
+    if req.n != 1:
+        raise bad_request("n > 1 is not supported by the simulator", "n")
+    if isinstance(req, CompletionRequest):
+        prompt_ids = _completion_prompt(req.prompt)
+    limit, n_prompt = cfg.max_model_len, len(prompt_ids)
+    asked = req.max_completion_tokens if isinstance(req, ChatRequest) else None
+    param = "max_completion_tokens" if asked is not None else "max_tokens"
+    asked = asked if asked is not None else req.max_tokens
+    if asked is not None and asked > limit:
+        raise bad_request(f"{param}={asked} cannot be greater than max_model_len={limit}. Please request fewer "
+                          f"output tokens. (parameter={param}, value={asked})", param)
+    max_tokens = asked if asked is not None else min(cfg.default_max_tokens, limit - n_prompt)
+    if n_prompt + max_tokens > limit or max_tokens < 1:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, your request has "
+                          f"{n_prompt} input tokens and requested {max_tokens} output tokens. Please reduce the "
+                          f"length of the input messages or completion. (parameter=input_tokens, value={n_prompt})",
+                          "input_tokens")
+    sim = req.sim
+    plan = FaultPlan.of(cfg.faults, sim.faults() if sim else [], sim.fault_after if sim else 2)
+
+    stream = bool(req.stream)
+    kvp = req.kv_transfer_params or {}
+    if cfg.dialect == "vllm":
+        prefill_leg = kvp.get("do_remote_decode") is True
+        skip_prefill = kvp.get("do_remote_prefill") is True
+    else:
+        prefill_leg = cfg.dialect == "sglang" and cfg.role == "prefill"
+        skip_prefill = cfg.dialect == "sglang" and cfg.role == "decode" and req.bootstrap_room is not None
+    if prefill_leg and cfg.dialect == "sglang":
+        stream, max_tokens = False, 1
+
+    if isinstance(req, ChatRequest):
+        k = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        k = req.logprobs
+    rng_seed = request_rng_seed(cfg.seed, req.seed, prompt_ids)
+    gen = generate(rng_seed, max_tokens=max_tokens, min_tokens=min(req.min_tokens, max_tokens),
+                   stop=req.stop_list(), ignore_eos=req.ignore_eos, eos_prob=cfg.eos_prob, num_top=k or 0)
+    script = sim.script if sim else None
+    if kind == "chat" and script is None and plan.has("tool_call_no_id"):
+        script = "tool_calls"
+    output = build_output(script if kind == "chat" else None, gen, rng_seed, k or 0,
+                          tool_ids=not plan.has("tool_call_no_id"))
+
+    request_id = x_request_id or secrets.token_hex(8)
+    shape = Shape(
+        kind=kind,
+        rid=("chatcmpl-" if kind == "chat" else "cmpl-") + request_id,
+        created=int(time.time()),
+        model=cfg.model,
+        fingerprint=fingerprint(cfg.name),
+        prompt_ids=prompt_ids,
+        want_ids=cfg.dialect != "openai" and bool(req.return_token_ids),
+        logprobs=k,
+        include_usage=req.include_usage() and not plan.has("missing_usage"),
+        dialect=cfg.dialect,
+    )
+    return Prepared(shape, output, prompt_ids, stream, skip_prefill, prefill_leg, plan, request_id)
+
+
+async def handle_generate(engine: Engine, request: Request, kind: Kind) -> Response:
+    x_request_id = request.headers.get("x-request-id")
+    try:
+        raw = await read_json(request)
+    except SimError as exc:
+        engine.record(request.url.path, x_request_id, None)
+        return exc.response()
+    engine.record(request.url.path, x_request_id, raw)
+    try:
+        prep = prepare(engine, raw, kind, x_request_id)
+    except SimError as exc:
+        return exc.response()
+    plan = prep.plan
+    if plan.has("error_500"):
+        return error_response(500, "Simulated engine failure (fault error_500)", "InternalServerError")
+    if plan.has("hang") or (plan.has("hang_mid_stream") and not prep.stream):
+        await wait_disconnect(request, engine)
+        return Response(status_code=503)
+    job = Job(prep.prompt_ids, prep.output, skip_prefill=prep.skip_prefill)
+    headers = {"X-Request-Id": prep.request_id}
+    if prep.stream:
+        return StreamingResponse(_sse(engine, prep, job), media_type="text/event-stream", headers=headers)
+
+    async with aclosing(engine.run(job)) as steps:
+        async for _ in steps:
+            pass
+    kvp: dict[str, Any] | None = None
+    if prep.prefill_leg and engine.cfg.dialect == "vllm":
+        kvp = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine.cfg.name,
+               "remote_block_ids": job.block_ids, "remote_host": "127.0.0.1", "remote_port": engine.port,
+               "tp_size": 1, "request_id": prep.request_id}
+    build = chat_response if kind == "chat" else completion_response
+    body = build(prep.shape, prep.output, kvp)
+    corrupt_body(body, plan, len(prep.output.steps), kind == "chat")
+    if plan.has("malformed_sse"):
+        return Response(b"{not json", media_type="application/json", headers=headers)
+    if plan.has("reset_mid_stream"):
+        data = json.dumps(body).encode()
+        return StreamingResponse(_partial(data[: len(data) // 2]), media_type="application/json", headers=headers)
+    return JSONResponse(body, headers=headers)
+
+
+async def _partial(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+    raise SimulatedReset("simulated connection reset (non-stream)")
+
+
+class _StreamFault:
+    """Fires the request's stream fault once ``after`` events went out (or just before ``[DONE]``)."""
+
+    def __init__(self, engine: Engine, plan: FaultPlan) -> None:
+        self.engine, self.plan = engine, plan
+        self.fired = not any(plan.has(n) for n in _STREAM_FAULTS)
+
+    async def before(self, sent: int, at_end: bool) -> bytes:
+        if self.fired or not (at_end or sent >= self.plan.after):
+            return b""
+        self.fired = True
+        if self.plan.has("hang_mid_stream"):
+            await self.engine.stall()
+            raise SimulatedReset("simulator shutting down during hang_mid_stream")
+        if self.plan.has("reset_mid_stream"):
+            raise SimulatedReset("simulated connection reset mid-stream")
+        return MALFORMED_EVENT
+
+
+async def _events(engine: Engine, prep: Prepared, job: Job) -> AsyncGenerator[dict[str, Any], None]:
+    sh, plan, out = prep.shape, prep.plan, prep.output
+    chat = sh.kind == "chat"
+    if chat:
+        yield chat_role_chunk(sh)
+    n, target, offset = len(out.steps), plan.token_target(len(out.steps)), 0
+    async with aclosing(engine.run(job)) as steps:
+        i = 0
+        async for step in steps:
+            finish = (out.finish_reason, out.stop_reason) if i == n - 1 else None
+            if chat:
+                obj = chat_step_chunk(sh, step, finish)
+            else:
+                obj = completion_step_chunk(sh, step, i == 0, offset, finish)
+                offset += len(step.text)
+            corrupt_stream_choice(obj["choices"][0], plan, i == target, chat)
+            yield obj
+            i += 1
+    if sh.include_usage:
+        yield usage_chunk(sh, n)
+
+
+async def _sse(engine: Engine, prep: Prepared, job: Job) -> AsyncIterator[bytes]:
+    gate = _StreamFault(engine, prep.plan)
+    sent = 0
+    async with aclosing(_events(engine, prep, job)) as events:
+        async for obj in events:
+            pre = await gate.before(sent, at_end=False)
+            if pre:
+                yield pre
+            yield encode_event(obj)
+            sent += 1
+    pre = await gate.before(sent, at_end=True)
+    if pre:
+        yield pre
+    yield b"data: [DONE]\n\n"

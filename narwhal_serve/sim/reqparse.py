@@ -1,0 +1,145 @@
+"""Request bodies (validated like vLLM's pydantic models) and vLLM's error envelope."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from narwhal_serve.sim.config import FAULT_NAMES, SCRIPT_NAMES
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class SimError(Exception):
+    """An error answered in vLLM's envelope: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.param)
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def bad_request(message: str, param: str | None = None) -> SimError:
+    return SimError(400, message, "BadRequestError", param)
+
+
+def validation_error(exc: ValidationError) -> SimError:
+    """vLLM 0.32's 400 for a body that fails validation (see ``error_bad_body.json``)."""
+    items = []
+    for e in exc.errors(include_url=False, include_context=False):
+        loc = ".".join(["body", *(str(p) for p in e["loc"])])
+        items.append({"type": e["type"], "loc": loc, "msg": e["msg"], "input": e.get("input")})
+    n = len(items)
+    message = f"{n} validation error{'s' if n != 1 else ''}:\n  " + "\n  ".join(repr(i) for i in items)
+    return SimError(400, message, "Bad Request", items[0]["loc"] if items else None)
+
+
+class SimExt(BaseModel):
+    """The ``sim`` body extension: ``{"script": NAME, "fault": NAME | [NAME], "fault_after": K}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    script: str | None = None
+    fault: str | list[str] | None = None
+    fault_after: int = Field(default=2, ge=0)
+
+    def faults(self) -> list[str]:
+        if self.fault is None:
+            return []
+        return [self.fault] if isinstance(self.fault, str) else list(self.fault)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool | None = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1)
+    return_token_ids: bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    sim: SimExt | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(str(p.get("text", "")) for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool | None = False
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool | None = False
+
+
+def parse_body(model: type[M], body: Any) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def check_sim_ext(ext: SimExt | None) -> None:
+    if ext is None:
+        return
+    if ext.script is not None and ext.script not in SCRIPT_NAMES:
+        raise bad_request(f"unknown sim script {ext.script!r}; known: {sorted(SCRIPT_NAMES)}", "sim.script")
+    unknown = sorted(set(ext.faults()) - FAULT_NAMES)
+    if unknown:
+        raise bad_request(f"unknown sim fault(s) {unknown}; known: {sorted(FAULT_NAMES)}", "sim.fault")

@@ -1,0 +1,220 @@
+"""Determinism, stop/EOS/min_tokens, token-id placement, P/D legs, dialects, scripts, control, stats."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from sim_testutil import CHAT, COMPLETIONS, chat_body, completion_body, content_chunks, parse_sse, sim_client
+
+from narwhal_serve.sim.config import SCRIPT_NAMES, SimEngineConfig
+from narwhal_serve.sim.scripts import TOOL_CALLS
+
+
+def _stream_ids(events: list[Any]) -> list[int]:
+    return [i for ev in content_chunks(events) for i in ev["choices"][0]["token_ids"]]
+
+
+async def test_token_ids_placement_with_and_without_request() -> None:
+    async with sim_client() as c:
+        without = parse_sse((await c.post(CHAT, json=chat_body(model=None, stream=True))).text)
+        with_ids = parse_sse((await c.post(CHAT, json=chat_body(model=None, stream=True, return_token_ids=True))).text)
+        ns_without = (await c.post(CHAT, json=chat_body(model=None))).json()
+        comp = parse_sse((await c.post(COMPLETIONS, json=completion_body(model=None, stream=True,
+                                                                         return_token_ids=True))).text)
+    assert without[0]["prompt_token_ids"] is None
+    assert all(ev["choices"][0]["token_ids"] is None for ev in content_chunks(without))
+    assert isinstance(with_ids[0]["prompt_token_ids"], list) and "token_ids" not in with_ids[0]["choices"][0]
+    assert all("prompt_token_ids" not in ev for ev in with_ids[1:-1])
+    assert all(len(ev["choices"][0]["token_ids"]) == 1 for ev in content_chunks(with_ids))
+    assert ns_without["prompt_token_ids"] is None and ns_without["choices"][0]["token_ids"] is None
+    assert comp[0]["choices"][0]["prompt_token_ids"] and comp[1]["choices"][0]["prompt_token_ids"] is None
+
+
+async def test_same_seed_same_tokens_stream_and_nonstream() -> None:
+    async with sim_client(model="tiny") as c:
+        for path, make in ((CHAT, chat_body), (COMPLETIONS, completion_body)):
+            body = make(seed=7, max_tokens=12, return_token_ids=True)
+            ns = (await c.post(path, json=body)).json()
+            st = parse_sse((await c.post(path, json={**body, "stream": True})).text)
+            assert ns["choices"][0]["token_ids"] == _stream_ids(st)
+            key = "text" if path == COMPLETIONS else "content"
+            st_text = "".join(ev["choices"][0].get("text", ev["choices"][0].get("delta", {}).get("content", ""))
+                              for ev in content_chunks(st))
+            ns_text = ns["choices"][0]["text"] if key == "text" else ns["choices"][0]["message"]["content"]
+            assert ns_text == st_text
+            other = (await c.post(path, json={**body, "seed": 8})).json()
+            assert other["choices"][0]["token_ids"] != ns["choices"][0]["token_ids"]
+            again = (await c.post(path, json=body)).json()
+            assert again["choices"][0]["token_ids"] == ns["choices"][0]["token_ids"]
+
+
+async def test_stop_min_tokens_and_eos() -> None:
+    async with sim_client(model="tiny") as c:
+        base = (await c.post(CHAT, json=chat_body(max_tokens=8, return_token_ids=True))).json()
+        text = base["choices"][0]["message"]["content"]
+        stop = text[1]
+        cut = (await c.post(CHAT, json=chat_body(max_tokens=8, stop=stop, return_token_ids=True))).json()
+        held = (await c.post(CHAT, json=chat_body(max_tokens=8, stop=[stop], min_tokens=3,
+                                                  return_token_ids=True))).json()
+    ch = cut["choices"][0]
+    assert ch["finish_reason"] == "stop" and ch["stop_reason"] == stop
+    assert ch["message"]["content"] == text[: text.index(stop)] and len(ch["token_ids"]) == 1
+    assert len(held["choices"][0]["token_ids"]) >= 3
+    async with sim_client(eos_prob=1.0) as c:
+        eos = (await c.post(CHAT, json=chat_body(model=None, ignore_eos=False, return_token_ids=True))).json()
+        no_eos = (await c.post(CHAT, json=chat_body(model=None, ignore_eos=True))).json()
+        min_eos = (await c.post(CHAT, json=chat_body(model=None, ignore_eos=False, min_tokens=4))).json()
+    assert eos["choices"][0]["finish_reason"] == "stop" and eos["choices"][0]["stop_reason"] is None
+    assert eos["choices"][0]["token_ids"] == [2] and eos["usage"]["completion_tokens"] == 1
+    assert no_eos["choices"][0]["finish_reason"] == "length" and no_eos["usage"]["completion_tokens"] == 6
+    assert min_eos["usage"]["completion_tokens"] == 5
+
+
+async def test_default_and_chat_max_completion_tokens() -> None:
+    async with sim_client(default_max_tokens=5, eos_prob=0.0) as c:
+        d = (await c.post(CHAT, json={"messages": [{"role": "user", "content": "x"}]})).json()
+        m = (await c.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 9,
+                                      "max_completion_tokens": 3})).json()
+        n2 = await c.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "n": 2})
+    assert d["usage"]["completion_tokens"] == 5 and m["usage"]["completion_tokens"] == 3
+    assert n2.status_code == 400 and n2.json()["error"]["param"] == "n"
+
+
+async def test_pd_prefill_leg_and_decode_leg() -> None:
+    prompt = "word " * 40
+    async with sim_client(name="p0", role="prefill") as pc, sim_client(name="d0", role="decode") as dc:
+        body = {"prompt": prompt, "max_tokens": 1, "stream": False,
+                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+        pr = (await pc.post(COMPLETIONS, json=body, headers={"X-Request-Id": "rid-42"})).json()
+        kvp = pr["kv_transfer_params"]
+        n_prompt = pr["usage"]["prompt_tokens"]
+        assert pr["usage"]["completion_tokens"] == 1
+        assert kvp["do_remote_prefill"] is True and kvp["do_remote_decode"] is False
+        assert kvp["remote_engine_id"] == "p0" and kvp["request_id"] == "rid-42" and kvp["tp_size"] == 1
+        assert kvp["remote_host"] == "127.0.0.1" and isinstance(kvp["remote_port"], int)
+        assert len(kvp["remote_block_ids"]) == math.ceil(n_prompt / 16)
+        assert all(isinstance(b, int) for b in kvp["remote_block_ids"])
+        decode_body = {"prompt": prompt, "max_tokens": 4, "stream": True, "kv_transfer_params": kvp}
+        dr = await dc.post(COMPLETIONS, json=decode_body, headers={"X-Request-Id": "rid-42"})
+        events = parse_sse(dr.text)
+        assert events[-1] == "[DONE]" and len(events) == 5
+        assert all("kv_transfer_params" not in json.dumps(ev) for ev in events)
+        plain = (await dc.post(COMPLETIONS, json={"prompt": prompt, "max_tokens": 2})).json()
+        assert plain["kv_transfer_params"] is None and plain["usage"]["completion_tokens"] == 2
+        stats = (await dc.get("/sim/stats")).json()
+    got = stats["requests"][0]
+    assert got["request_id"] == "rid-42" and got["path"] == COMPLETIONS
+    assert got["body"]["kv_transfer_params"] == kvp and stats["total_requests"] == 2
+
+
+async def test_sglang_dialect() -> None:
+    async with sim_client(dialect="sglang", role="prefill") as pc, sim_client(dialect="sglang", role="decode") as dc:
+        boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 12345}
+        pr = await pc.post(CHAT, json=chat_body(model=None, stream=True, max_tokens=10, **boot))
+        assert pr.headers["content-type"].startswith("application/json")
+        body = pr.json()
+        assert body["usage"]["completion_tokens"] == 1 and "token_ids" not in body["choices"][0]
+        assert "kv_transfer_params" not in body and "prompt_token_ids" not in body
+        dr = parse_sse((await dc.post(CHAT, json=chat_body(model=None, stream=True, **boot))).text)
+        assert len(content_chunks(dr)) == 6 and "token_ids" not in dr[1]["choices"][0]
+        asked = parse_sse((await dc.post(CHAT, json=chat_body(model=None, stream=True,
+                                                              return_token_ids=True))).text)
+        assert len(asked[1]["choices"][0]["token_ids"]) == 1
+        assert (await dc.get("/sim/stats")).json()["requests"][0]["body"]["bootstrap_room"] == 12345
+
+
+async def test_openai_dialect_never_sends_token_ids() -> None:
+    async with sim_client(dialect="openai") as c:
+        st = (await c.post(CHAT, json=chat_body(model=None, stream=True, return_token_ids=True))).text
+        ns = (await c.post(COMPLETIONS, json=completion_body(model=None, return_token_ids=True))).json()
+    assert "token_ids" not in st and "prompt_text" not in st and "stop_reason" not in st
+    assert "token_ids" not in json.dumps(ns) and "kv_transfer_params" not in ns
+    assert parse_sse(st)[-1] == "[DONE]"
+
+
+def _deltas(events: list[Any]) -> list[dict[str, Any]]:
+    return [ev["choices"][0]["delta"] for ev in content_chunks(events)]
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPT_NAMES))
+async def test_scripts_stream_and_nonstream(script: str) -> None:
+    async with sim_client() as c:
+        body = chat_body(model=None, return_token_ids=True, sim={"script": script})
+        events = parse_sse((await c.post(CHAT, json={**body, "stream": True})).text)
+        ns = (await c.post(CHAT, json=body)).json()
+    deltas, chunks = _deltas(events), content_chunks(events)
+    assert all(len(ev["choices"][0]["token_ids"]) == 1 for ev in chunks)
+    assert ns["choices"][0]["token_ids"] == _stream_ids(events)
+    msg, finish = ns["choices"][0]["message"], chunks[-1]["choices"][0]["finish_reason"]
+    assert ns["choices"][0]["finish_reason"] == finish
+    if script in ("reasoning", "reasoning_content"):
+        assert deltas[0].keys() == {script} and deltas[-1].keys() == {"content"}
+        assert msg[script] == "".join(d.get(script, "") for d in deltas)
+        assert msg["content"] == "".join(d.get("content", "") for d in deltas)
+    elif script == "refusal":
+        assert all(d.keys() == {"refusal"} for d in deltas)
+        assert msg["refusal"] == "I'm sorry, but I can't help with that." and msg["content"] is None
+    elif script == "tool_calls":
+        assert finish == "tool_calls"
+        firsts = [d["tool_calls"][0] for d in deltas if "id" in d["tool_calls"][0]]
+        assert [f["index"] for f in firsts] == [0, 1]
+        for f, (name, _) in zip(firsts, TOOL_CALLS):
+            assert f["id"].startswith("chatcmpl-tool-") and f["type"] == "function"
+            assert f["function"] == {"name": name, "arguments": ""}
+        later = [d["tool_calls"][0] for d in deltas if "id" not in d["tool_calls"][0]]
+        assert all(call.keys() == {"index", "function"} and call["function"].keys() == {"arguments"}
+                   for call in later)
+        args = [json.loads(call["function"]["arguments"]) for call in msg["tool_calls"]]
+        assert args == [{"city": "Paris", "unit": "celsius"}, {"timezone": "UTC"}]
+        assert [call["id"] for call in msg["tool_calls"]] == [f["id"] for f in firsts]
+    else:
+        assert finish == "function_call" and deltas[0] == {"function_call": {"name": "get_weather", "arguments": ""}}
+        assert all(d["function_call"].keys() == {"arguments"} for d in deltas[1:])
+        assert json.loads(msg["function_call"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+
+
+async def test_control_and_stats() -> None:
+    async with sim_client() as c:
+        r = await c.post("/sim/control", json={"tpot_base_s": 0.0, "faults": ["unhealthy"]})
+        assert r.status_code == 200 and r.json()["tpot_base_s"] == 0.0 and r.json()["faults"] == ["unhealthy"]
+        assert (await c.get("/health")).status_code == 503
+        assert (await c.post("/sim/control", json={"faults": []})).status_code == 200
+        assert (await c.get("/health")).status_code == 200
+        bad = await c.post("/sim/control", json={"faults": ["nope"]})
+        assert bad.status_code == 400 and (await c.get("/sim/control")).json()["faults"] == []
+        assert (await c.post("/sim/control", json={"bogus": 1})).status_code == 400
+        for i in range(55):
+            await c.post(COMPLETIONS, json={"prompt": f"p{i}", "max_tokens": 1}, headers={"X-Request-Id": f"r{i}"})
+        stats = (await c.get("/sim/stats")).json()
+    assert stats["total_requests"] == 55 and len(stats["requests"]) == 50
+    assert stats["requests"][-1]["request_id"] == "r54" and stats["requests"][0]["body"]["prompt"] == "p5"
+    assert stats["running"] == 0 and stats["waiting"] == 0
+
+
+async def test_bad_sim_extension_and_prompt_forms() -> None:
+    async with sim_client() as c:
+        assert (await c.post(CHAT, json=chat_body(model=None, sim={"script": "x"}))).status_code == 400
+        assert (await c.post(CHAT, json=chat_body(model=None, sim={"fault": "x"}))).status_code == 400
+        assert (await c.post(CHAT, json=chat_body(model=None, sim={"what": 1}))).status_code == 400
+        assert (await c.post(CHAT, content=b"{nope")).status_code == 400
+        ids = (await c.post(COMPLETIONS, json={"prompt": [0, 5, 9], "max_tokens": 1, "return_token_ids": True}))
+        assert ids.json()["choices"][0]["prompt_token_ids"] == [0, 5, 9]
+        two = await c.post(COMPLETIONS, json={"prompt": ["a", "b"], "max_tokens": 1})
+        assert two.status_code == 400
+        parts = await c.post(CHAT, json={"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                         "max_tokens": 1, "return_token_ids": True})
+        plain = await c.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                         "return_token_ids": True})
+        assert parts.json()["prompt_token_ids"] == plain.json()["prompt_token_ids"]
+        long = await c.post(COMPLETIONS, json={"prompt": "w " * 3000, "max_tokens": 2000})
+        assert long.status_code == 400 and long.json()["error"]["param"] == "input_tokens"
+
+
+def test_config_rejects_unknown_fault_and_extra_fields() -> None:
+    with pytest.raises(ValueError):
+        SimEngineConfig(faults=["nope"])
+    with pytest.raises(ValueError):
+        SimEngineConfig.model_validate({"bogus": 1})
