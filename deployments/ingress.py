@@ -54,4 +54,4 @@ class Ingress:
         self.backend = HandleBackend(scheduler, assembler)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_api(self.cfg, self.backend)
+        return build_api(self.cfg, self.backend, echo_request_id=False)  # Serve's proxy echoes it

@@ -22,10 +22,17 @@ from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.gateway.responses import error_response
 
 
-def build_api(cfg: NarwhalConfig, backend: Backend, *, clock: Callable[[], float] = time.time) -> FastAPI:
+def build_api(
+    cfg: NarwhalConfig,
+    backend: Backend,
+    *,
+    clock: Callable[[], float] = time.time,
+    echo_request_id: bool = True,
+) -> FastAPI:
+    """``echo_request_id=False`` where a proxy in front (Ray Serve's) already returns X-Request-Id."""
     app = FastAPI(title="Narwhal", docs_url=None, redoc_url=None, openapi_url=None)
     reporter = Reporter(backend.report)
-    handler = CompletionHandler(cfg, backend, reporter, clock)
+    handler = CompletionHandler(cfg, backend, reporter, clock, echo_request_id=echo_request_id)
     app.state.reporter = reporter
     created = int(clock())
 

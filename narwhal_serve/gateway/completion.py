@@ -57,9 +57,16 @@ def deadline_expired() -> ErrorInfo:
 
 class CompletionHandler:
     def __init__(
-        self, cfg: NarwhalConfig, backend: Backend, reporter: Reporter, clock: Callable[[], float] = time.time
+        self,
+        cfg: NarwhalConfig,
+        backend: Backend,
+        reporter: Reporter,
+        clock: Callable[[], float] = time.time,
+        *,
+        echo_request_id: bool = True,
     ) -> None:
         self.cfg = cfg
+        self.echo_request_id = echo_request_id  # Ray Serve's proxy already echoes X-Request-Id
         self.backend = backend
         self.reporter = reporter
         self.clock = clock
@@ -90,6 +97,7 @@ class CompletionHandler:
     async def handle(self, request: Request, route: Route) -> Response:
         arrived = self.clock()
         rid = request.headers.get("x-request-id") or f"nw-{secrets.token_hex(12)}"
+        echo = rid if self.echo_request_id else None
         self.reporter.offered()
         try:
             self._auth(request)
@@ -103,19 +111,19 @@ class CompletionHandler:
             return Response(status_code=400)
         except NarwhalError as err:
             self.reporter.outcome(Outcome.INVALID, err.code)
-            return error_response(err.info(), rid)
+            return error_response(err.info(), echo)
         ticket = f"{rid}/{secrets.token_hex(4)}"
         admit_req = AdmitRequest(ticket, deadline, parsed.prompt_tokens, parsed.max_output_tokens, budget)
         try:
             result = await self._admit(admit_req)
         except Exception as exc:  # the scheduler could not be reached
             self.reporter.outcome(Outcome.FAILED, "internal_error")
-            return error_response(internal_error(f"admission failed: {type(exc).__name__}"), rid)
+            return error_response(internal_error(f"admission failed: {type(exc).__name__}"), echo)
         if result.error is not None:
-            return error_response(result.error, rid)  # the scheduler counted it
+            return error_response(result.error, echo)  # the scheduler counted it
         self.reporter.admission_wait(self.clock() - arrived)
         placed = PlacedRequest(rid, self.cfg.model, parsed, result.candidates, deadline)
-        return await self._respond(placed, ticket, parsed)
+        return await self._respond(placed, ticket, parsed, echo)
 
     async def _admit(self, req: AdmitRequest) -> AdmitResult:
         task = asyncio.get_running_loop().create_task(self.backend.admit(req), context=contextvars.Context())
@@ -138,10 +146,12 @@ class CompletionHandler:
 
         task.add_done_callback(on_done)
 
-    async def _respond(self, placed: PlacedRequest, ticket: str, parsed: ParsedRequest) -> Response:
+    async def _respond(
+        self, placed: PlacedRequest, ticket: str, parsed: ParsedRequest, rid: str | None
+    ) -> Response:
         gen = self.backend.relay(placed)
         state = _Flow(self.reporter, ticket)
-        rid = placed.request_id
+        rid_header = {"X-Request-Id": rid} if rid else {}
         try:
             first = await self._first_data(gen, placed.deadline, state)
         except asyncio.CancelledError:
@@ -159,11 +169,11 @@ class CompletionHandler:
         if not parsed.stream:
             state.end(Outcome.COMPLETED, "", first.stats)
             await _close(gen)
-            return Response(first.data, media_type="application/json", headers={"X-Request-Id": rid})
+            return Response(first.data, media_type="application/json", headers=rid_header)
         return StreamingResponse(
             _stream_rest(first, gen, state),
             media_type="text/event-stream",
-            headers={**SSE_HEADERS, "X-Request-Id": rid},
+            headers={**SSE_HEADERS, **rid_header},
         )
 
     async def _first_data(

@@ -12,7 +12,6 @@ with ``"sim": {"script": NAME}``:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -160,7 +159,3 @@ def assemble_message(output: Output) -> dict[str, Any]:
         msg["reasoning"] = text.get("reasoning")
     return msg
 
-
-def arguments_of(output: Output) -> list[dict[str, Any]]:
-    """Parsed arguments of every tool call in ``output`` (for tests)."""
-    return [json.loads(c["function"]["arguments"]) for c in assemble_message(output).get("tool_calls", [])]

@@ -1,0 +1,1 @@
+"""Developer and CI scripts (importable so tests can reuse their functions)."""
