@@ -6,7 +6,6 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_SERVE_THROUGHPUT_OPTIMIZED := 1
-export RAY_SERVE_ENABLE_HA_PROXY := 1
 
 .PHONY: install run test test-unit typecheck
 

