@@ -7,7 +7,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_SERVE_THROUGHPUT_OPTIMIZED := 1
 
-.PHONY: install run test test-unit typecheck
+.PHONY: install run test test-fast test-unit typecheck
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,7 +22,11 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/e2e
+	$(PY) -m pytest -q tests/e2e
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q tests --ignore=tests/e2e
 
 test-unit: $(VENV)/.installed
 	$(PY) -m pytest -q tests/unit

@@ -495,6 +495,22 @@ def record_requests(name: str) -> list[tuple[str, str, str, dict[str, Any] | Non
     ]
 
 
+def _pick_stop(url: str, body: dict[str, Any]) -> str:
+    """A stop string the model really produces: "e" when the unstopped answer has one, else a
+    printable character from the middle of that answer (random weights: the text is arbitrary)."""
+    probe = {k: v for k, v in body.items() if k not in ("stop", "stream", "stream_options")}
+    status, raw = http("POST", url.rstrip("/") + "/v1/chat/completions", probe, timeout=120.0)
+    if status != 200:
+        raise EngineError(f"record: stop-string probe failed: HTTP {status}: {raw[:300]!r}")
+    text = json.loads(raw)["choices"][0]["message"]["content"] or ""
+    if "e" in text[1:]:
+        return "e"
+    cands = [c for c in text[1:] if c.strip() and c.isprintable() and c != "\ufffd"]
+    if not cands:
+        raise EngineError(f"record: no usable stop character in {text!r}")
+    return cands[len(cands) // 2]
+
+
 _METRIC_PREFIXES = (
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
@@ -510,6 +526,8 @@ def record(url: str, name: str = "tiny", out_dir: Path = RECORD_DIR) -> list[Pat
     rows: list[str] = []
     with phase("record"):
         for fname, method, path, body in record_requests(name):
+            if body is not None and body.get("stop") == ["e"]:
+                body = {**body, "stop": [_pick_stop(url, body)]}
             status, raw = http(method, url.rstrip("/") + path, body, timeout=120.0)
             if fname == "health_status.txt":
                 raw = f"{status}\n".encode()
@@ -534,6 +552,8 @@ def record(url: str, name: str = "tiny", out_dir: Path = RECORD_DIR) -> list[Pat
             f"serving the tiny random-weight Llama built by `build-model` (served as `{name}`, spec",
             f"`{json.dumps(MODEL_SPEC, separators=(',', ':'))}`).  Text is gibberish; the shapes are vLLM's.",
             "Same requests as `tests/fixtures/vllm-0.32.0-cpu/README.md`; `id`/`created` change per recording.",
+            "The stop-string request uses `[\"e\"]` when the unstopped answer contains an `e`, else a character",
+            "the model does produce (see the table), so that it really ends with `finish_reason: \"stop\"`.",
             "In `models.json` the local model path (`root`) is replaced by `model`.",
             "",
             "| file | status | request | body |",

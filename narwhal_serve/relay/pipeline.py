@@ -118,10 +118,10 @@ class Relay:
     ) -> AsyncIterator[RelayMessage]:
         req = placed.request
         committed = False
+        held: list[bytes] = []  # chunks before the first generated token (e.g. the role chunk)
         stream = open_route(self.client, route, req, headers)
         try:
             async for batch in stream:
-                out: list[bytes] = []
                 now = self.clock()
                 for chunk in batch:
                     meter.observe(chunk, now)  # raises BadEngineResponse on bad token IDs
@@ -131,11 +131,14 @@ class Relay:
                         continue  # the router asked for usage; this client did not
                     if not req.include_usage:
                         chunk.pop("usage", None)
-                    out.append(sse_event(expose(chunk, return_token_ids=req.return_token_ids)))
-                if out:
+                    held.append(sse_event(expose(chunk, return_token_ids=req.return_token_ids)))
+                # Response headers go out with the first generated token, so that a failure up to
+                # and including it can still be retried on another route.
+                if held and (committed or meter.first is not None):
                     first = not committed
                     committed = True
-                    yield RelayMessage(data=b"".join(out), first_token=first)
+                    yield RelayMessage(data=b"".join(held), first_token=first)
+                    held = []
         except (EngineFailure, BadEngineResponse) as exc:
             if not committed:
                 raise
@@ -144,7 +147,12 @@ class Relay:
             return
         finally:
             await stream.aclose()
-        yield RelayMessage(data=DONE_EVENT, first_token=not committed, final=True, stats=self._stats(route, meter, attempt))
+        yield RelayMessage(
+            data=b"".join(held) + DONE_EVENT,
+            first_token=not committed,
+            final=True,
+            stats=self._stats(route, meter, attempt),
+        )
 
     async def _assemble(
         self,
@@ -168,7 +176,8 @@ class Relay:
                     yield RelayMessage(first_token=True)  # prefill is over: frees the prefill permit
         finally:
             await stream.aclose()
-        result = asm.result(prompt_tokens=req.prompt_tokens if req.prompt_token_ids is None else len(req.prompt_token_ids))
+        engine_prompt = asm.prompt_token_ids
+        result = asm.result(prompt_tokens=len(engine_prompt) if engine_prompt else req.prompt_tokens)
         result["model"] = placed.model
         body = json.dumps(result, separators=(",", ":"), ensure_ascii=False).encode()
         yield RelayMessage(data=body, final=True, stats=self._stats(route, meter, attempt))

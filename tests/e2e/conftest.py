@@ -157,6 +157,11 @@ def engines() -> Iterator[Engines]:
             launched.append(decode)
         for server in launched:
             engine.wait_server(server)
+        roles = {"unified": unified, "prefill": prefill, "decode": decode}
+        REPORT["notes"].append(
+            "vLLM servers (booted in parallel): "
+            + ", ".join(f"{role} on port {s.port}" for role, s in roles.items() if s is not None)
+        )
         yield Engines(unified, prefill, decode, kv_dir)
     finally:
         for server in launched:

@@ -109,17 +109,41 @@ async def test_nonstream_choices_match_direct_vllm(e2e: E2E, route: str) -> None
     assert set(ours) == set(direct) - set(TRANSFER_KEYS), set(ours) ^ set(direct)
 
 
+def check_event_shapes(route: str, events: list[dict[str, Any]], logprobs: bool) -> None:
+    """Per-event invariants; chunk *boundaries* are not compared: vLLM merges queued deltas into one
+    chunk when its API server falls behind the engine (timing-dependent, seen here under load)."""
+    for ev in events:
+        assert ev["model"] == MODEL
+        assert ev["object"] == ("chat.completion.chunk" if route == "chat" else "text_completion")
+        for ch in ev.get("choices") or []:
+            ids = ch.get("token_ids")
+            if ids is None:
+                continue
+            if logprobs:
+                lp = ch["logprobs"]
+                n = len(lp["content"]) if route == "chat" else len(lp["tokens"])
+                assert n == len(ids), ev
+    if route == "chat":
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def same_stream(route: str, ours: list[dict[str, Any]], direct: list[dict[str, Any]]) -> None:
+    o, d = fold_stream(route, ours), fold_stream(route, direct)
+    assert {**o, "usage": counts(o["usage"])} == {**d, "usage": counts(d["usage"])}
+
+
 @pytest.mark.parametrize("route", ROUTES)
-async def test_stream_events_match_direct_vllm(e2e: E2E, route: str) -> None:
+async def test_stream_matches_direct_vllm(e2e: E2E, route: str) -> None:
     body = with_extras(route, **USAGE)
     async with httpx.AsyncClient(timeout=60) as c:
         _, direct = await stream_events(c, e2e.vllm + path_of(route), body)
         _, ours = await stream_events(c, e2e.narwhal + path_of(route), body)
-    assert [ev.get("choices") for ev in ours] == [ev.get("choices") for ev in direct]
-    assert [counts(ev.get("usage")) for ev in ours] == [counts(ev.get("usage")) for ev in direct]
-    if route == "chat":
-        assert ours[0]["prompt_token_ids"] == direct[0]["prompt_token_ids"]
-    assert all(ev["model"] == MODEL for ev in ours)
+    same_stream(route, ours, direct)
+    folded = fold_stream(route, ours)
+    assert folded["token_ids"] and folded["logprobs"] and folded["prompt_token_ids"] and folded["usage"]
+    check_event_shapes(route, ours, logprobs=True)
+    # the usage frame is last and carries no choices, as vLLM sends it
+    assert ours[-1]["choices"] == [] and ours[-1]["usage"]
     assert not find_keys(ours, TRANSFER_KEYS)
 
 
@@ -195,7 +219,7 @@ async def test_stop_string_sets_stop_reason(e2e: E2E, stream: bool) -> None:
             _, d_ev = await stream_events(c, e2e.vllm + "/v1/chat/completions", body)
             _, o_ev = await stream_events(c, e2e.narwhal + "/v1/chat/completions", body)
             direct, ours = fold_stream("chat", d_ev), fold_stream("chat", o_ev)
-            assert [ev.get("choices") for ev in o_ev] == [ev.get("choices") for ev in d_ev]
+            check_event_shapes("chat", o_ev, logprobs=False)
         else:
             d_raw = (await post(c, e2e.vllm + "/v1/chat/completions", body)).json()
             o_raw = (await post(c, e2e.narwhal + "/v1/chat/completions", body)).json()
@@ -305,3 +329,48 @@ async def test_measure_added_ttft(e2e: E2E) -> None:
     )
     REPORT["ttft"] = line
     print(line)
+
+
+# ----------------------------------------------------------------------------- router gaps found here
+# Strict xfails: each documents a difference from the engine that this suite found; when the router
+# is fixed the test passes, strict mode turns that into a failure, and the mark must go.
+
+
+@pytest.mark.xfail(strict=True, reason="router gap: plain streams lose system_fingerprint (it rides on the "
+                   "usage frame Narwhal asked for and then drops)")
+async def test_plain_stream_keeps_system_fingerprint(e2e: E2E) -> None:
+    async with httpx.AsyncClient(timeout=60) as c:
+        _, direct = await stream_events(c, e2e.vllm + "/v1/chat/completions", chat_body())
+        _, ours = await stream_events(c, e2e.narwhal + "/v1/chat/completions", chat_body())
+    want = [ev["system_fingerprint"] for ev in direct if ev.get("system_fingerprint")]
+    assert want, "vLLM sends system_fingerprint on its last chunk"
+    assert [ev["system_fingerprint"] for ev in ours if ev.get("system_fingerprint")] == want
+
+
+@pytest.mark.xfail(strict=True, reason="router gap: an engine's 400 for the client's own mistake becomes "
+                   "502 upstream_error / bad_engine_response")
+@pytest.mark.parametrize("case", ["max_tokens_over_context", "prompt_over_context"])
+async def test_engine_validation_error_is_a_client_error(e2e: E2E, case: str) -> None:
+    if case == "max_tokens_over_context":
+        path, body = "/v1/chat/completions", chat_body(max_tokens=100_000)
+    else:
+        path, body = "/v1/completions", body_for("completion", prompt="word " * 700)
+    async with httpx.AsyncClient(timeout=60) as c:
+        direct = await c.post(e2e.vllm + path, json=body)
+        ours = await c.post(e2e.narwhal + path, json=body)
+    assert direct.status_code == 400
+    assert ours.status_code == 400, ours.text
+    assert ours.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.xfail(strict=True, reason="router gap: echo=true on a non-streaming completion loses the prompt "
+                   "(Narwhal streams from the engine, and vLLM's stream does not echo)")
+async def test_nonstream_echo_matches_direct(e2e: E2E) -> None:
+    body = body_for("completion", echo=True, max_tokens=2)
+    async with httpx.AsyncClient(timeout=60) as c:
+        direct = (await post(c, e2e.vllm + "/v1/completions", body)).json()
+        r = await c.post(e2e.narwhal + "/v1/completions", json=body)
+    if r.status_code == 400:  # refusing echo as unsupported_option is also acceptable
+        assert r.json()["error"]["code"] == "unsupported_option"
+        return
+    assert r.json()["choices"][0]["text"] == direct["choices"][0]["text"]

@@ -3,6 +3,8 @@ retention 3, max_wait 5 s), created with the simulator's hang faults — no slee
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 
 from tests.integration.conftest import Graph
@@ -46,8 +48,9 @@ async def test_queue_full_then_queued_request_completes_after_release(graph: Gra
 
 async def test_retention_full(graph: Graph) -> None:
     g = graph.tight_url
-    a = Held(url(graph), chat_body(stream=True, sim={"fault": "hang_mid_stream", "fault_after": 1}), AUTH)
-    await a.first_chunk.wait()  # A is decoding: prefill 0/1, decode 1/2
+    # the role chunk and the first token, then the engine stalls: A is decoding (prefill 0/1, decode 1/2)
+    a = Held(url(graph), chat_body(stream=True, sim={"fault": "hang_mid_stream", "fault_after": 2}), AUTH)
+    await asyncio.wait_for(a.first_chunk.wait(), 30)
     await wait_status(g, lambda s: s["gauges"]["prefill_inflight"] == 0 and s["gauges"]["decode_inflight"] == 1, "A decoding")
     b = Held(url(graph), chat_body(sim=HANG), AUTH)  # prefill 1/1, decode 2/2
     await wait_status(g, lambda s: s["gauges"]["prefill_inflight"] == 1, "B admitted")

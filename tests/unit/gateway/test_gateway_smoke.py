@@ -1,3 +1,5 @@
+"""The gateway and scheduler in-process (no Ray): SGLang bootstrap P/D, OpenAI dialect, disconnects."""
+
 from collections.abc import AsyncIterator
 
 import httpx
@@ -5,19 +7,59 @@ import pytest
 
 from tests.support.local_router import LocalRouter, start_local_router
 
+CHAT = "/v1/chat/completions"
+
 
 @pytest.fixture(scope="module")
-async def router() -> AsyncIterator[LocalRouter]:
-    r = await start_local_router({"admission": {"mode": "open"}})
+async def sglang() -> AsyncIterator[LocalRouter]:
+    r = await start_local_router({
+        "admission": {"mode": "open"},
+        "sim": {"engines": [{"name": "sg-prefill", "role": "prefill", "dialect": "sglang"},
+                            {"name": "sg-decode", "role": "decode", "dialect": "sglang"}]},
+    })
     yield r
     await r.stop()
 
 
-async def test_chat_roundtrip(router: LocalRouter) -> None:
-    async with httpx.AsyncClient(base_url=router.url) as c:
-        r = await c.post("/v1/chat/completions", json={"model": "narwhal-sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
-        print(r.status_code, r.text)
-        assert r.status_code == 200
-        r = await c.post("/v1/chat/completions", json={"model": "narwhal-sim", "stream": True, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
-        print(r.status_code, r.text)
-        assert r.status_code == 200
+@pytest.fixture(scope="module")
+async def plain() -> AsyncIterator[LocalRouter]:
+    r = await start_local_router({
+        "admission": {"mode": "open"},
+        "sim": {"engines": [{"name": "oa", "role": "unified", "dialect": "openai"}]},
+    })
+    yield r
+    await r.stop()
+
+
+def chat(stream: bool, **kw: object) -> dict[str, object]:
+    return {"model": "narwhal-sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": stream, **kw}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_sglang_bootstrap_pd(sglang: LocalRouter, stream: bool) -> None:
+    rid = f"sg-{stream}"
+    async with httpx.AsyncClient(base_url=sglang.url, timeout=30) as c:
+        r = await c.post(CHAT, json=chat(stream), headers={"X-Request-Id": rid})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == rid
+    pre = [x for x in sglang.sim("sg-prefill").engine.recent if x["request_id"] == rid]
+    dec = [x for x in sglang.sim("sg-decode").engine.recent if x["request_id"] == rid]
+    assert len(pre) == 1 and len(dec) == 1
+    keys = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+    boot = {k: pre[0]["body"][k] for k in keys}
+    assert boot == {k: dec[0]["body"][k] for k in keys}
+    assert boot["bootstrap_host"] == "127.0.0.1" and 0 <= boot["bootstrap_room"] < 2**63
+    snap = sglang.svc.snapshot()
+    assert {e["token_accounting"] for e in snap["engines"]} == {"unavailable"}
+
+
+async def test_openai_dialect_has_no_token_ids(plain: LocalRouter) -> None:
+    async with httpx.AsyncClient(base_url=plain.url, timeout=30) as c:
+        r = await c.post(CHAT, json=chat(False, return_token_ids=True))
+        s = await c.post(CHAT, json=chat(True, return_token_ids=True))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert r.json()["usage"]["completion_tokens"] > 0
+    assert s.status_code == 200 and "token_ids" not in s.text
+    sent = plain.sim("oa").engine.recent[-1]["body"]
+    assert "return_token_ids" not in sent and "stream_interval" not in sent
+    assert plain.svc.snapshot()["engines"][0]["token_accounting"] == "unavailable"

@@ -1,0 +1,193 @@
+"""``narwhal-bench overhead|goodput``: start the fleet and the targets, measure, print tables, write
+``results.json``, ``requests.jsonl`` and PNG plots to ``--out/<mode>-<time>/``, stop everything."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from narwhal_serve.bench import views
+from narwhal_serve.bench.fleet import TARGETS, Fleet, FleetSpec, SimTiming
+from narwhal_serve.bench.goodput import GoodputArgs, run_goodput
+from narwhal_serve.bench.overhead import OverheadArgs, run_overhead
+from narwhal_serve.bench.report import RequestLog, run_dir, write_json
+from narwhal_serve.bench.stats import Slo
+from narwhal_serve.bench.workload import LengthDist, Workload
+
+T = TypeVar("T")
+DEFAULT_TARGETS = {
+    "overhead": ["direct", "proxy", "narwhal-open", "narwhal-predictive"],
+    "goodput": ["direct", "narwhal-open", "narwhal-predictive", "rr"],
+}
+DEFAULT_TIMING = {
+    "overhead": SimTiming(0.0, 0.0, 0.001, 0.0, 1024),
+    "goodput": SimTiming(0.02, 0.0001, 0.025, 0.002, 4),
+}
+DEFAULT_ENGINES = {"overhead": 1, "goodput": 2}
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _targets(s: str) -> list[str]:
+    ts = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [t for t in ts if t not in TARGETS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown target(s) {bad}; known: {', '.join(TARGETS)}")
+    return ts
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("targets and fleet")
+    g.add_argument("--targets", type=_targets, help=f"comma list of {', '.join(TARGETS)}")
+    g.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (default %(default)s)")
+    g.add_argument("--engine-url", action="append", default=[],
+                   help="use this running engine (repeatable) instead of simulated ones")
+    g.add_argument("--model", default="narwhal-sim", help="model id sent (and configured in Narwhal)")
+    g.add_argument("--engines", type=int, help="simulated engines in the fleet")
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--prefill-overhead-s", type=float)
+    g.add_argument("--prefill-per-token-s", type=float)
+    g.add_argument("--tpot-base-s", type=float)
+    g.add_argument("--tpot-per-running-s", type=float)
+    g.add_argument("--narwhal-start-timeout-s", type=float, default=180.0)
+    g.add_argument("--ray-niceness", type=int, default=0,
+                   help="nice level of Narwhal's Ray workers (Ray's own default is 15, which on a shared "
+                        "2-core machine puts the router behind the engines and the clients); default %(default)s")
+    w = p.add_argument_group("requests")
+    w.add_argument("--api", choices=["chat", "completions"], default="chat")
+    w.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="narwhal-bench", description=__doc__)
+    sub = p.add_subparsers(dest="mode", required=True)
+    o = sub.add_parser("overhead", help="added latency, throughput, CPU per request, refusal path")
+    _common(o)
+    o.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="closed-loop clients (comma list)")
+    o.add_argument("--phase-s", type=float, default=4.0, help="seconds per target per round per concurrency")
+    o.add_argument("--rounds", type=int, default=2)
+    o.add_argument("--tput-concurrency", type=int, default=64)
+    o.add_argument("--tput-s", type=float, default=5.0)
+    o.add_argument("--refusal-s", type=float, default=4.0)
+    o.add_argument("--prompt-tokens", type=int, default=64)
+    o.add_argument("--output-tokens", type=int, default=16)
+    g = sub.add_parser("goodput", help="goodput and p99 TTFT over a rate sweep up to ~2x capacity")
+    _common(g)
+    g.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    g.add_argument("--slo-tpot-ms", type=float, default=60.0)
+    g.add_argument("--rates", type=_floats, default=[0.5, 0.8, 1.2, 2.0], help="fractions of SLO capacity")
+    g.add_argument("--rates-rps", type=_floats, help="absolute request rates instead of --rates")
+    g.add_argument("--capacity-rps", type=float, help="SLO capacity; skips estimation")
+    g.add_argument("--calibrate-s", type=float, default=10.0, help="0: use the timing model's estimate")
+    g.add_argument("--calib-concurrency", type=int)
+    g.add_argument("--duration-s", type=float, default=10.0, help="arrival window per run")
+    g.add_argument("--drain-s", type=float, default=8.0, help="wait after the last arrival before cutting")
+    g.add_argument("--warmup-s", type=float, default=4.0)
+    g.add_argument("--arrival", choices=["poisson", "constant", "burst"], default="poisson")
+    g.add_argument("--burst-size", type=int, default=8)
+    g.add_argument("--prompt-median", type=float, default=256)
+    g.add_argument("--prompt-sigma", type=float, default=0.8)
+    g.add_argument("--prompt-max", type=int, default=2048)
+    g.add_argument("--output-median", type=float, default=24)
+    g.add_argument("--output-sigma", type=float, default=0.6)
+    g.add_argument("--output-max", type=int, default=128)
+    g.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = latency)")
+    g.add_argument("--retry-samples", type=int, default=20, help="refusals retried after Retry-After, per run")
+    return p
+
+
+def fleet_spec(ns: argparse.Namespace, budget_s: float) -> FleetSpec:
+    d = DEFAULT_TIMING[ns.mode]
+    timing = SimTiming(
+        prefill_overhead_s=d.prefill_overhead_s if ns.prefill_overhead_s is None else ns.prefill_overhead_s,
+        prefill_per_token_s=d.prefill_per_token_s if ns.prefill_per_token_s is None else ns.prefill_per_token_s,
+        tpot_base_s=d.tpot_base_s if ns.tpot_base_s is None else ns.tpot_base_s,
+        tpot_per_running_s=d.tpot_per_running_s if ns.tpot_per_running_s is None else ns.tpot_per_running_s,
+        max_num_seqs=d.max_num_seqs if ns.max_num_seqs is None else ns.max_num_seqs,
+    )
+    engines = len(ns.engine_url) or (ns.engines or DEFAULT_ENGINES[ns.mode])
+    return FleetSpec(engines=engines, timing=timing, model=ns.model, external_urls=tuple(ns.engine_url),
+                     narwhal_budget_s=budget_s, ray_niceness=ns.ray_niceness)
+
+
+def goodput_args(ns: argparse.Namespace) -> GoodputArgs:
+    wl = Workload(LengthDist(ns.prompt_median, ns.prompt_sigma, 8, ns.prompt_max),
+                  LengthDist(ns.output_median, ns.output_sigma, 2, ns.output_max), seed=ns.seed)
+    return GoodputArgs(slo=Slo(ns.slo_ttft_ms / 1000, ns.slo_tpot_ms / 1000), rates=ns.rates, rates_rps=ns.rates_rps,
+                       duration_s=ns.duration_s, drain_s=ns.drain_s, arrival=ns.arrival, burst_size=ns.burst_size,
+                       workload=wl, calibrate_s=ns.calibrate_s, calib_concurrency=ns.calib_concurrency,
+                       capacity_rps=ns.capacity_rps, warmup_s=ns.warmup_s, retry_samples=ns.retry_samples,
+                       api=ns.api, model=ns.model, stream=not ns.no_stream, seed=ns.seed)
+
+
+def overhead_args(ns: argparse.Namespace) -> OverheadArgs:
+    return OverheadArgs(concurrencies=ns.concurrency, phase_s=ns.phase_s, rounds=ns.rounds,
+                        tput_concurrency=ns.tput_concurrency, tput_s=ns.tput_s, refusal_s=ns.refusal_s,
+                        prompt_tokens=ns.prompt_tokens, output_tokens=ns.output_tokens, api=ns.api,
+                        model=ns.model, seed=ns.seed)
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run on uvloop when it is installed (a cheaper client loop), else asyncio's."""
+    try:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    targets: list[str] = ns.targets or DEFAULT_TARGETS[ns.mode]
+    if ns.mode == "goodput" and "direct" not in targets and not ns.capacity_rps:
+        targets = ["direct", *targets]  # the calibration run needs the engines directly
+    args: GoodputArgs | OverheadArgs = goodput_args(ns) if ns.mode == "goodput" else overhead_args(ns)
+    budget = args.slo.ttft_s if isinstance(args, GoodputArgs) else 2.0
+    out = run_dir(ns.out, ns.mode)
+    fleet = Fleet(fleet_spec(ns, budget), out / "logs")
+    t0 = time.monotonic()
+    print(f"narwhal-bench {ns.mode}: targets {', '.join(targets)}; results in {out}", file=sys.stderr)
+    try:
+        fleet.start(targets, ns.narwhal_start_timeout_s)
+        print(f"fleet ready in {time.monotonic() - t0:.1f} s (narwhal {fleet.narwhal_startup_s or 0:.1f} s): "
+              f"engines {', '.join(fleet.engine_urls)}", file=sys.stderr)
+        if isinstance(args, GoodputArgs):
+            res = run_async(run_goodput(args, fleet, targets))
+        else:
+            res = run_async(run_overhead(args, fleet, targets))
+    finally:
+        fleet.stop()
+    log = RequestLog(out / "requests.jsonl")
+    for tags, rs in res.pop("_log"):
+        log.write(tags, rs)
+    meta = {"mode": ns.mode, "argv": sys.argv[1:] if argv is None else argv, "targets": targets,
+            "fleet": {"engines": fleet.engine_urls, "spec": repr(fleet.spec)}, "args": repr(args),
+            "wall_s": round(time.monotonic() - t0, 1), "narwhal_startup_s": fleet.narwhal_startup_s}
+    if isinstance(args, GoodputArgs):
+        text, plots = views.goodput_view(res, out)
+    else:
+        text, plots = views.overhead_view(res)
+    res = {"meta": meta, "definitions": views.DEFINITIONS, **res, "plots": [str(p) for p in plots]}
+    path = write_json(out / "results.json", res)
+    print(text)
+    print(f"\nresults: {path}\nper request: {out / 'requests.jsonl'}")
+    for p in plots:
+        print(f"plot: {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""The bench's targets over one shared engine fleet, all on 127.0.0.1 free ports:
+
+* ``direct``: the engines themselves (client-side round-robin over several);
+* ``proxy`` / ``rr``: :mod:`narwhal_serve.bench.proxy` round-robin over the engines (with one engine
+  it is the bare single-upstream pass-through; both names use the same process);
+* ``narwhal-open`` / ``narwhal-predictive``: one ``serve run`` hosting both as two applications
+  (route prefixes ``/open`` and ``/predictive``) so they share one Ray instance, with ``engines:``
+  naming the bench's fleet (role unified, dialect vllm).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from narwhal_serve.bench import procs
+from narwhal_serve.bench.client import Endpoint
+
+TARGETS: tuple[str, ...] = ("direct", "proxy", "narwhal-open", "narwhal-predictive", "rr")
+NARWHAL_PREFIX = {"narwhal-open": "/open", "narwhal-predictive": "/predictive"}
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_ADDRESS": "local",  # never join another Ray instance on this machine
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+}
+RAY_DEFAULT_NICENESS = 15  # Ray starts its workers at nice 15 unless RAY_worker_niceness says otherwise
+
+
+@dataclass(frozen=True)
+class SimTiming:
+    """Timing model of every simulated engine (see ``narwhal_serve.sim.timing``)."""
+
+    prefill_overhead_s: float = 0.002
+    prefill_per_token_s: float = 0.00002
+    tpot_base_s: float = 0.002
+    tpot_per_running_s: float = 0.0
+    max_num_seqs: int = 256
+
+    def argv(self) -> list[str]:
+        return ["--prefill-overhead-s", str(self.prefill_overhead_s), "--prefill-per-token-s",
+                str(self.prefill_per_token_s), "--tpot-base-s", str(self.tpot_base_s), "--tpot-per-running-s",
+                str(self.tpot_per_running_s), "--max-num-seqs", str(self.max_num_seqs)]
+
+    def prefill_s(self, tokens: float) -> float:
+        return self.prefill_overhead_s + self.prefill_per_token_s * tokens
+
+    def tpot_s(self, running: float) -> float:
+        return self.tpot_base_s + self.tpot_per_running_s * running
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    engines: int = 1
+    timing: SimTiming = SimTiming()
+    model: str = "narwhal-sim"
+    external_urls: tuple[str, ...] = ()  # --engine-url: use these instead of simulated engines
+    narwhal_budget_s: float = 2.0  # admission.ttft_budget_s (clients also send X-TTFT-Target)
+    ray_niceness: int = 0  # Ray workers' nice level; 0 = same priority as the engines, proxy and clients
+
+
+def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets: list[str],
+                         ttft_budget_s: float) -> dict[str, Any]:
+    """The ``serve run`` config: one application per selected Narwhal target."""
+    engines = [{"name": f"e{i}", "url": u, "role": "unified", "dialect": "vllm"} for i, u in enumerate(engine_urls)]
+    apps = []
+    for t in targets:
+        mode = "open" if t == "narwhal-open" else "predictive"
+        apps.append({
+            "name": t,
+            "route_prefix": NARWHAL_PREFIX[t],
+            "import_path": "deployments.app:build_app",
+            "args": {
+                "model": model,
+                "admission": {"mode": mode, "ttft_budget_s": ttft_budget_s,
+                              "max_ttft_budget_s": max(60.0, ttft_budget_s)},
+                "engines": engines,
+            },
+        })
+    return {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1", "port": port},
+            "applications": apps}
+
+
+def _app_dir() -> Path:
+    """The repository root holding ``deployments/`` (``serve run`` imports it from there)."""
+    import narwhal_serve
+
+    root = Path(narwhal_serve.__file__).resolve().parents[1]
+    return root if (root / "deployments").is_dir() else Path.cwd()
+
+
+@dataclass
+class Fleet:
+    spec: FleetSpec
+    log_dir: Path
+    engine_urls: list[str] = field(default_factory=list)
+    endpoints: dict[str, Endpoint] = field(default_factory=dict)
+    sims: list[procs.Managed] = field(default_factory=list)
+    proxy: procs.Managed | None = None
+    narwhal: procs.Managed | None = None
+    narwhal_startup_s: float | None = None
+
+    @property
+    def simulated(self) -> bool:
+        return not self.spec.external_urls
+
+    def start(self, targets: list[str], narwhal_timeout_s: float = 180.0) -> None:
+        """Start the engines, then (in parallel where possible) the proxy and Narwhal; wait ready."""
+        try:
+            self._start(targets, narwhal_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, targets: list[str], narwhal_timeout_s: float) -> None:
+        if self.simulated:
+            for i in range(self.spec.engines):
+                port = procs.free_port()
+                argv = procs.python_module("narwhal_serve.sim.cli", "--port", str(port), "--name", f"sim{i}",
+                                           "--role", "unified", "--model", self.spec.model, "--seed", str(i),
+                                           "--eos-prob", "0", *self.spec.timing.argv())
+                self.sims.append(procs.start(f"sim{i}", argv, self.log_dir))
+                self.engine_urls.append(f"http://127.0.0.1:{port}")
+            for url, p in zip(self.engine_urls, self.sims):
+                procs.wait_ready(url + "/health", 30.0, p)
+        else:
+            self.engine_urls = list(self.spec.external_urls)
+        nw_targets = [t for t in targets if t in NARWHAL_PREFIX]
+        nw_port = procs.free_port()
+        if nw_targets:
+            cfg_path = self.log_dir / "narwhal-serve-config.yaml"  # JSON is YAML
+            cfg_path.write_text(json.dumps(narwhal_serve_config(
+                nw_port, self.engine_urls, self.spec.model, nw_targets, self.spec.narwhal_budget_s), indent=1))
+            serve = Path(sys.executable).parent / "serve"
+            self.narwhal = procs.start("narwhal", [str(serve), "run", str(cfg_path)], self.log_dir,
+                                       env={**RAY_ENV, "RAY_worker_niceness": str(self.spec.ray_niceness)},
+                                       cwd=_app_dir())
+        if "proxy" in targets or "rr" in targets:
+            port = procs.free_port()
+            argv = procs.python_module("narwhal_serve.bench.proxy", "--port", str(port),
+                                       *[a for u in self.engine_urls for a in ("--upstream", u)])
+            self.proxy = procs.start("proxy", argv, self.log_dir)
+            procs.wait_ready(f"http://127.0.0.1:{port}/health", 30.0, self.proxy)
+            for t in ("proxy", "rr"):
+                self.endpoints[t] = Endpoint(t, (f"http://127.0.0.1:{port}",))
+        self.endpoints["direct"] = Endpoint("direct", tuple(self.engine_urls))
+        if self.narwhal is not None:
+            t0 = time.monotonic()
+            for t in nw_targets:
+                base = f"http://127.0.0.1:{nw_port}{NARWHAL_PREFIX[t]}"
+                procs.wait_ready(base + "/ready", max(5.0, narwhal_timeout_s - (time.monotonic() - t0)), self.narwhal)
+                self.endpoints[t] = Endpoint(t, (base,))
+            self.narwhal_startup_s = time.monotonic() - t0
+            self.narwhal.remember_tree()
+
+    def settle(self, timeout_s: float = 15.0) -> bool:
+        """Wait until every simulated engine is idle (nothing running or waiting); bounded."""
+        if not self.simulated:
+            time.sleep(1.0)
+            return True
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if all(_sim_idle(u) for u in self.engine_urls):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def stop(self) -> None:
+        if self.narwhal is not None:
+            self.narwhal.stop(first=signal.SIGINT, grace_s=20.0, term_s=10.0)  # SIGINT: serve run shuts Ray down
+        if self.proxy is not None:
+            self.proxy.stop()
+        for p in self.sims:
+            p.stop()
+
+
+def _sim_idle(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/sim/stats", timeout=2.0) as resp:  # noqa: S310 (127.0.0.1)
+            st = json.loads(resp.read())
+        return int(st.get("running", 1)) == 0 and int(st.get("waiting", 1)) == 0
+    except (OSError, ValueError):
+        return False

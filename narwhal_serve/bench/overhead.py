@@ -1,0 +1,206 @@
+"""``narwhal-bench overhead``: what the router adds over the engine and over a bare proxy.
+
+Against one fast simulated engine (no prefill cost, 1 ms per token, room for every request):
+
+1. latency: closed-loop streaming clients at each concurrency (default 1, 8, 32); targets run in
+   rotated order, ``rounds`` times, so machine noise hits all alike; TTFT p50/p99 and ITL p99, the
+   difference to ``direct`` and the ratio to ``proxy``;
+2. throughput: closed loop at ``tput_concurrency`` (default 64), non-streaming, 4 tokens; req/s and
+   CPU per request of each target's process tree (``/proc``), gross and net of its idle burn;
+3. refusal path: ``narwhal-predictive`` with ``X-TTFT-Target: 0.001`` (every request refused with
+   429 ``prompt_exceeds_ttft_budget``): refusals per second and their latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from narwhal_serve.bench import procs
+from narwhal_serve.bench.client import Endpoint, Shape, make_session, run_closed_loop
+from narwhal_serve.bench.fleet import Fleet
+from narwhal_serve.bench.progress import Progress
+from narwhal_serve.bench.report import check
+from narwhal_serve.bench.stats import RequestResult, Slo, diff, ratio, summarize
+from narwhal_serve.bench.workload import Api, LengthDist, Workload
+
+LOOSE_SLO = Slo(ttft_s=60.0, tpot_s=60.0)
+
+
+@dataclass
+class OverheadArgs:
+    concurrencies: list[int] = field(default_factory=lambda: [1, 8, 32])
+    phase_s: float = 4.0
+    rounds: int = 2
+    tput_concurrency: int = 64
+    tput_s: float = 5.0
+    refusal_s: float = 4.0
+    idle_s: float = 3.0
+    prompt_tokens: int = 64
+    output_tokens: int = 16
+    api: Api = "chat"
+    model: str = "narwhal-sim"
+    seed: int = 0
+
+
+def _workload(a: OverheadArgs, out_tokens: int) -> Workload:
+    p, o = a.prompt_tokens, out_tokens
+    return Workload(LengthDist(p, 0.0, p, p), LengthDist(o, 0.0, o, o), seed=a.seed)
+
+
+def _cpu_snapshot(fleet: Fleet, target: str) -> dict[int, tuple[str, float]]:
+    m = fleet.narwhal if target.startswith("narwhal") else fleet.proxy if target in ("proxy", "rr") else None
+    if m is None:
+        return {}
+    return procs.tree_cpu(m.pid)
+
+
+def _sim_cpu(fleet: Fleet) -> float:
+    return sum(cpu for s in fleet.sims for _, cpu in procs.tree_cpu(s.pid).values())
+
+
+class OverheadRun:
+    def __init__(self, a: OverheadArgs, fleet: Fleet, targets: list[str]) -> None:
+        self.a = a
+        self.fleet = fleet
+        self.targets = targets
+        self.log: list[tuple[dict[str, Any], list[RequestResult]]] = []
+        self._seq = 0
+
+    async def closed(self, target: str, label: str, concurrency: int, duration_s: float, stream: bool,
+                     out_tokens: int, headers: tuple[tuple[str, str], ...] = ()) -> list[RequestResult]:
+        ep: Endpoint = self.fleet.endpoints[target]
+        self._seq += 1
+        n = min(20_000, max(100, int(concurrency * duration_s / 0.002)))
+        specs = _workload(self.a, out_tokens).closed_loop_specs(n, seed_offset=self._seq % 7)
+        shape = Shape(api=self.a.api, model=self.a.model, stream=stream, timeout_s=30.0, extra_headers=headers)
+        await asyncio.to_thread(self.fleet.settle)
+        async with make_session() as session:
+            with Progress(f"{label} {target} c={concurrency}") as prog:
+                res = await run_closed_loop(session, ep, shape, specs, concurrency=concurrency,
+                                            duration_s=duration_s, drain_s=10.0, progress=prog)
+        self.log.append(({"phase": label, "target": target, "concurrency": concurrency}, res))
+        return res
+
+    async def warmup(self) -> None:
+        for t in self.targets:
+            await self.closed(t, "warmup", 4, 1.5, True, self.a.output_tokens)
+
+    async def latency(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for ci, c in enumerate(self.a.concurrencies):
+            acc: dict[str, list[RequestResult]] = {t: [] for t in self.targets}
+            for rnd in range(self.a.rounds):
+                k = (ci + rnd) % len(self.targets)
+                for t in self.targets[k:] + self.targets[:k]:
+                    acc[t] += await self.closed(t, "latency", c, self.a.phase_s, True, self.a.output_tokens)
+            out[str(c)] = {t: _latency_row(summarize(rs, LOOSE_SLO)) for t, rs in acc.items()}
+            _add_deltas(out[str(c)])
+        return out
+
+    async def throughput(self) -> dict[str, Any]:
+        a, out = self.a, dict[str, Any]()
+        idle = {t: await self._idle_rate(t) for t in self.targets}
+        for rnd in range(a.rounds):
+            k = rnd % len(self.targets)
+            for t in self.targets[k:] + self.targets[:k]:
+                before, sim0, lg0 = _cpu_snapshot(self.fleet, t), _sim_cpu(self.fleet), time.process_time()
+                t0 = time.perf_counter()
+                rs = await self.closed(t, "throughput", a.tput_concurrency, a.tput_s, False, 4)
+                wall = time.perf_counter() - t0
+                spent = procs.cpu_delta(before, _cpu_snapshot(self.fleet, t))
+                row = out.setdefault(t, {"completed": 0, "duration_s": 0.0, "cpu_s": 0.0, "idle_cpu_s": 0.0,
+                                         "sim_cpu_s": 0.0, "loadgen_cpu_s": 0.0, "by_process_s": {}, "failed": 0})
+                s = summarize(rs, LOOSE_SLO)
+                row["completed"] += s["completed"]
+                row["failed"] += s["failed"]
+                row["duration_s"] += s["duration_s"]
+                row["cpu_s"] += sum(spent.values())
+                row["idle_cpu_s"] += idle[t] * wall
+                row["sim_cpu_s"] += _sim_cpu(self.fleet) - sim0
+                row["loadgen_cpu_s"] += time.process_time() - lg0
+                for label, v in spent.items():
+                    row["by_process_s"][label] = row["by_process_s"].get(label, 0.0) + v
+        for t, row in out.items():
+            n = max(1, row["completed"])
+            row["req_per_s"] = round(row["completed"] / row["duration_s"], 1) if row["duration_s"] else None
+            row["cpu_ms_per_req"] = round(1000 * row["cpu_s"] / n, 3) if row["cpu_s"] else None
+            row["cpu_ms_per_req_net"] = (round(1000 * max(0.0, row["cpu_s"] - row["idle_cpu_s"]) / n, 3)
+                                         if row["cpu_s"] else None)
+            row["sim_cpu_ms_per_req"] = round(1000 * row["sim_cpu_s"] / n, 3)
+            row["loadgen_cpu_ms_per_req"] = round(1000 * row["loadgen_cpu_s"] / n, 3)
+            top = sorted(row["by_process_s"].items(), key=lambda kv: -kv[1])
+            row["by_process_ms_per_req"] = {k: round(1000 * v / n, 3) for k, v in top if v > 0}
+            del row["by_process_s"]
+        for t, row in out.items():
+            row["vs_proxy"] = ratio(row["req_per_s"], out.get("proxy", {}).get("req_per_s"))
+            row["vs_direct"] = ratio(row["req_per_s"], out.get("direct", {}).get("req_per_s"))
+        return out
+
+    async def _idle_rate(self, target: str) -> float:
+        """CPU seconds per second the target's process tree burns with no traffic."""
+        before = _cpu_snapshot(self.fleet, target)
+        if not before:
+            return 0.0
+        t0 = time.perf_counter()
+        await asyncio.sleep(self.a.idle_s)
+        spent = sum(procs.cpu_delta(before, _cpu_snapshot(self.fleet, target)).values())
+        return spent / (time.perf_counter() - t0)
+
+    async def refusals(self) -> dict[str, Any] | None:
+        t = "narwhal-predictive"
+        if t not in self.targets:
+            return None
+        before = _cpu_snapshot(self.fleet, t)
+        rs = await self.closed(t, "refusal", 32, self.a.refusal_s, False, 4, headers=(("X-TTFT-Target", "0.001"),))
+        cpu = sum(procs.cpu_delta(before, _cpu_snapshot(self.fleet, t)).values())
+        s = summarize(rs, LOOSE_SLO)
+        return {
+            "offered": s["offered"], "refused": s["refused"], "error_codes": s["error_codes"],
+            "refusals_per_s": round(s["refused"] / s["duration_s"], 1) if s["duration_s"] else None,
+            "latency_ms": s["refusal_latency_ms"],
+            "cpu_ms_per_refusal": round(1000 * cpu / s["refused"], 3) if s["refused"] else None,
+        }
+
+
+def _latency_row(s: dict[str, Any]) -> dict[str, Any]:
+    return {"n": s["completed"], "failed": s["failed"], "ttft_p50": s["ttft_ms"]["p50"], "ttft_p99": s["ttft_ms"]["p99"],
+            "itl_p50": s["itl_ms"]["p50"], "itl_p99": s["itl_ms"]["p99"], "e2e_p50": s["e2e_ms"]["p50"],
+            "e2e_p99": s["e2e_ms"]["p99"], "chunks_per_req": _chunks(s)}
+
+
+def _chunks(s: dict[str, Any]) -> float | None:
+    n = s["completed"]
+    return round(s["itl_ms"]["n"] / n + 1, 2) if n else None
+
+
+def _add_deltas(rows: dict[str, dict[str, Any]]) -> None:
+    d, p = rows.get("direct"), rows.get("proxy")
+    for row in rows.values():
+        for k in ("ttft_p50", "ttft_p99", "itl_p99"):
+            row[f"added_{k}"] = diff(row[k], d[k]) if d else None
+            row[f"{k}_vs_proxy"] = ratio(row[k], p[k]) if p else None
+
+
+def overhead_checks(lat: dict[str, Any], tput: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for t in ("narwhal-open", "narwhal-predictive"):
+        for c, rows in lat.items():
+            if t in rows:
+                out.append(check(f"{t} added TTFT p50 c={c} (ms)", rows[t]["added_ttft_p50"], "<=", 2.0))
+                out.append(check(f"{t} added TTFT p99 c={c} (ms)", rows[t]["added_ttft_p99"], "<=", 6.0))
+        if t in tput:
+            out.append(check(f"{t} throughput / proxy", tput[t]["vs_proxy"], ">=", 0.5))
+    return out
+
+
+async def run_overhead(a: OverheadArgs, fleet: Fleet, targets: list[str]) -> dict[str, Any]:
+    run = OverheadRun(a, fleet, targets)
+    await run.warmup()
+    lat = await run.latency()
+    tput = await run.throughput()
+    refusal = await run.refusals()
+    return {"latency": lat, "throughput": tput, "refusal": refusal, "checks": overhead_checks(lat, tput),
+            "_log": run.log}

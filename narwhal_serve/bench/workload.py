@@ -1,0 +1,129 @@
+"""Synthetic workloads: arrival times, heavy-tailed lengths, prompts and request bodies.
+
+Everything is seeded and pure (no clock, no I/O), so a workload can be rebuilt exactly from its
+parameters.  Prompts are made of 3-letter words, each one token for the simulator's tokenizer and
+about one (``chars / 4``) for Narwhal's sizing; every prompt starts with words of its own, so the
+simulated prefix cache never shortens a prefill.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+Arrival = Literal["poisson", "constant", "burst"]
+Api = Literal["chat", "completions"]
+
+_LETTERS = np.array(list(string.ascii_lowercase))
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """Lognormal with ``median`` and log-space ``sigma``, rounded and clipped to ``[lo, hi]``."""
+
+    median: float
+    sigma: float
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        if not (self.median > 0 and self.sigma >= 0 and 1 <= self.lo <= self.hi):
+            raise ValueError(f"bad length distribution {self}")
+
+    def sample(self, rng: np.random.Generator, n: int) -> list[int]:
+        raw = rng.lognormal(mean=math.log(self.median), sigma=self.sigma, size=n)
+        return [int(v) for v in np.clip(np.rint(raw), self.lo, self.hi)]
+
+    def mean(self, n: int = 20_000, seed: int = 12345) -> float:
+        """Mean of the clipped distribution (Monte Carlo, deterministic)."""
+        return float(np.mean(self.sample(np.random.default_rng(seed), n)))
+
+
+def arrival_times(kind: Arrival, rate: float, duration_s: float, rng: np.random.Generator,
+                  burst_size: int = 8, max_requests: int = 1_000_000) -> list[float]:
+    """Send offsets in ``[0, duration_s)`` for a mean ``rate`` (requests per second).
+
+    ``poisson``: exponential gaps; ``constant``: one every ``1/rate``; ``burst``: ``burst_size``
+    requests at once every ``burst_size/rate`` seconds.
+    """
+    if rate <= 0 or duration_s <= 0:
+        return []
+    out: list[float] = []
+    if kind == "poisson":
+        t = 0.0
+        while len(out) < max_requests:
+            t += float(rng.exponential(1.0 / rate))
+            if t >= duration_s:
+                break
+            out.append(t)
+    elif kind == "constant":
+        n = min(max_requests, math.ceil(duration_s * rate))
+        out = [i / rate for i in range(n) if i / rate < duration_s]
+    elif kind == "burst":
+        if burst_size < 1:
+            raise ValueError("burst_size must be >= 1")
+        period = burst_size / rate
+        t = 0.0
+        while t < duration_s and len(out) < max_requests:
+            out.extend([t] * min(burst_size, max_requests - len(out)))
+            t += period
+    else:
+        raise ValueError(f"unknown arrival kind {kind!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request to send: when (offset from the run start), how long a prompt, how many tokens."""
+
+    idx: int
+    at: float
+    prompt_tokens: int
+    output_tokens: int
+    prompt: str
+
+
+def make_prompt(rng: np.random.Generator, n_tokens: int) -> str:
+    """``n_tokens`` random 3-letter words, space separated (one simulator token each)."""
+    letters = _LETTERS[rng.integers(0, 26, size=(max(1, n_tokens), 3))]
+    return " ".join("".join(w) for w in letters)
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_len: LengthDist
+    output_len: LengthDist
+    seed: int = 0
+
+    def specs(self, times: list[float], seed_offset: int = 0) -> list[RequestSpec]:
+        rng = np.random.default_rng([self.seed, seed_offset])
+        n = len(times)
+        prompts = self.prompt_len.sample(rng, n)
+        outputs = self.output_len.sample(rng, n)
+        return [RequestSpec(i, t, p, o, make_prompt(rng, p)) for i, (t, p, o) in enumerate(zip(times, prompts, outputs))]
+
+    def closed_loop_specs(self, n: int, seed_offset: int = 0) -> list[RequestSpec]:
+        """``n`` requests without send times (closed-loop clients take them in order)."""
+        return self.specs([0.0] * n, seed_offset)
+
+
+def build_body(spec: RequestSpec, api: Api, model: str, stream: bool, ignore_eos: bool = True) -> dict[str, Any]:
+    """An OpenAI request for ``spec``: ``max_tokens`` = its output length (with ``ignore_eos``)."""
+    body: dict[str, Any] = {"model": model, "max_tokens": spec.output_tokens, "stream": stream, "temperature": 0}
+    if api == "chat":
+        body["messages"] = [{"role": "user", "content": spec.prompt}]
+    else:
+        body["prompt"] = spec.prompt
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def api_path(api: Api) -> str:
+    return "/v1/chat/completions" if api == "chat" else "/v1/completions"
