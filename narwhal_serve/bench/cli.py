@@ -47,6 +47,13 @@ def _targets(s: str) -> list[str]:
     return ts
 
 
+def _key_value(s: str) -> tuple[str, str]:
+    key, sep, value = s.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--ray-env wants KEY=VALUE, got {s!r}")
+    return key, value
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("targets and fleet")
     g.add_argument("--targets", type=_targets, help=f"comma list of {', '.join(TARGETS)}")
@@ -61,6 +68,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tpot-base-s", type=float)
     g.add_argument("--tpot-per-running-s", type=float)
     g.add_argument("--narwhal-start-timeout-s", type=float, default=180.0)
+    g.add_argument("--ray-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for `serve run` (repeatable), e.g. RAY_SERVE_THROUGHPUT_OPTIMIZED=0")
     g.add_argument("--ray-niceness", type=int, default=0,
                    help="nice level of Narwhal's Ray workers (Ray's own default is 15, which on a shared "
                         "2-core machine puts the router behind the engines and the clients); default %(default)s")
@@ -118,7 +127,8 @@ def fleet_spec(ns: argparse.Namespace, budget_s: float) -> FleetSpec:
     )
     engines = len(ns.engine_url) or (ns.engines or DEFAULT_ENGINES[ns.mode])
     return FleetSpec(engines=engines, timing=timing, model=ns.model, external_urls=tuple(ns.engine_url),
-                     narwhal_budget_s=budget_s, ray_niceness=ns.ray_niceness)
+                     narwhal_budget_s=budget_s, ray_niceness=ns.ray_niceness,
+                     ray_env=tuple(_key_value(kv) for kv in ns.ray_env))
 
 
 def goodput_args(ns: argparse.Namespace) -> GoodputArgs:

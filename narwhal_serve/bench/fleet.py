@@ -64,6 +64,7 @@ class FleetSpec:
     external_urls: tuple[str, ...] = ()  # --engine-url: use these instead of simulated engines
     narwhal_budget_s: float = 2.0  # admission.ttft_budget_s (clients also send X-TTFT-Target)
     ray_niceness: int = 0  # Ray workers' nice level; 0 = same priority as the engines, proxy and clients
+    ray_env: tuple[tuple[str, str], ...] = ()  # extra environment for `serve run`
 
 
 def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets: list[str],
@@ -140,7 +141,8 @@ class Fleet:
                 nw_port, self.engine_urls, self.spec.model, nw_targets, self.spec.narwhal_budget_s), indent=1))
             serve = Path(sys.executable).parent / "serve"
             self.narwhal = procs.start("narwhal", [str(serve), "run", str(cfg_path)], self.log_dir,
-                                       env={**RAY_ENV, "RAY_worker_niceness": str(self.spec.ray_niceness)},
+                                       env={**RAY_ENV, "RAY_worker_niceness": str(self.spec.ray_niceness),
+                                            **dict(self.spec.ray_env)},
                                        cwd=_app_dir())
         if "proxy" in targets or "rr" in targets:
             port = procs.free_port()

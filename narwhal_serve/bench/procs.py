@@ -71,7 +71,7 @@ def process_label(pid: int) -> str:
     """A short role name: the Ray actor title (``ray::ServeReplica:app:Ingress``) or the program."""
     cmd = _cmdline(pid)
     if cmd.startswith("ray::"):
-        return cmd.split()[0]
+        return cmd.split()[0].split(".")[0]  # drop the method Ray appends while one runs
     st = _proc_stat(pid)
     comm = st[2] if st else "?"
     for key in ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", "serve run", "serve"):

@@ -18,13 +18,20 @@ from narwhal_serve.engines.sse import SSEDecoder
 _DONE = b"[DONE]"
 
 
-def _upstream_message(engine: str, resp_body: bytes, status: int) -> str:
+def _http_failure(engine: str, resp_body: bytes, status: int) -> EngineFailure:
+    """An EngineFailure carrying the engine's own error message and param, when it sent them."""
+    msg: str | None = None
+    param: str | None = None
     try:
         err = json.loads(resp_body).get("error", {})
-        msg = err.get("message") if isinstance(err, dict) else None
+        if isinstance(err, dict):
+            msg = err.get("message") if isinstance(err.get("message"), str) else None
+            param = err.get("param") if isinstance(err.get("param"), str) else None
     except (ValueError, AttributeError):
-        msg = None
-    return f"HTTP {status}" + (f": {msg}" if msg else "")
+        pass
+    return EngineFailure(
+        engine, f"HTTP {status}" + (f": {msg}" if msg else ""), status=status, upstream_message=msg, param=param
+    )
 
 
 async def stream_chunks(
@@ -47,7 +54,7 @@ async def stream_chunks(
     try:
         if resp.status_code != 200:
             raw = await resp.aread()
-            raise EngineFailure(engine, _upstream_message(engine, raw, resp.status_code), status=resp.status_code)
+            raise _http_failure(engine, raw, resp.status_code)
         dec = SSEDecoder()
         done = False
         try:
@@ -82,8 +89,13 @@ def _parse(engine: str, data: bytes) -> dict[str, Any]:
         raise EngineFailure(engine, "SSE payload is not a JSON object")
     if "error" in obj and "choices" not in obj:
         err = obj["error"]
-        msg = err.get("message") if isinstance(err, dict) else err
-        raise EngineFailure(engine, f"engine error event: {msg}")
+        if isinstance(err, dict):
+            code = err.get("code")
+            status = code if isinstance(code, int) and not isinstance(code, bool) else None
+            msg = err.get("message") if isinstance(err.get("message"), str) else None
+            param = err.get("param") if isinstance(err.get("param"), str) else None
+            raise EngineFailure(engine, f"engine error event: {msg}", status=status, upstream_message=msg, param=param)
+        raise EngineFailure(engine, f"engine error event: {err}")
     return obj
 
 
@@ -100,7 +112,7 @@ async def post_json(
     except httpx.HTTPError as exc:
         raise EngineFailure(engine, f"request failed: {type(exc).__name__}: {exc}") from None
     if resp.status_code != 200:
-        raise EngineFailure(engine, _upstream_message(engine, resp.content, resp.status_code), status=resp.status_code)
+        raise _http_failure(engine, resp.content, resp.status_code)
     try:
         obj = resp.json()
     except ValueError:

@@ -23,11 +23,18 @@ class Dialect(Protocol):
         ...
 
 
-def streaming_body(req: ParsedRequest) -> dict[str, Any]:
-    """The client's body as a streaming request that always ends with a usage frame."""
+def streaming_body(req: ParsedRequest, *, counts_from_ids: bool = False) -> dict[str, Any]:
+    """The client's body as a streaming request.
+
+    It asks for the usage frame whenever the router needs it: for assembly (non-streaming
+    clients), when the client asked, and when output can only be counted from usage (no token
+    IDs).  Otherwise it leaves the client's choice alone, so the engine keeps putting
+    ``system_fingerprint`` on the final choice chunk as it does for a plain stream.
+    """
     body = dict(req.body)
     body["stream"] = True
-    so = dict(body.get("stream_options") or {})
-    so["include_usage"] = True
-    body["stream_options"] = so
+    if not req.stream or req.include_usage or not counts_from_ids:
+        so = dict(body.get("stream_options") or {})
+        so["include_usage"] = True
+        body["stream_options"] = so
     return body

@@ -8,11 +8,30 @@ sees when nothing else can be done.
 from __future__ import annotations
 
 
+# Engine answers that blame the request itself: retrying elsewhere cannot help, and the client
+# gets a 400 with the engine's message and param instead of a 502.
+CLIENT_ERROR_STATUSES = frozenset({400, 413, 422})
+
+
 class EngineFailure(Exception):
     """The engine could not be used for this attempt (connect error, HTTP error, broken stream)."""
 
-    def __init__(self, engine: str, message: str, *, status: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: str,
+        message: str,
+        *,
+        status: int | None = None,
+        upstream_message: str | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(f"engine {engine}: {message}")
         self.engine = engine
         self.message = message
         self.status = status
+        self.upstream_message = upstream_message
+        self.param = param
+
+    @property
+    def client_error(self) -> bool:
+        return self.status in CLIENT_ERROR_STATUSES

@@ -24,7 +24,7 @@ class VLLMDialect:
     supports_pd = True
 
     def decode_body(self, req: ParsedRequest, kv_transfer_params: Any = None) -> dict[str, Any]:
-        body = streaming_body(req)
+        body = streaming_body(req, counts_from_ids=True)
         body["return_token_ids"] = True
         body["stream_interval"] = 1
         if kv_transfer_params is not None:

@@ -45,6 +45,14 @@ def _seconds_header(request: Request, name: str) -> float | None:
     return f
 
 
+def _outcome_of(err: ErrorInfo) -> Outcome:
+    if err.status == 504:
+        return Outcome.EXPIRED
+    if 400 <= err.status < 500:
+        return Outcome.INVALID  # the engine rejected the request itself
+    return Outcome.FAILED
+
+
 def internal_error(message: str) -> ErrorInfo:
     return NarwhalError(message, code="internal_error").info()
 
@@ -178,7 +186,7 @@ class CompletionHandler:
             await _close(gen)
             return error_response(internal_error(f"relay failed: {type(exc).__name__}"), rid)
         if first.error is not None and not first.data:
-            state.end(Outcome.EXPIRED if first.error.status == 504 else Outcome.FAILED, first.error.code)
+            state.end(_outcome_of(first.error), first.error.code)
             await _close(gen)
             return error_response(first.error, rid)
         if not parsed.stream:

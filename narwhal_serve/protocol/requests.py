@@ -209,6 +209,9 @@ def parse_request(route: Route, raw: bytes, *, model: str) -> ParsedRequest:
         max_out = body.get("max_tokens")
     if not stream:
         _check_nonstream_options(body)
+        if route == "completion" and body.get("echo") is True:
+            # vLLM does not echo the prompt in the stream the assembler folds
+            raise UnsupportedOption("echo is not supported for non-streaming completions", param="echo")
     so = body.get("stream_options") or {}
     prompt_tokens = len(ids) if ids is not None else max(1, (chars + 3) // 4)
     return ParsedRequest(

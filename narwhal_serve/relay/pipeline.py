@@ -20,7 +20,7 @@ from narwhal_serve.assembly.fold import Assembler
 from narwhal_serve.assembly.tokens import check_token_ids
 from narwhal_serve.engines.errors import EngineFailure
 from narwhal_serve.engines.legs import dialect_of, open_route
-from narwhal_serve.errors import BadEngineResponse, ErrorInfo, TerminalExpiry
+from narwhal_serve.errors import BadEngineResponse, ErrorInfo, InvalidRequest, TerminalExpiry
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
 from narwhal_serve.relay.messages import RelayMessage, RelayStats
 
@@ -91,7 +91,14 @@ class Relay:
                 async for msg in work(placed, route, headers, meter, attempt):
                     yield msg
                 return
-            except (EngineFailure, BadEngineResponse) as exc:
+            except EngineFailure as exc:
+                if exc.client_error:  # the engine blames the request: no other engine will differ
+                    why = exc.upstream_message or exc.message
+                    rejected = InvalidRequest(f"The engine rejected the request: {why}", param=exc.param)
+                    yield RelayMessage(error=rejected.info(), final=True)
+                    return
+                failures.append(str(exc))
+            except BadEngineResponse as exc:
                 failures.append(str(exc))
         if self.clock() >= placed.deadline:
             err = TerminalExpiry(

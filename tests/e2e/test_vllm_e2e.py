@@ -332,12 +332,9 @@ async def test_measure_added_ttft(e2e: E2E) -> None:
 
 
 # ----------------------------------------------------------------------------- router gaps found here
-# Strict xfails: each documents a difference from the engine that this suite found; when the router
-# is fixed the test passes, strict mode turns that into a failure, and the mark must go.
+# Differences from the engine that this suite found and the router then fixed.
 
 
-@pytest.mark.xfail(strict=True, reason="router gap: plain streams lose system_fingerprint (it rides on the "
-                   "usage frame Narwhal asked for and then drops)")
 async def test_plain_stream_keeps_system_fingerprint(e2e: E2E) -> None:
     async with httpx.AsyncClient(timeout=60) as c:
         _, direct = await stream_events(c, e2e.vllm + "/v1/chat/completions", chat_body())
@@ -347,8 +344,6 @@ async def test_plain_stream_keeps_system_fingerprint(e2e: E2E) -> None:
     assert [ev["system_fingerprint"] for ev in ours if ev.get("system_fingerprint")] == want
 
 
-@pytest.mark.xfail(strict=True, reason="router gap: an engine's 400 for the client's own mistake becomes "
-                   "502 upstream_error / bad_engine_response")
 @pytest.mark.parametrize("case", ["max_tokens_over_context", "prompt_over_context"])
 async def test_engine_validation_error_is_a_client_error(e2e: E2E, case: str) -> None:
     if case == "max_tokens_over_context":
@@ -363,8 +358,6 @@ async def test_engine_validation_error_is_a_client_error(e2e: E2E, case: str) ->
     assert ours.json()["error"]["type"] == "invalid_request_error"
 
 
-@pytest.mark.xfail(strict=True, reason="router gap: echo=true on a non-streaming completion loses the prompt "
-                   "(Narwhal streams from the engine, and vLLM's stream does not echo)")
 async def test_nonstream_echo_matches_direct(e2e: E2E) -> None:
     body = body_for("completion", echo=True, max_tokens=2)
     async with httpx.AsyncClient(timeout=60) as c:

@@ -7,7 +7,8 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import MODEL, Graph
+from tests.integration.conftest import ADMIN, MODEL, Graph
+from tests.integration.helpers import wait_status
 
 MSGS = [{"role": "user", "content": "Tell me about narwhals."}]
 
@@ -89,21 +90,34 @@ async def test_completions(graph: Graph, stream: bool) -> None:
 
 
 async def test_request_id_is_kept_and_sent_to_both_pd_legs(graph: Graph) -> None:
-    """Sequential requests rotate over the unified engine and the P/D pair; the P/D ones carry the
-    prefill answer's kv_transfer_params verbatim to the decode leg, with the same X-Request-Id."""
+    """With the unified engine deregistered at run time, requests go through the P/D pair: the
+    decode leg carries the prefill answer's kv_transfer_params verbatim, with the same X-Request-Id."""
+    unified = {"name": "sim-unified-0", "url": graph.sim_url(2), "role": "unified", "dialect": "vllm"}
     async with httpx.AsyncClient(timeout=30) as c:
-        rids = []
-        for i in range(4):
-            rid = f"test-pd-{i}"
-            r = await c.post(graph.url + "/v1/completions", headers={"X-Request-Id": rid},
-                             json={"model": MODEL, "prompt": f"pd {i}", "max_tokens": 3})
-            assert r.status_code == 200 and r.headers["x-request-id"] == rid
-            rids.append(rid)
-        pre = (await c.get(graph.sim_url(0) + "/sim/stats")).json()
-        dec = (await c.get(graph.sim_url(1) + "/sim/stats")).json()
+        r = await c.request("DELETE", graph.url + "/admin/engines", json={"name": "sim-unified-0"}, headers=ADMIN)
+        assert r.status_code == 200 and r.json()["result"] is True
+        try:
+            await _pd_requests(graph, c)
+        finally:
+            r = await c.post(graph.url + "/admin/engines", json=unified, headers=ADMIN)
+            assert r.status_code == 200
+        await wait_status(graph.url, lambda s: any(e["name"] == "sim-unified-0" and e["eligible"] for e in s["engines"]),
+                          "the unified engine to be eligible again")
+
+
+async def _pd_requests(graph: Graph, c: httpx.AsyncClient) -> None:
+    rids = []
+    for i in range(4):
+        rid = f"test-pd-{i}"
+        r = await c.post(graph.url + "/v1/completions", headers={"X-Request-Id": rid},
+                         json={"model": MODEL, "prompt": f"pd {i}", "max_tokens": 3})
+        assert r.status_code == 200 and r.headers["x-request-id"] == rid
+        rids.append(rid)
+    pre = (await c.get(graph.sim_url(0) + "/sim/stats")).json()
+    dec = (await c.get(graph.sim_url(1) + "/sim/stats")).json()
     pre_by_id = {x["request_id"]: x["body"] for x in pre["requests"] if x["request_id"] in rids}
     dec_by_id = {x["request_id"]: x["body"] for x in dec["requests"] if x["request_id"] in rids}
-    assert pre_by_id, "no request went through the P/D pair"
+    assert len(pre_by_id) == 4, "every request goes through the P/D pair"
     assert set(pre_by_id) == set(dec_by_id)
     for rid, pbody in pre_by_id.items():
         assert pbody["stream"] is False and pbody["max_tokens"] == 1

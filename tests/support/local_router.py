@@ -12,6 +12,7 @@ import uvicorn
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.gateway.app import build_api
 from narwhal_serve.gateway.backend import LocalBackend
+from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.scheduler.service import SchedulerService
 from narwhal_serve.sim.server import SimServer, start_server
 from tests.support.net import free_port, free_port_run
@@ -26,6 +27,7 @@ class LocalRouter:
     server: uvicorn.Server
     task: "asyncio.Task[None]"
     client: httpx.AsyncClient
+    app_reporter: Reporter
 
     def sim(self, name: str) -> SimServer:
         return next(s for s in self.sims if s.engine.cfg.name == name)
@@ -58,4 +60,4 @@ async def start_local_router(args: dict[str, Any]) -> LocalRouter:
         if server.started:
             break
         await asyncio.sleep(0.01)
-    return LocalRouter(f"http://127.0.0.1:{port}", cfg, svc, sims, server, task, client)
+    return LocalRouter(f"http://127.0.0.1:{port}", cfg, svc, sims, server, task, client, app.state.reporter)

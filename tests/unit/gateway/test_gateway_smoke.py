@@ -1,6 +1,9 @@
 """The gateway and scheduler in-process (no Ray): SGLang bootstrap P/D, OpenAI dialect, disconnects."""
 
+import asyncio
+import socket
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -63,3 +66,25 @@ async def test_openai_dialect_has_no_token_ids(plain: LocalRouter) -> None:
     sent = plain.sim("oa").engine.recent[-1]["body"]
     assert "return_token_ids" not in sent and "stream_interval" not in sent
     assert plain.svc.snapshot()["engines"][0]["token_accounting"] == "unavailable"
+
+
+def _short_body_then_close(url: str) -> None:
+    u = urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 400\r\n\r\n".encode() + b'{"model": "narwh'
+        )
+
+
+async def test_body_that_ends_before_sizing_counts_unsized_offered(plain: LocalRouter) -> None:
+    before = plain.svc.snapshot()["counters"]
+    await asyncio.to_thread(_short_body_then_close, plain.url)
+    for _ in range(500):  # bounded: the report arrives within a few event-loop turns
+        await plain.app_reporter.flush()
+        now = plain.svc.snapshot()["counters"]
+        if now["unsized_offered"] > before["unsized_offered"]:
+            break
+        await asyncio.sleep(0.01)
+    assert now["unsized_offered"] == before["unsized_offered"] + 1
+    assert now["offered"] == before["offered"] + 1 and now["cancelled"] == before["cancelled"] + 1

@@ -1,0 +1,115 @@
+"""The relay's attempt loop over httpx.MockTransport engines: retries before headers, client errors,
+errors after headers."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from narwhal_serve.config import EngineConfig
+from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
+from narwhal_serve.protocol.requests import parse_request
+from narwhal_serve.relay.messages import RelayMessage
+from narwhal_serve.relay.pipeline import Relay
+
+E1 = EngineConfig(name="e1", url="http://e1")
+E2 = EngineConfig(name="e2", url="http://e2")
+
+
+def sse(*chunks: dict[str, Any], done: bool = True) -> bytes:
+    out = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+    return out + (b"data: [DONE]\n\n" if done else b"")
+
+
+def tok(text: str, ids: Any, finish: str | None = None) -> dict[str, Any]:
+    return {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish, "token_ids": ids}]}
+
+
+ROLE = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+GOOD = sse(ROLE, tok("a", [1]), tok("b", [2], "length"))
+
+
+def placed(stream: bool, body: dict[str, Any] | None = None) -> PlacedRequest:
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "q"}], "stream": stream, **(body or {})})
+    req = parse_request("chat", raw.encode(), model="m")
+    routes = (RouteChoice(kind="single", decode=E1), RouteChoice(kind="single", decode=E2))
+    return PlacedRequest("rid-1", "m", req, routes, time.time() + 30)
+
+
+async def run(handler: Callable[[httpx.Request], httpx.Response], p: PlacedRequest) -> tuple[list[RelayMessage], list[str]]:
+    seen: list[str] = []
+
+    def h(req: httpx.Request) -> httpx.Response:
+        seen.append(req.url.host)
+        assert req.headers["x-request-id"] == "rid-1"
+        return handler(req)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(h)) as client:
+        msgs = [m async for m in Relay(client).run(p)]
+    return msgs, seen
+
+
+async def test_engine_client_error_is_a_400_without_retry() -> None:
+    err = {"error": {"message": "max_tokens too big", "type": "BadRequestError", "param": "max_tokens", "code": 400}}
+    msgs, seen = await run(lambda r: httpx.Response(400, json=err), placed(False))
+    assert seen == ["e1"]
+    assert msgs[-1].error is not None and msgs[-1].error.status == 400
+    assert msgs[-1].error.param == "max_tokens" and "max_tokens too big" in msgs[-1].error.message
+
+
+async def test_server_error_retries_next_route() -> None:
+    def h(r: httpx.Request) -> httpx.Response:
+        if r.url.host == "e1":
+            return httpx.Response(500, json={"error": {"message": "boom"}})
+        return httpx.Response(200, stream=httpx.ByteStream(GOOD))
+
+    msgs, seen = await run(h, placed(True))
+    assert seen == ["e1", "e2"]
+    data = b"".join(m.data for m in msgs)
+    assert data.endswith(b"data: [DONE]\n\n") and b'"a"' in data and msgs[-1].error is None
+    assert msgs[0].first_token and msgs[-1].stats is not None and msgs[-1].stats.attempts == 2
+
+
+async def test_bad_first_token_ids_retry_then_all_bad_is_502() -> None:
+    bad = sse(ROLE, tok("a", [True]))
+    msgs, seen = await run(lambda r: httpx.Response(200, stream=httpx.ByteStream(bad)), placed(True))
+    assert seen == ["e1", "e2"]
+    assert len(msgs) == 1 and msgs[0].error is not None and msgs[0].error.status == 502 and not msgs[0].data
+
+
+class Parts(httpx.AsyncByteStream):
+    """A body that arrives in several network reads."""
+
+    def __init__(self, *parts: bytes) -> None:
+        self.parts = parts
+
+    async def __aiter__(self):  # type: ignore[no-untyped-def]
+        for p in self.parts:
+            yield p
+
+
+async def test_failure_after_headers_is_an_error_event() -> None:
+    parts = (sse(ROLE, tok("a", [1]), done=False), sse(tok("b", [-5]), done=False))
+    msgs, seen = await run(lambda r: httpx.Response(200, stream=Parts(*parts)), placed(True))
+    assert seen == ["e1"]
+    tail = msgs[-1]
+    assert tail.final and tail.error is not None and tail.error.code == "bad_engine_response"
+    assert tail.data.startswith(b'data: {"error"') and tail.data.endswith(b"data: [DONE]\n\n")
+
+
+async def test_stream_without_done_is_a_failure_and_usage_is_hidden_unless_asked() -> None:
+    usage = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+             "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+    msgs, _ = await run(lambda r: httpx.Response(200, stream=httpx.ByteStream(sse(ROLE, tok("a", [1], "stop"), usage))), placed(True))
+    data = b"".join(m.data for m in msgs)
+    assert b'"usage"' not in data and b"token_ids" not in data
+    msgs, _ = await run(lambda r: httpx.Response(200, stream=httpx.ByteStream(sse(ROLE, tok("a", [1], "stop"), usage))),
+                        placed(True, {"stream_options": {"include_usage": True}, "return_token_ids": True}))
+    data = b"".join(m.data for m in msgs)
+    assert b'"usage"' in data and b'"token_ids":[1]' in data
