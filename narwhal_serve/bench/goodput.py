@@ -3,7 +3,8 @@
 1. **SLO capacity** ``C``: estimated from the simulator's timing model (Little's law with every
    engine slot busy: ``engines * max_num_seqs / E[prefill + (out-1) * tpot(full batch)]``) and
    measured by a calibration run: closed-loop clients straight at the engines, exactly one per
-   engine slot, so nothing queues; ``C`` = that run's goodput (SLO-meeting completions per second).
+   engine slot, so nothing queues; ``C`` = ``clients / mean latency`` (Little's law, free of the
+   window's ramp and tail) times the share of that run's requests that met the SLO.
    ``--capacity-rps`` skips both.
 2. **sweep**: for each rate (fractions of ``C``, or ``--rates-rps``) one seeded arrival sequence and
    request set, sent to every target in rotated order; each run lasts ``duration_s`` plus at most
@@ -94,8 +95,13 @@ class GoodputRun:
                                            progress=prog)
         self.log.append(({"phase": "calibrate", "target": "direct", "concurrency": conc}, rs))
         s = summarize(rs, a.slo)
-        out.update(capacity_rps=s["goodput_rps"], throughput_rps=s["throughput_rps"], concurrency=conc,
-                   source="calibration", slo_attainment=s["slo_attainment_admitted"],
+        # Little's law: each client always has one request in flight, so the fleet completes
+        # conc / mean latency per second -- free of the ramp and tail of a short window.
+        mean_e2e = (s["e2e_ms"]["mean"] or 0.0) / 1000.0
+        thru = conc / mean_e2e if mean_e2e > 0 else 0.0
+        attain = s["slo_attainment_admitted"] or 0.0
+        out.update(capacity_rps=round(thru * attain, 3), throughput_rps=round(thru, 3), concurrency=conc,
+                   source="calibration", slo_attainment=attain, window_throughput_rps=s["throughput_rps"],
                    ttft_p99_ms=s["ttft_ms"]["p99"], tpot_p99_ms=s["tpot_ms"]["p99"])
         return out
 
@@ -127,7 +133,7 @@ class GoodputRun:
             k = i % len(self.targets)
             for t in self.targets[k:] + self.targets[:k]:
                 rs = await self.open_run(t, "sweep", rate, 100 + i)
-                s = summarize(rs, self.a.slo)
+                s = summarize(rs, self.a.slo, duration_s=self.a.duration_s)
                 rows.append({"target": t, "load": round(frac, 3), "offered_rps": round(rate, 3),
                              "goodput_vs_capacity": ratio(s["goodput_rps"], capacity), **s})
         return rows

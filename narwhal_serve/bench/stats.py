@@ -10,7 +10,10 @@ Definitions (also in the JSON output under ``definitions``):
 * **admitted**: got HTTP 200 response headers.  **refused**: 429 or 503 (any code).
 * **good**: completed (200, stream ended cleanly) with ``ttft <= slo_ttft`` and ``tpot <= slo_tpot``;
   **goodput** = good / duration (vLLM ``bench serve --goodput``); **attainment** = good / admitted.
-* **duration**: first send → last request finished (or was cut at the drain bound).
+* **duration**: for open-loop runs the arrival window (so that goodput at low load equals the
+  offered rate times attainment, whatever the length of the tail); for closed-loop runs the span
+  first send → last finish.  ``span_s`` and ``goodput_rps_span`` (vLLM's definition: good / span,
+  tail included) are reported too.
 * **Retry-After accuracy**: (1) *retry sample*: a sample of refusals carrying Retry-After is sent
   again, once, after that many seconds; ``retry_success`` = share of those retries that were
   admitted, ``retry_good`` = share that also met the SLO.  (2) *capacity gap*: for every such
@@ -124,7 +127,8 @@ def run_duration(results: Iterable[RequestResult]) -> float:
 def summarize(results: Sequence[RequestResult], slo: Slo, duration_s: float | None = None) -> dict[str, Any]:
     """The report of one run (first tries only; retries are judged by :func:`retry_after_accuracy`)."""
     first = [r for r in results if r.retry_of is None]
-    dur = run_duration(first) if duration_s is None else duration_s
+    span = run_duration(first)
+    dur = span if duration_s is None else duration_s
     ok = [r for r in first if r.ok]
     admitted = [r for r in first if r.admitted]
     refused = [r for r in first if r.refused]
@@ -140,6 +144,8 @@ def summarize(results: Sequence[RequestResult], slo: Slo, duration_s: float | No
         "failed": len(failed),
         "good": len(good),
         "duration_s": round(dur, 3),
+        "span_s": round(span, 3),
+        "goodput_rps_span": round(len(good) / span, 3) if span > 0 else 0.0,
         "throughput_rps": round(per_s(len(ok)), 3),
         "output_tok_per_s": round(per_s(sum(r.output_tokens for r in ok)), 1),
         "goodput_rps": round(per_s(len(good)), 3),

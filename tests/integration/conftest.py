@@ -38,6 +38,9 @@ class Graph:
     def sim_url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.sim_base + i}"
 
+    def unified_engine(self) -> dict[str, str]:
+        return {"name": "sim-unified-0", "url": self.sim_url(2), "role": "unified", "dialect": "vllm"}
+
 
 SIM_ENGINES = [
     {"name": "sim-prefill-0", "role": "prefill"},

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 
-from tests.integration.conftest import MODEL, TIGHT_KEY
+from tests.integration.conftest import ADMIN, MODEL, TIGHT_KEY
 
 AUTH = {"Authorization": f"Bearer {TIGHT_KEY}"}
 
@@ -75,6 +76,12 @@ class Held:
                     self.first_chunk.set()
                 self.body = b"".join(parts)
 
+    def failed(self) -> BaseException | None:
+        """The exception that ended the request early, if it did."""
+        if self._task.done() and not self._task.cancelled():
+            return self._task.exception()
+        return None
+
     async def finished(self) -> httpx.Response:
         await self._task
         assert self.result is not None
@@ -94,3 +101,17 @@ def balanced(snap: dict[str, Any]) -> bool:
     terminal = sum(c[k] for k in ("completed", "failed", "rejected", "refused", "invalid_requests", "expired", "cancelled"))
     g = snap["gauges"]
     return c["offered"] == terminal and not any(g.values())
+
+
+@asynccontextmanager
+async def without_engine(base: str, engine: dict[str, Any]) -> AsyncIterator[None]:
+    """Deregister ``engine`` at run time (admin API) and register it again afterwards."""
+    async with httpx.AsyncClient(base_url=base, timeout=30, headers=ADMIN) as c:
+        r = await c.request("DELETE", "/admin/engines", json={"name": engine["name"]})
+        assert r.status_code == 200 and r.json()["result"] is True
+        try:
+            yield
+        finally:
+            assert (await c.post("/admin/engines", json=engine)).status_code == 200
+    await wait_status(base, lambda s: any(e["name"] == engine["name"] and e["eligible"] for e in s["engines"]),
+                      f"{engine['name']} to be eligible again")

@@ -23,10 +23,10 @@ async def test_burst_of_mixed_outcomes_balances(graph: Graph) -> None:
         async with httpx.AsyncClient(timeout=30) as c:
             if kind == 0:  # a client that gives up while its request hangs at the engine or in the queue
                 try:
-                    await c.post(url, json=chat_body(sim={"fault": "hang"}), headers=AUTH, timeout=0.5)
+                    r = await c.post(url, json=chat_body(sim={"fault": "hang"}), headers=AUTH, timeout=0.5)
                 except httpx.TimeoutException:
                     return -1
-                return -2
+                return r.status_code  # refused at once (queue or retention full)
             if kind == 1:
                 return (await c.post(url, json={"model": "narwhal-sim"}, headers=AUTH)).status_code
             if kind == 2:
@@ -36,7 +36,6 @@ async def test_burst_of_mixed_outcomes_balances(graph: Graph) -> None:
             return (await c.post(url, json=chat_body(), headers=AUTH)).status_code
 
     codes = await asyncio.gather(*(one(i) for i in range(40)))
-    assert -2 not in codes
     assert set(codes) <= {-1, 200, 400, 429, 504}, codes
     assert codes.count(400) == 8
     snap = await wait_status(g, balanced, "every permit and queue slot back, counters balanced", timeout=30)

@@ -7,8 +7,8 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import ADMIN, MODEL, Graph
-from tests.integration.helpers import wait_status
+from tests.integration.conftest import MODEL, Graph
+from tests.integration.helpers import without_engine
 
 MSGS = [{"role": "user", "content": "Tell me about narwhals."}]
 
@@ -92,17 +92,8 @@ async def test_completions(graph: Graph, stream: bool) -> None:
 async def test_request_id_is_kept_and_sent_to_both_pd_legs(graph: Graph) -> None:
     """With the unified engine deregistered at run time, requests go through the P/D pair: the
     decode leg carries the prefill answer's kv_transfer_params verbatim, with the same X-Request-Id."""
-    unified = {"name": "sim-unified-0", "url": graph.sim_url(2), "role": "unified", "dialect": "vllm"}
-    async with httpx.AsyncClient(timeout=30) as c:
-        r = await c.request("DELETE", graph.url + "/admin/engines", json={"name": "sim-unified-0"}, headers=ADMIN)
-        assert r.status_code == 200 and r.json()["result"] is True
-        try:
-            await _pd_requests(graph, c)
-        finally:
-            r = await c.post(graph.url + "/admin/engines", json=unified, headers=ADMIN)
-            assert r.status_code == 200
-        await wait_status(graph.url, lambda s: any(e["name"] == "sim-unified-0" and e["eligible"] for e in s["engines"]),
-                          "the unified engine to be eligible again")
+    async with without_engine(graph.url, graph.unified_engine()), httpx.AsyncClient(timeout=30) as c:
+        await _pd_requests(graph, c)
 
 
 async def _pd_requests(graph: Graph, c: httpx.AsyncClient) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 
 from tests.integration.conftest import Graph
-from tests.integration.helpers import Held, balanced, chat_body, counter, status, wait_status
+from tests.integration.helpers import Held, balanced, chat_body, counter, status, wait_status, without_engine
 
 URL = "/v1/chat/completions"
 
@@ -24,38 +24,40 @@ async def test_prompt_alone_over_budget(graph: Graph) -> None:
 
 
 async def test_projected_ttft_over_budget_with_honest_retry_after(graph: Graph) -> None:
-    g = graph.url
-    # load both first-token engines with large prompts that never finish prefill
-    held = [Held(g + URL, chat_body("word " * 20000, sim={"fault": "hang"}), {"X-TTFT-Target": "60"})
-            for _ in range(2)]
-    snap = await wait_status(
-        g, lambda s: sum(e["pending_prefill_tokens"] > 0 for e in s["engines"] if e["role"] != "decode") == 2,
-        "both routes hold pending prefill work")
-    prompt = "short"
-    p_tokens = 3
-    firsts = [e for e in snap["engines"] if e["role"] != "decode"]
-    alone = max(e["ttft_model"]["a_s"] + e["ttft_model"]["b_s_per_token"] * p_tokens for e in firsts)
-    projected = min(
-        e["ttft_model"]["a_s"] + e["ttft_model"]["b_s_per_token"] * (e["pending_prefill_tokens"] + p_tokens)
-        for e in firsts
-    )
-    assert alone < projected
+    """With the unified engine deregistered, one P/D route remains: load its prefill engine with a
+    long prompt that never finishes, then ask for a budget between 'prompt alone' and 'projected'."""
+    async with without_engine(graph.url, graph.unified_engine()):
+        await _over_budget(graph.url)
+
+
+async def _over_budget(g: str) -> None:
+    held = Held(g + URL, chat_body("word " * 2000, sim={"fault": "hang"}), {"X-TTFT-Target": "60"})
+
+    def loaded(s: dict) -> bool:  # type: ignore[type-arg]
+        if held.failed() is not None or (held.result is not None and held.result.status_code != 200):
+            raise AssertionError(f"the held request ended early: {held.failed()!r} {held.result}")
+        return any(e["role"] == "prefill" and e["pending_prefill_tokens"] > 0 for e in s["engines"])
+
+    snap = await wait_status(g, loaded, "the prefill engine holds pending prefill work")
+    prefill = next(e for e in snap["engines"] if e["role"] == "prefill")
+    a, b, pending = prefill["ttft_model"]["a_s"], prefill["ttft_model"]["b_s_per_token"], prefill["pending_prefill_tokens"]
+    p_tokens = 3  # "short" as the router sizes it: chars/4 over the message plus its role overhead
+    alone, projected = a + b * p_tokens, a + b * (pending + p_tokens)
     budget = (alone + projected) / 2
     before = counter(snap, "refused", "ttft_budget_exceeded")
     try:
         async with httpx.AsyncClient(base_url=g, timeout=30) as c:
-            r = await c.post(URL, json=chat_body(prompt), headers={"X-TTFT-Target": f"{budget:.6f}"})
+            r = await c.post(URL, json=chat_body("short"), headers={"X-TTFT-Target": f"{budget:.6f}"})
             assert r.status_code == 429, r.text
             err = r.json()["error"]
             assert (err["type"], err["code"]) == ("rate_limit_error", "ttft_budget_exceeded")
             assert r.headers["retry-after"] == str(max(1, round(projected - budget)))
             assert counter(await status(g), "refused", "ttft_budget_exceeded") == before + 1
             # the same request with a budget above the projection is admitted
-            r = await c.post(URL, json=chat_body(prompt), headers={"X-TTFT-Target": f"{projected + 1:.3f}"})
+            r = await c.post(URL, json=chat_body("short"), headers={"X-TTFT-Target": f"{projected + 1:.3f}"})
             assert r.status_code == 200, r.text
     finally:
-        for h in held:
-            await h.cancel()
+        await held.cancel()
     await wait_status(g, balanced, "counters balance and permits are back")
     snap = await status(g)
     assert all(e["pending_prefill_tokens"] == 0 for e in snap["engines"])

@@ -85,6 +85,9 @@ def test_summarize_goodput_attainment_and_refusals() -> None:
     assert s["refusal_rate"] == 0.2
     assert s["error_codes"] == {"ttft_budget_exceeded": 1, "cut": 1}
     assert s["ttft_ms"]["n"] == 3
+    assert s["span_s"] == 4.0 and s["goodput_rps_span"] == 0.5
+    w = summarize(rs, SLO, duration_s=2.0)  # open loop: per second of arrival window
+    assert w["goodput_rps"] == 1.0 and w["goodput_rps_span"] == 0.5
 
 
 def test_retries_do_not_count_as_offered() -> None:
