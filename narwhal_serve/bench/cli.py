@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     o = sub.add_parser("overhead", help="added latency, throughput, CPU per request, refusal path")
     _common(o)
     o.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="closed-loop clients (comma list)")
-    o.add_argument("--phase-s", type=float, default=4.0, help="seconds per target per round per concurrency")
+    o.add_argument("--phase-s", type=float, default=3.0, help="seconds per target per round per concurrency")
     o.add_argument("--rounds", type=int, default=2)
     o.add_argument("--tput-concurrency", type=int, default=64)
     o.add_argument("--tput-s", type=float, default=5.0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from narwhal_serve.bench import procs
@@ -24,7 +24,7 @@ from narwhal_serve.bench.fleet import Fleet
 from narwhal_serve.bench.progress import Progress
 from narwhal_serve.bench.report import check
 from narwhal_serve.bench.stats import RequestResult, Slo, diff, ratio, summarize
-from narwhal_serve.bench.workload import Api, LengthDist, Workload
+from narwhal_serve.bench.workload import Api, LengthDist, RequestSpec, Workload
 
 LOOSE_SLO = Slo(ttft_s=60.0, tpot_s=60.0)
 
@@ -32,7 +32,7 @@ LOOSE_SLO = Slo(ttft_s=60.0, tpot_s=60.0)
 @dataclass
 class OverheadArgs:
     concurrencies: list[int] = field(default_factory=lambda: [1, 8, 32])
-    phase_s: float = 4.0
+    phase_s: float = 3.0
     rounds: int = 2
     tput_concurrency: int = 64
     tput_s: float = 5.0
@@ -67,14 +67,16 @@ class OverheadRun:
         self.fleet = fleet
         self.targets = targets
         self.log: list[tuple[dict[str, Any], list[RequestResult]]] = []
-        self._seq = 0
+        self._pools: dict[int, list[RequestSpec]] = {}
 
     async def closed(self, target: str, label: str, concurrency: int, duration_s: float, stream: bool,
                      out_tokens: int, headers: tuple[tuple[str, str], ...] = ()) -> list[RequestResult]:
         ep: Endpoint = self.fleet.endpoints[target]
-        self._seq += 1
         n = min(20_000, max(100, int(concurrency * duration_s / 0.002)))
-        specs = _workload(self.a, out_tokens).closed_loop_specs(n, seed_offset=self._seq % 7)
+        pool = self._pools.get(out_tokens)
+        if pool is None:  # 512 distinct prompts, reused (the overhead fleet has no prefill cost)
+            pool = self._pools[out_tokens] = _workload(self.a, out_tokens).closed_loop_specs(512)
+        specs = [replace(pool[i % len(pool)], idx=i) for i in range(n)]
         shape = Shape(api=self.a.api, model=self.a.model, stream=stream, timeout_s=30.0, extra_headers=headers)
         await asyncio.to_thread(self.fleet.settle)
         async with make_session() as session:

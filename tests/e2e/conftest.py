@@ -17,15 +17,9 @@ from __future__ import annotations
 
 import os
 
-for _k, _v in {
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
-    "NARWHAL_ADMIN_TOKEN": "test-admin-token",
-}.items():
-    os.environ.setdefault(_k, _v)
+from tests.support import ray_env  # noqa: E402
+
+ray_env.apply()
 
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -43,7 +37,7 @@ from tests.support.net import free_port  # noqa: E402
 
 MODEL = "tiny"
 ENGINE_NAME = "vllm0"
-ADMIN = {"Authorization": "Bearer test-admin-token"}
+ADMIN = {"Authorization": f"Bearer {ray_env.ADMIN_TOKEN}"}
 E2E_DIR = Path(__file__).resolve().parent
 SKIP = os.environ.get("NARWHAL_SKIP_E2E") == "1"
 

@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-import os
+from tests.support import ray_env
 
-for _k, _v in {
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
-    "NARWHAL_ADMIN_TOKEN": "test-admin-token",
-}.items():
-    os.environ.setdefault(_k, _v)
+ray_env.apply()
 
 from collections.abc import Iterator  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -22,7 +14,7 @@ import pytest  # noqa: E402
 from tests.support.net import free_port, free_port_run  # noqa: E402
 
 MODEL = "narwhal-sim"
-ADMIN = {"Authorization": "Bearer test-admin-token"}
+ADMIN = {"Authorization": f"Bearer {ray_env.ADMIN_TOKEN}"}
 
 
 TIGHT_KEY = "k-tight"

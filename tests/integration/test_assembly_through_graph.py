@@ -10,7 +10,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.conftest import MODEL, Graph
+from collections.abc import AsyncIterator
+
+from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.sim.server import SimServer, start_server
+from tests.integration.conftest import ADMIN, MODEL, Graph
+from tests.integration.helpers import AUTH, wait_status
+from tests.support.net import free_port
 
 CHAT = "/v1/chat/completions"
 
@@ -107,23 +113,37 @@ async def test_502_rules(graph: Graph, fault: str, param: str) -> None:
     assert param in err["message"]
 
 
-@pytest.mark.parametrize("fault", ["bad_token_ids", "missing_token_ids", "negative_token_ids", "error_500", "malformed_sse"])
-async def test_failures_before_headers_are_retried_on_another_route(graph: Graph, fault: str) -> None:
-    """The unified engine fails every request; each request still succeeds via the P/D pair."""
-    async with httpx.AsyncClient(timeout=30) as c:
-        await c.post(graph.sim_url(2) + "/sim/control", json={"faults": [fault]})
+@pytest.fixture
+async def extra_engine(graph: Graph) -> AsyncIterator[SimServer]:
+    """A second unified engine, run in this process and registered in the tight app at run time."""
+    srv = await start_server(SimEngineConfig(name="tight-extra", model=MODEL), "127.0.0.1", free_port())
+    spec = {"name": "tight-extra", "url": srv.url, "role": "unified", "dialect": "vllm"}
+    async with httpx.AsyncClient(base_url=graph.tight_url, timeout=30, headers=ADMIN) as c:
+        assert (await c.post("/admin/engines", json=spec)).status_code == 200
         try:
-            before = (await c.get(graph.sim_url(2) + "/sim/stats")).json()["total_requests"]
-            for stream in (False, True, False, True):
-                # fault_after 0: the engine's first generated token is already bad
-                r = await c.post(graph.url + CHAT, json={**body(stream=stream, max_tokens=3), "sim": {"fault_after": 0}})
-                assert r.status_code == 200, r.text
-                if stream:
-                    assert '"error"' not in r.text
-            after = (await c.get(graph.sim_url(2) + "/sim/stats")).json()["total_requests"]
-            assert after > before, "no request was tried on the failing engine first"
+            await wait_status(graph.tight_url, lambda s: any(e["name"] == "tight-extra" and e["eligible"] for e in s["engines"]),
+                              "the extra engine to be eligible")
+            yield srv
         finally:
-            await c.post(graph.sim_url(2) + "/sim/control", json={"faults": []})
+            await c.request("DELETE", "/admin/engines", json={"name": "tight-extra"})
+            await srv.stop()
+
+
+@pytest.mark.parametrize("fault", ["bad_token_ids", "missing_token_ids", "negative_token_ids", "error_500", "malformed_sse"])
+async def test_failures_before_headers_are_retried_on_another_route(graph: Graph, extra_engine: SimServer, fault: str) -> None:
+    """The extra engine fails every request at its first token; equal routes alternate, so some
+    requests try it first, and every request still succeeds on the other engine."""
+    async with httpx.AsyncClient(timeout=30) as c:
+        await c.post(extra_engine.url + "/sim/control", json={"faults": [fault]})
+        before = extra_engine.engine.total_requests
+        for stream in (False, True, False, True):
+            # fault_after 0: the engine's first generated token is already bad
+            r = await c.post(graph.tight_url + CHAT, headers=AUTH,
+                             json={**body(stream=stream, max_tokens=3), "sim": {"fault_after": 0}})
+            assert r.status_code == 200, r.text
+            if stream:
+                assert '"error"' not in r.text and r.text.rstrip().endswith("data: [DONE]")
+        assert extra_engine.engine.total_requests >= before + 2, "the failing engine was never tried first"
 
 
 async def test_bad_token_ids_everywhere_is_a_502(graph: Graph) -> None:

@@ -1,0 +1,47 @@
+"""The scheduler's call surface, as both the Ray deployment and the in-process backend expose it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from narwhal_serve.config import EngineConfig
+from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
+from narwhal_serve.scheduler.service import SchedulerService
+
+
+class SchedulerApi:
+    svc: SchedulerService
+
+    async def admit(self, req: AdmitRequest) -> AdmitResult:
+        return await self.svc.admit(req)
+
+    async def cancel(self, ticket_id: str) -> None:
+        self.svc.cancel(ticket_id)
+
+    async def report(self, rep: Report) -> None:
+        self.svc.report(rep)
+
+    async def snapshot(self) -> dict[str, Any]:
+        return self.svc.snapshot()
+
+    async def metrics_text(self) -> str:
+        return self.svc.metrics_text()
+
+    async def admin(self, op: str, arg: Any) -> Any:
+        svc = self.svc
+        if op == "maintenance_on":
+            return svc.maintenance(list(arg), True)
+        if op == "maintenance_off":
+            return svc.maintenance(list(arg), False)
+        if op == "register":
+            svc.register_engine(EngineConfig.model_validate(arg))
+            return True
+        if op == "deregister":
+            return svc.deregister_engine(str(arg))
+        if op == "set_mode":
+            svc.set_mode(str(arg))
+            return True
+        if op == "scrape":
+            await svc.scrape_once()
+            return True
+        raise ValueError(f"unknown admin op {op!r}")
