@@ -12,7 +12,7 @@ export RAY_SERVE_THROUGHPUT_OPTIMIZED := 1
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -11,6 +11,11 @@ from narwhal_serve.bench.report import checks_table, plot_lines, table
 DEFINITIONS = (stats.__doc__ or "").strip()
 
 
+def _short(label: str) -> str:
+    """``ray::ServeReplica:app:Ingress`` → ``Ingress``; ``ray::ProxyActor`` → ``ProxyActor``."""
+    return label.rsplit(":", 1)[-1] if label.startswith("ray::ServeReplica:") else label.removeprefix("ray::")
+
+
 def overhead_view(res: dict[str, Any]) -> tuple[str, list[Path]]:
     parts: list[str] = []
     for c, rows in res["latency"].items():
@@ -20,9 +25,8 @@ def overhead_view(res: dict[str, Any]) -> tuple[str, list[Path]]:
              "chunks/req", "ttft p50 /proxy"],
             [[t, r["n"], r["failed"], r["ttft_p50"], r["ttft_p99"], r["added_ttft_p50"], r["added_ttft_p99"],
               r["itl_p99"], r["added_itl_p99"], r["chunks_per_req"], r["ttft_p50_vs_proxy"]] for t, r in rows.items()]))
-    tp = res["throughput"]
-    if tp:
-        parts.append("\n## throughput, closed loop, non-streaming, 4 tokens; CPU of the target's process tree")
+    for c, tp in res["throughput"].items():
+        parts.append(f"\n## throughput, closed loop c={c}, non-streaming, 4 tokens; CPU of the target's process tree")
         parts.append(table(
             ["target", "req/s", "/proxy", "/direct", "fail", "cpu ms/req", "net of idle", "sim ms/req", "loadgen ms/req"],
             [[t, r["req_per_s"], r["vs_proxy"], r["vs_direct"], r["failed"], r["cpu_ms_per_req"],
@@ -30,7 +34,7 @@ def overhead_view(res: dict[str, Any]) -> tuple[str, list[Path]]:
         for t, r in tp.items():
             if t.startswith("narwhal"):
                 top = list(r["by_process_ms_per_req"].items())[:8]
-                parts.append(f"  {t} CPU ms/req by process: " + ", ".join(f"{k} {v}" for k, v in top))
+                parts.append(f"  {t} CPU ms/req by process: " + ", ".join(f"{_short(k)} {v}" for k, v in top))
     ref = res.get("refusal")
     if ref:
         parts.append("\n## refusal path (narwhal-predictive, X-TTFT-Target 0.001, c=32, non-streaming)")
