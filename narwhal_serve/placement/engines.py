@@ -18,6 +18,7 @@ class EngineState:
     inflight: int = 0  # requests the router has routed here and not yet seen end
     failures: int = 0  # consecutive scrape failures
     tpot_s: float | None = None  # measured time per output token (EWMA)
+    drift_score: float = 0.0  # EWMA of (measured - predicted) / predicted TTFT: >0 slower than modelled
     pending_prefill_tokens: int = 0  # prompt tokens routed here and not yet past their first token
     ttft_model: PrefillModel = field(default_factory=PrefillModel)
 
@@ -47,6 +48,7 @@ class EngineState:
             "inflight": self.inflight,
             "tpot_s": self.tpot_s,
             "pending_prefill_tokens": self.pending_prefill_tokens,
+            "drift_score": round(self.drift_score, 4),
             "ttft_model": {"a_s": self.ttft_model.a, "b_s_per_token": self.ttft_model.b,
                            "samples": len(self.ttft_model.samples)},
             "token_accounting": self.token_accounting(),

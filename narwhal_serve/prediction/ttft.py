@@ -19,7 +19,7 @@ import numpy as np
 
 PRIOR_A = 0.02  # seconds
 PRIOR_B = 0.0002  # seconds per prompt token
-PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior
+PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior with no data; it fades as samples arrive
 WINDOW = 256
 
 
@@ -42,7 +42,8 @@ class PrefillModel:
         # the prior as weighted pseudo-points at two abscissae, so that a and b are both anchored
         px = np.array([0.0, max(1.0, float(xs.mean()) if len(xs) else 1000.0)])
         py = PRIOR_A + PRIOR_B * px
-        w = np.concatenate([np.ones_like(xs), np.full(2, PRIOR_WEIGHT / 2)])
+        prior_w = PRIOR_WEIGHT / (1.0 + len(xs) / 8.0)
+        w = np.concatenate([np.ones_like(xs), np.full(2, prior_w / 2)])
         X = np.concatenate([xs, px])
         Y = np.concatenate([ys, py])
         sw = np.sqrt(w)

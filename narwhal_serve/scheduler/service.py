@@ -274,6 +274,9 @@ class SchedulerService:
                 e.ttft_model.observe(p.x_tokens, stats.ttft_s)
             if p.predicted_s is not None:
                 self.histograms["ttft_prediction_error"].observe(abs(stats.ttft_s - p.predicted_s))
+                if e is not None:
+                    rel = (stats.ttft_s - p.predicted_s) / max(p.predicted_s, 1e-3)
+                    e.drift_score = 0.9 * e.drift_score + 0.1 * rel
         if stats.output_tokens > 1:
             tpot = stats.decode_s / (stats.output_tokens - 1)
             self.histograms["tpot"].observe(tpot)

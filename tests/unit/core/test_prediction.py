@@ -1,0 +1,28 @@
+import numpy as np
+
+from narwhal_serve.admission.predictive import judge
+from narwhal_serve.prediction.ttft import PRIOR_A, PRIOR_B, PrefillModel, Projection, project
+
+
+def test_fit_recovers_a_linear_engine() -> None:
+    m = PrefillModel()
+    assert (m.a, m.b) == (PRIOR_A, PRIOR_B)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        x = float(rng.integers(10, 4000))
+        m.observe(x, 0.004 + 0.00003 * x + float(rng.normal(0, 0.0005)))
+    assert abs(m.a - 0.004) < 0.002 and abs(m.b - 0.00003) < 0.000005
+    p = project(m, pending_tokens=3000, prompt_tokens=100)
+    assert p.prompt_alone_s < p.projected_s and abs(p.projected_s - m.predict(3100)) < 1e-12
+
+
+def test_judge_rows() -> None:
+    assert judge(Projection(0.5, 1.5), 2.0) is None
+    alone = judge(Projection(2.5, 3.0), 2.0)
+    assert alone is not None and alone.error.code == "prompt_exceeds_ttft_budget" and alone.error.retry_after is None
+    assert "shorten the prompt or raise the target" in alone.error.message
+    over = judge(Projection(0.5, 5.7), 2.0)
+    assert over is not None and over.error.code == "ttft_budget_exceeded" and over.error.retry_after == 4
+    small = judge(Projection(0.5, 2.1), 2.0)
+    assert small is not None and small.error.retry_after == 1  # at least 1 s
+    assert over.outcome.value == "refused" and over.error.status == 429

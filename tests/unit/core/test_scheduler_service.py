@@ -1,0 +1,100 @@
+"""SchedulerService without HTTP: engines marked healthy by hand, a virtual clock."""
+
+import asyncio
+
+from narwhal_serve.config import NarwhalConfig
+from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.scheduler.messages import AdmitRequest, Report
+from narwhal_serve.scheduler.service import SchedulerService
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def service(mode: str = "open", **adm: object) -> tuple[SchedulerService, Clock]:
+    clock = Clock()
+    cfg = NarwhalConfig.model_validate({
+        "admission": {"mode": mode, "queue_limit": 2, "max_wait_s": 5, "phase_concurrency": {"prefill": 1, "decode": 4}, **adm},
+        "engines": [{"name": "u", "url": "http://127.0.0.1:1", "role": "unified"},
+                    {"name": "p", "url": "http://127.0.0.1:2", "role": "prefill"},
+                    {"name": "d", "url": "http://127.0.0.1:3", "role": "decode"}],
+    })
+    svc = SchedulerService(cfg, clock=clock)
+    for e in svc.engines.values():
+        e.healthy, e.last_ok = True, clock.t
+    svc.router.started = True
+    return svc, clock
+
+
+def req(tid: str, prompt: int = 10, budget: float = 2.0) -> AdmitRequest:
+    return AdmitRequest(tid, 2000.0, prompt, 16, budget)
+
+
+async def test_grant_queue_release_and_counters() -> None:
+    svc, _ = service()
+    a = await svc.admit(req("a"))
+    assert a.error is None and {r.kind for r in a.candidates} == {"single", "pd"}
+    waiter = asyncio.ensure_future(svc.admit(req("b")))
+    await asyncio.sleep(0)
+    assert svc.admission.gauges()["queued"] == 1
+    svc.report(Report(decode_started=["a"]))  # a's prefill permit frees: b is granted
+    b = await waiter
+    assert b.error is None
+    svc.report(Report(released=[("a", None), ("b", None)]))
+    assert svc.admission.gauges() == {"retained": 0, "queued": 0, "prefill_inflight": 0, "decode_inflight": 0}
+    assert all(e.inflight == 0 and e.pending_prefill_tokens == 0 for e in svc.engines.values())
+
+
+async def test_cancel_while_queued_counts_cancelled_and_frees_the_slot() -> None:
+    svc, _ = service()
+    await svc.admit(req("a"))
+    waiter = asyncio.ensure_future(svc.admit(req("b")))
+    await asyncio.sleep(0)
+    svc.cancel("b")
+    res = await waiter
+    assert res.error is not None and res.error.code == "cancelled"
+    assert svc.counters.seed_view()["cancelled"] == 1 and svc.admission.gauges()["queued"] == 0
+    svc.cancel("never-seen")  # a cancel that overtakes its admit leaves a tombstone
+    late = await svc.admit(req("never-seen"))
+    assert late.error is not None and svc.counters.seed_view()["cancelled"] == 2
+
+
+async def test_no_eligible_engine_and_router_states() -> None:
+    svc, clock = service()
+    clock.t += 10  # every engine's metrics are now stale
+    r = await svc.admit(req("x"))
+    assert r.error is not None and r.error.code == "backend_unavailable" and r.error.retry_after == 1
+    assert svc.readiness() == (False, "no_eligible_engines")
+    svc.set_mode("fenced")
+    r = await svc.admit(req("y"))
+    assert r.error is not None and r.error.code == "router_unavailable" and r.error.reason == "fenced"
+    assert svc.readiness() == (False, "fenced")
+
+
+async def test_predictive_learns_and_refuses_with_pending_work() -> None:
+    svc, _ = service("predictive", phase_concurrency={"prefill": 8, "decode": 8})
+    # teach every first-token engine: 1 ms per 100 tokens
+    for i in range(30):
+        tid = f"t{i}"
+        res = await svc.admit(req(tid, prompt=100 * (i % 10 + 1), budget=60))
+        route = res.candidates[0]
+        ttft = 0.002 + 0.00001 * 100 * (i % 10 + 1)
+        svc.report(Report(released=[(tid, RelayStats(route.kind, route.engines, ttft, 5, 0.01, 1))]))
+    big = await svc.admit(req("big", prompt=150_000, budget=60))  # holds ~1.5 s of prefill
+    assert big.error is None
+    first = big.candidates[0].prefill or big.candidates[0].decode
+    # both routes now differ by the pending work: the short request goes to the other route
+    other = await svc.admit(req("short", prompt=10, budget=0.5))
+    assert other.error is None
+    assert (other.candidates[0].prefill or other.candidates[0].decode).name != first.name
+    svc.report(Report(released=[("short", None)]))
+    svc.engines["u" if first.name == "p" else "p"].pending_prefill_tokens = 150_000  # load the other too
+    refused = await svc.admit(req("late", prompt=10, budget=0.5))
+    assert refused.error is not None and refused.error.code == "ttft_budget_exceeded"
+    assert refused.error.retry_after is not None and refused.error.retry_after >= 1
+    assert svc.counters.seed_view()["refused"] == 1
