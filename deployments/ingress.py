@@ -44,8 +44,15 @@ class HandleBackend:
         return await self.scheduler.admin.remote(op, arg)
 
     async def relay(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
-        async for msg in self.assembler.run.remote(placed):
-            yield msg
+        resp = self.assembler.run.remote(placed)
+        finished = False
+        try:
+            async for msg in resp:
+                yield msg
+            finished = True
+        finally:
+            if not finished:
+                resp.cancel()  # the client left: the assembler closes its engine connections
 
 
 class Ingress:

@@ -49,6 +49,20 @@ async def wait_ready(base: str, want: int, timeout: float = 15.0) -> dict[str, A
             await asyncio.sleep(0.05)
 
 
+async def wait_engine_idle(sim_url: str, timeout: float = 15.0) -> None:
+    """Poll a simulated engine until it runs and queues nothing (bounded)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    async with httpx.AsyncClient(timeout=10) as c:
+        while True:
+            st = (await c.get(sim_url + "/sim/stats")).json()
+            if st["running"] == 0 and st["waiting"] == 0:
+                return
+            if loop.time() > end:
+                raise AssertionError(f"engine still busy: running={st['running']} waiting={st['waiting']}")
+            await asyncio.sleep(0.05)
+
+
 def chat_body(content: str = "hello", *, stream: bool = False, sim: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
     body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4,
                             "stream": stream, **kw}

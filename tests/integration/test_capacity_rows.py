@@ -8,7 +8,17 @@ import asyncio
 import httpx
 
 from tests.integration.conftest import Graph
-from tests.integration.helpers import AUTH, Held, balanced, chat_body, counter, status, wait_ready, wait_status
+from tests.integration.helpers import (
+    AUTH,
+    Held,
+    balanced,
+    chat_body,
+    counter,
+    status,
+    wait_engine_idle,
+    wait_ready,
+    wait_status,
+)
 
 HANG = {"fault": "hang"}
 
@@ -62,6 +72,7 @@ async def test_retention_full(graph: Graph) -> None:
         await h.cancel()
     assert (await c.finished()).status_code == 200
     await wait_status(g, balanced, "counters balance and permits are back")
+    await wait_engine_idle(graph.tight_sim_url)  # the hanging engine streams were closed too
 
 
 async def test_admission_wait_expires(graph: Graph) -> None:
