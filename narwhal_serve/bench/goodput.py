@@ -105,10 +105,11 @@ class GoodputRun:
                    ttft_p99_ms=s["ttft_ms"]["p99"], tpot_p99_ms=s["tpot_ms"]["p99"])
         return out
 
-    async def open_run(self, target: str, label: str, rate: float, seed_offset: int) -> list[RequestResult]:
+    async def open_run(self, target: str, label: str, rate: float, seed_offset: int,
+                       duration_s: float | None = None) -> list[RequestResult]:
         a = self.a
-        times = arrival_times(a.arrival, rate, a.duration_s, np.random.default_rng([a.seed, seed_offset]),
-                              burst_size=a.burst_size)
+        times = arrival_times(a.arrival, rate, a.duration_s if duration_s is None else duration_s,
+                              np.random.default_rng([a.seed, seed_offset]), burst_size=a.burst_size)
         specs = a.workload.specs(times, seed_offset=seed_offset)
         await asyncio.to_thread(self.fleet.settle)
         async with make_session() as session:
@@ -122,12 +123,7 @@ class GoodputRun:
     async def sweep(self, capacity: float) -> list[dict[str, Any]]:
         for t in self.targets:
             if t.startswith("narwhal") and self.a.warmup_s > 0:
-                a = self.a
-                saved, a.duration_s = a.duration_s, a.warmup_s
-                try:
-                    await self.open_run(t, "warmup", 0.3 * capacity, 999)
-                finally:
-                    a.duration_s = saved
+                await self.open_run(t, "warmup", 0.3 * capacity, 999, duration_s=self.a.warmup_s)
         rows: list[dict[str, Any]] = []
         for i, (frac, rate) in enumerate(rate_plan(self.a, capacity)):
             k = i % len(self.targets)

@@ -146,6 +146,7 @@ def summarize(results: Sequence[RequestResult], slo: Slo, duration_s: float | No
         "duration_s": round(dur, 3),
         "span_s": round(span, 3),
         "goodput_rps_span": round(len(good) / span, 3) if span > 0 else 0.0,
+        "arrived_rps": round(per_s(n), 3),
         "throughput_rps": round(per_s(len(ok)), 3),
         "output_tok_per_s": round(per_s(sum(r.output_tokens for r in ok)), 1),
         "goodput_rps": round(per_s(len(good)), 3),

@@ -56,9 +56,9 @@ def goodput_view(res: dict[str, Any], out: Path) -> tuple[str, list[Path]]:
     parts.append("\n## rate sweep (ms; goodput = SLO-meeting completions per second of arrival window; "
                  "gp span = per second of first send..last finish, vLLM's; RA = Retry-After sample)")
     parts.append(table(
-        ["load", "rps", "target", "n", "thru", "goodput", "/cap", "gp span", "attain", "refused", "failed", "ttft p50",
+        ["load", "rps", "target", "n", "arrived", "thru", "goodput", "/cap", "gp span", "attain", "refused", "failed", "ttft p50",
          "ttft p99", "tpot p99", "itl p99", "RA n", "RA retry ok", "RA not early", "RA over s"],
-        [[r["load"], r["offered_rps"], r["target"], r["offered"], r["throughput_rps"], r["goodput_rps"],
+        [[r["load"], r["offered_rps"], r["target"], r["offered"], r["arrived_rps"], r["throughput_rps"], r["goodput_rps"],
           r["goodput_vs_capacity"], r["goodput_rps_span"], r["slo_attainment_admitted"], r["refusal_rate"], r["failed"],
           r["ttft_ms"]["p50"], r["ttft_ms"]["p99"], r["tpot_ms"]["p99"], r["itl_ms"]["p99"],
           r["retry_after"]["retry_sample"], r["retry_after"]["retry_success"], r["retry_after"]["not_early"],

@@ -157,15 +157,18 @@ class CompletionHandler:
             raise
 
     def _abandon(self, task: asyncio.Task[AdmitResult], ticket_id: str) -> None:
-        """The client left while waiting: withdraw, and release a placement that still arrives."""
+        """The client left while waiting for admission: withdraw the ticket (the scheduler frees a
+        queue slot or a grant, now or when the admit call arrives) and count the cancellation,
+        unless the scheduler had already refused — and counted — the request."""
         loop = asyncio.get_running_loop()
         loop.create_task(self.backend.cancel(ticket_id), context=contextvars.Context())
 
         def on_done(t: asyncio.Task[AdmitResult]) -> None:
-            if t.cancelled() or t.exception() is not None:
-                return
-            if t.result().error is None:
-                self.reporter.release(ticket_id, Outcome.CANCELLED, "client_disconnected", None)
+            if not t.cancelled() and t.exception() is None:
+                err = t.result().error
+                if err is not None and err.code != "cancelled":
+                    return
+            self.reporter.outcome(Outcome.CANCELLED, "client_disconnected")
 
         task.add_done_callback(on_done)
 

@@ -20,6 +20,7 @@ import numpy as np
 PRIOR_A = 0.02  # seconds
 PRIOR_B = 0.0002  # seconds per prompt token
 PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior with no data; it fades as samples arrive
+PRIOR_FAR_X = 4096.0  # tokens
 WINDOW = 256
 
 
@@ -39,8 +40,10 @@ class PrefillModel:
     def _fit(self) -> None:
         xs = np.array([s[0] for s in self.samples], dtype=float)
         ys = np.array([s[1] for s in self.samples], dtype=float)
-        # the prior as weighted pseudo-points at two abscissae, so that a and b are both anchored
-        px = np.array([0.0, max(1.0, float(xs.mean()) if len(xs) else 1000.0)])
+        # The prior as weighted pseudo-points at 0 and at a long prompt: measured prompts bunched at
+        # small sizes say little about the slope, so a long prompt's projection stays near the prior
+        # until long prompts have been measured (no wild extrapolation from noise).
+        px = np.array([0.0, PRIOR_FAR_X])
         py = PRIOR_A + PRIOR_B * px
         prior_w = PRIOR_WEIGHT / (1.0 + len(xs) / 8.0)
         w = np.concatenate([np.ones_like(xs), np.full(2, prior_w / 2)])

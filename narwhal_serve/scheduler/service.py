@@ -162,7 +162,7 @@ class SchedulerService:
         now = self.clock()
         if req.ticket_id in self._tombstones:
             self._tombstones.pop(req.ticket_id)
-            return self._refuse_info(_CANCELLED, Outcome.CANCELLED)
+            return AdmitResult(error=_CANCELLED)  # the ingress counts the cancellation
         reason = self.router.unavailable_reason({e.cfg.wave for e in self.engines.values()})
         if reason is not None:
             return self._refuse_info(router_unavailable(reason), Outcome.REJECTED)
@@ -190,9 +190,7 @@ class SchedulerService:
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
-            self.cancel(tid)  # our caller was cancelled: give the queue slot back
-            if fut.done() and not fut.cancelled() and fut.result().candidates:
-                self.report(Report(released=[(tid, None)]))  # granted just as it was cancelled
+            self.cancel(tid)  # our caller was cancelled: give back the slot or the grant
             raise
 
     def _unqueue(self, tid: str) -> int:
@@ -231,15 +229,20 @@ class SchedulerService:
             self._expiry = asyncio.get_running_loop().call_later(delay + 0.001, self._pump)
 
     def cancel(self, ticket_id: str) -> None:
-        """The client went away while its admission call may still be waiting."""
+        """The client went away before its admission answer reached it: free whatever the ticket
+        holds (queue slot or granted permits), or, when its admit call has not arrived yet, leave
+        a tombstone so that it is refused on arrival.  The ingress counts the cancellation."""
         fut = self._waiters.pop(ticket_id, None)
         if fut is not None:
             self._unqueue(ticket_id)
             self.admission.release(ticket_id)
             if not fut.done():
-                fut.set_result(self._refuse_info(_CANCELLED, Outcome.CANCELLED))
+                fut.set_result(AdmitResult(error=_CANCELLED))
             self._pump()
-        elif ticket_id not in self.admission.retained:
+        elif ticket_id in self.admission.retained:
+            self._release(ticket_id, None)
+            self._pump()
+        else:
             self._tombstones[ticket_id] = None
             while len(self._tombstones) > _TOMBSTONES:
                 self._tombstones.popitem(last=False)
@@ -252,19 +255,23 @@ class SchedulerService:
             if p is not None:
                 self._prefill_done(p)
         for tid, stats in rep.released:
-            self.admission.release(tid)
-            p = self._routes.pop(tid, None)
-            if p is None:
-                continue
-            self._prefill_done(p)
-            for name in p.engines:
-                if name in self.engines:
-                    self.engines[name].inflight -= 1
-            if stats is not None:
-                self._observe(stats, p)
+            self._release(tid, stats)
         for w in rep.admission_waits:
             self.histograms["admission_wait"].observe(w)
         self._pump()
+
+    def _release(self, tid: str, stats: RelayStats | None) -> None:
+        """Idempotent: permits, in-flight and pending-prefill counts of one ticket."""
+        self.admission.release(tid)
+        p = self._routes.pop(tid, None)
+        if p is None:
+            return
+        self._prefill_done(p)
+        for name in p.engines:
+            if name in self.engines:
+                self.engines[name].inflight -= 1
+        if stats is not None:
+            self._observe(stats, p)
 
     def _observe(self, stats: RelayStats, p: "_Placement") -> None:
         if stats.ttft_s is not None:

@@ -26,3 +26,12 @@ def test_judge_rows() -> None:
     small = judge(Projection(0.5, 2.1), 2.0)
     assert small is not None and small.error.retry_after == 1  # at least 1 s
     assert over.outcome.value == "refused" and over.error.status == 429
+
+
+def test_noisy_short_prompts_do_not_extrapolate_wildly() -> None:
+    m = PrefillModel()
+    rng = np.random.default_rng(1)
+    for _ in range(100):  # only short prompts, very noisy TTFTs (a loaded machine)
+        x = float(rng.integers(5, 40))
+        m.observe(x, 0.05 + float(abs(rng.normal(0, 0.2))))
+    assert m.predict(2500) < 10 * m.predict(20)
