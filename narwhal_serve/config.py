@@ -41,6 +41,9 @@ class EngineConfig(_Strict):
     dialect: Literal["vllm", "sglang", "openai"] = "vllm"
     wave: str = "a"
     bootstrap_port: int | None = None  # SGLang P/D: the prefill engine's bootstrap port
+    # The engine's concurrent-sequence limit (vLLM --max-num-seqs): lets predictive admission see
+    # requests queueing for a slot. Unset: inferred from scraped metrics once the engine queues.
+    max_num_seqs: int | None = Field(None, gt=0)
 
     @property
     def base_url(self) -> str:
@@ -121,6 +124,7 @@ class NarwhalConfig(_Strict):
                 url=f"http://{self.sim.host}:{self.sim.base_port + i}",
                 role=e.role,
                 dialect=e.dialect,
+                max_num_seqs=e.max_num_seqs,
             )
             for i, e in enumerate(self.sim.engines)
         )

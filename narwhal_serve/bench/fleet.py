@@ -68,9 +68,17 @@ class FleetSpec:
 
 
 def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets: list[str],
-                         ttft_budget_s: float) -> dict[str, Any]:
-    """The ``serve run`` config: one application per selected Narwhal target."""
-    engines = [{"name": f"e{i}", "url": u, "role": "unified", "dialect": "vllm"} for i, u in enumerate(engine_urls)]
+                         ttft_budget_s: float, max_num_seqs: int | None = None) -> dict[str, Any]:
+    """The ``serve run`` config: one application per selected Narwhal target.
+
+    ``max_num_seqs``: the engines' slot count, as an operator would configure it (None for
+    external engines whose limit the bench does not know)."""
+    engines: list[dict[str, Any]] = [
+        {"name": f"e{i}", "url": u, "role": "unified", "dialect": "vllm"} for i, u in enumerate(engine_urls)
+    ]
+    if max_num_seqs is not None:
+        for e in engines:
+            e["max_num_seqs"] = max_num_seqs
     apps = []
     for t in targets:
         mode = "open" if t == "narwhal-open" else "predictive"
@@ -138,7 +146,8 @@ class Fleet:
         if nw_targets:
             cfg_path = self.log_dir / "narwhal-serve-config.yaml"  # JSON is YAML
             cfg_path.write_text(json.dumps(narwhal_serve_config(
-                nw_port, self.engine_urls, self.spec.model, nw_targets, self.spec.narwhal_budget_s), indent=1))
+                nw_port, self.engine_urls, self.spec.model, nw_targets, self.spec.narwhal_budget_s,
+                None if self.spec.external_urls else self.spec.timing.max_num_seqs), indent=1))
             serve = Path(sys.executable).parent / "serve"
             self.narwhal = procs.start("narwhal", [str(serve), "run", str(cfg_path)], self.log_dir,
                                        env={**RAY_ENV, "RAY_worker_niceness": str(self.spec.ray_niceness),

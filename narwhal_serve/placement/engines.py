@@ -20,6 +20,8 @@ class EngineState:
     tpot_s: float | None = None  # measured time per output token (EWMA)
     drift_score: float = 0.0  # EWMA of (measured - predicted) / predicted TTFT: >0 slower than modelled
     pending_prefill_tokens: int = 0  # prompt tokens routed here and not yet past their first token
+    service_s: float | None = None  # measured request duration, first byte to last token (EWMA)
+    max_running_seen: int = 0
     ttft_model: PrefillModel = field(default_factory=PrefillModel)
 
     def fresh(self, now: float, stale_after_s: float) -> bool:
@@ -28,6 +30,18 @@ class EngineState:
     def eligible(self, now: float, stale_after_s: float, maintenance: frozenset[str]) -> bool:
         """Healthy, with fresh metrics (stale counts as unusable), and not in a maintenance wave."""
         return self.healthy and self.fresh(now, stale_after_s) and self.cfg.wave not in maintenance
+
+    def slots(self) -> int | None:
+        """Concurrent sequences the engine runs: configured, or the most seen running while it queued."""
+        if self.cfg.max_num_seqs:
+            return self.cfg.max_num_seqs
+        if self.load.waiting > 0 and self.max_running_seen > 0:
+            return self.max_running_seen
+        return None
+
+    def in_flight(self) -> int:
+        """Requests at the engine now: the router's own count, or the engine's if it reports more."""
+        return max(self.inflight, int(self.load.running + self.load.waiting))
 
     def token_accounting(self) -> str:
         return "token_ids" if self.cfg.dialect == "vllm" else "unavailable"
@@ -48,6 +62,8 @@ class EngineState:
             "inflight": self.inflight,
             "tpot_s": self.tpot_s,
             "pending_prefill_tokens": self.pending_prefill_tokens,
+            "slots": self.slots(),
+            "service_s": self.service_s,
             "drift_score": round(self.drift_score, 4),
             "ttft_model": {"a_s": self.ttft_model.a, "b_s_per_token": self.ttft_model.b,
                            "samples": len(self.ttft_model.samples)},

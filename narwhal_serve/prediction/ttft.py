@@ -2,8 +2,9 @@
 
 Model, per engine that serves the first token of a route:
 
-    ttft ≈ a + b · x,   x = prompt tokens still waiting for prefill at that engine (router-known,
-                            including this request's own prompt)
+    ttft ≈ w + a + b · x,   x = prompt tokens still waiting for prefill at that engine (router-known,
+                                including this request's own prompt)
+                            w = wait for a sequence slot at the engine that decodes (slot_wait_s)
 
 ``a`` is the fixed cost (scheduling, KV hand-off, first decode step), ``b`` seconds per prefill
 token.  Fitted by least squares on the most recent measurements (x at admission, measured TTFT),
@@ -63,8 +64,19 @@ class Projection:
     projected_s: float  # with the prefill work already ahead of it
 
 
-def project(model: PrefillModel, pending_tokens: float, prompt_tokens: int) -> Projection:
+def slot_wait_s(in_flight: int, slots: int | None, service_s: float | None) -> float:
+    """Expected wait for a free sequence slot at an engine that runs at most ``slots`` sequences:
+    the requests beyond its slots (this one included) drain ``slots`` at a time, each taking about
+    ``service_s`` (measured first byte to last token)."""
+    if not slots or service_s is None:
+        return 0.0
+    excess = in_flight + 1 - slots
+    return 0.0 if excess <= 0 else excess * service_s / slots
+
+
+def project(model: PrefillModel, pending_tokens: float, prompt_tokens: int, wait_s: float = 0.0) -> Projection:
+    """``wait_s``: queueing for a sequence slot ahead of the prefill (see :func:`slot_wait_s`)."""
     return Projection(
         prompt_alone_s=model.predict(prompt_tokens),
-        projected_s=model.predict(pending_tokens + prompt_tokens),
+        projected_s=wait_s + model.predict(pending_tokens + prompt_tokens),
     )

@@ -25,7 +25,7 @@ from narwhal_serve.errors import ErrorInfo, NarwhalError
 from narwhal_serve.ha.state import RouterState, backend_unavailable, router_unavailable
 from narwhal_serve.placement.engines import EngineState
 from narwhal_serve.placement.picker import candidate_routes
-from narwhal_serve.prediction.ttft import Projection, project
+from narwhal_serve.prediction.ttft import Projection, project, slot_wait_s
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
 from narwhal_serve.relay.messages import RelayStats
@@ -39,6 +39,7 @@ class _Placement:
     prompt_tokens: int
     x_tokens: int  # prefill tokens at that engine, this prompt included, when admitted
     predicted_s: float | None
+    slot_wait_s: float = 0.0  # the queueing part of the prediction
     prefill_done: bool = False
 
 
@@ -121,11 +122,16 @@ class SchedulerService:
     def _first_token_engine(self, route: RouteChoice) -> EngineState | None:
         return self.engines.get(route.prefill.name if route.prefill else route.decode.name)
 
+    def _slot_wait(self, route: RouteChoice) -> float:
+        d = self.engines.get(route.decode.name)
+        return 0.0 if d is None else slot_wait_s(d.in_flight(), d.slots(), d.service_s)
+
     def _predict(self, route: RouteChoice, prompt_tokens: int) -> Projection | None:
         e = self._first_token_engine(route)
         if e is None:
             return None
-        return project(e.ttft_model, e.pending_prefill_tokens + self._queued_tokens, prompt_tokens)
+        pending = e.pending_prefill_tokens + self._queued_tokens
+        return project(e.ttft_model, pending, prompt_tokens, self._slot_wait(route))
 
     def _rank_predictive(self, routes: list[RouteChoice], req: AdmitRequest) -> tuple[list[RouteChoice], Refusal | None]:
         """Best projected route first; the refusal when even the best one misses the budget."""
@@ -144,11 +150,14 @@ class SchedulerService:
         e = self._first_token_engine(route)
         x = prompt_tokens
         predicted = None
+        wait = self._slot_wait(route)
         if e is not None:
             x += e.pending_prefill_tokens
-            predicted = e.ttft_model.predict(x)
+            predicted = wait + e.ttft_model.predict(x)
             e.pending_prefill_tokens += prompt_tokens
-        self._routes[ticket_id] = _Placement(route.engines, e.cfg.name if e else None, prompt_tokens, x, predicted)
+        self._routes[ticket_id] = _Placement(
+            route.engines, e.cfg.name if e else None, prompt_tokens, x, predicted, wait
+        )
         return AdmitResult(candidates=tuple(routes))
 
     def _prefill_done(self, p: "_Placement") -> None:
@@ -278,7 +287,12 @@ class SchedulerService:
             self.histograms["ttft"].observe(stats.ttft_s)
             e = self.engines.get(p.first_engine or "")
             if e is not None and stats.attempts == 1 and stats.engines == p.engines:
-                e.ttft_model.observe(p.x_tokens, stats.ttft_s)
+                # the prefill model learns the TTFT net of the predicted slot wait
+                e.ttft_model.observe(p.x_tokens, max(0.0, stats.ttft_s - p.slot_wait_s))
+                d = self.engines.get(stats.engines[-1])
+                if d is not None:
+                    dur = stats.ttft_s + stats.decode_s
+                    d.service_s = dur if d.service_s is None else 0.8 * d.service_s + 0.2 * dur
             if p.predicted_s is not None:
                 self.histograms["ttft_prediction_error"].observe(abs(stats.ttft_s - p.predicted_s))
                 if e is not None:

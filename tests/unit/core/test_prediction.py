@@ -35,3 +35,12 @@ def test_noisy_short_prompts_do_not_extrapolate_wildly() -> None:
         x = float(rng.integers(5, 40))
         m.observe(x, 0.05 + float(abs(rng.normal(0, 0.2))))
     assert m.predict(2500) < 10 * m.predict(20)
+
+
+def test_slot_wait() -> None:
+    from narwhal_serve.prediction.ttft import slot_wait_s
+
+    assert slot_wait_s(3, 4, 1.0) == 0.0  # a free slot
+    assert slot_wait_s(4, 4, 1.0) == 0.25  # one ahead of the slots: a quarter of a service time
+    assert slot_wait_s(11, 4, 2.0) == 4.0
+    assert slot_wait_s(100, None, 1.0) == 0.0 and slot_wait_s(100, 4, None) == 0.0

@@ -101,3 +101,21 @@ async def test_predictive_learns_and_refuses_with_pending_work() -> None:
     assert refused.error is not None and refused.error.code == "ttft_budget_exceeded"
     assert refused.error.retry_after is not None and refused.error.retry_after >= 1
     assert svc.counters.seed_view()["refused"] == 1
+
+
+async def test_predictive_sees_requests_queueing_for_slots() -> None:
+    svc, _ = service("predictive", phase_concurrency={"prefill": 64, "decode": 64})
+    for e in svc.engines.values():
+        e.cfg = e.cfg.model_copy(update={"max_num_seqs": 2})
+        e.service_s = 1.0  # each request holds a slot for about a second
+    admitted = 0
+    for i in range(12):
+        r = await svc.admit(req(f"q{i}", prompt=10, budget=1.0))
+        if r.error is None:
+            admitted += 1
+            svc.report(Report(decode_started=[f"q{i}"]))  # prefill done, still decoding
+        else:
+            assert r.error.code == "ttft_budget_exceeded"
+    # two routes with two slots each, then a wait under 1 s for at most one more per route
+    assert 4 <= admitted <= 8
+    assert svc.counters.seed_view()["refused"] == 12 - admitted
