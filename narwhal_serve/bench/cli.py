@@ -11,7 +11,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from narwhal_serve.bench import views
+from narwhal_serve.bench import assembly, views
 from narwhal_serve.bench.fleet import TARGETS, Fleet, FleetSpec, SimTiming
 from narwhal_serve.bench.goodput import GoodputArgs, run_goodput
 from narwhal_serve.bench.overhead import OverheadArgs, run_overhead
@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--refusal-s", type=float, default=4.0)
     o.add_argument("--prompt-tokens", type=int, default=64)
     o.add_argument("--output-tokens", type=int, default=16)
+    a = sub.add_parser("assembly", help="per-token CPU cost of assembly and relay (no servers)")
+    a.add_argument("--tokens", type=int, default=20_000)
+    a.add_argument("--out", type=Path, default=Path("bench-results"))
     g = sub.add_parser("goodput", help="goodput and p99 TTFT over a rate sweep up to ~2x capacity")
     _common(g)
     g.add_argument("--slo-ttft-ms", type=float, default=2000.0)
@@ -161,6 +164,9 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    if ns.mode == "assembly":
+        assembly.run(run_dir(ns.out, "assembly"), ns.tokens)
+        return 0
     targets: list[str] = ns.targets or DEFAULT_TARGETS[ns.mode]
     if ns.mode == "goodput" and "direct" not in targets and not ns.capacity_rps:
         targets = ["direct", *targets]  # the calibration run needs the engines directly
