@@ -17,8 +17,10 @@ log = logging.getLogger(__name__)
 
 
 class Reporter:
-    def __init__(self, send: Callable[[Report], Awaitable[None]]) -> None:
+    def __init__(self, send: Callable[[Report], Awaitable[None]], *, linger_s: float = 0.005) -> None:
         self._send = send
+        self._linger_s = linger_s  # gather a request's events (offered, wait, release) into one call
+        self._urgent = False
         self._pending = Report()
         self._wake = asyncio.Event()
         self._sent = 0  # reports handed to the scheduler
@@ -65,24 +67,34 @@ class Reporter:
     async def flush(self) -> None:
         """Wait until everything reported so far has reached the scheduler."""
         target = self._queued
+        self._urgent = True
+        self._wake.set()
         self._ensure_task()
         async with self._flushed:
             await self._flushed.wait_for(lambda: self._sent >= target)
 
     async def _loop(self) -> None:
+        backoff = 0.05
         while True:
             await self._wake.wait()
+            if not self._urgent and self._linger_s > 0:
+                await asyncio.sleep(self._linger_s)
             self._wake.clear()
+            self._urgent = False
             rep, self._pending = self._pending, Report()
             upto = self._queued
             if not rep.empty():
-                for attempt in range(5):
-                    try:
-                        await self._send(rep)
-                        break
-                    except Exception:  # the scheduler restarts or is busy: keep the report
-                        log.exception("report to the scheduler failed (attempt %d)", attempt + 1)
-                        await asyncio.sleep(0.05 * (attempt + 1))
+                try:
+                    await self._send(rep)
+                    backoff = 0.05
+                except Exception:  # the scheduler restarts or is busy: keep the report for later
+                    log.exception("report to the scheduler failed; retrying in %.2f s", backoff)
+                    rep.absorb(self._pending)
+                    self._pending = rep
+                    self._wake.set()
+                    await asyncio.sleep(backoff)
+                    backoff = min(1.0, backoff * 2)
+                    continue
             self._sent = upto
             async with self._flushed:
                 self._flushed.notify_all()

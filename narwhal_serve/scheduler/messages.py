@@ -38,3 +38,12 @@ class Report:
 
     def empty(self) -> bool:
         return self.counters.empty() and not self.decode_started and not self.released and not self.admission_waits
+
+    def absorb(self, later: "Report") -> None:
+        """Append ``later``'s events to this report (order kept)."""
+        self.counters.offered += later.counters.offered
+        self.counters.unsized_offered += later.counters.unsized_offered
+        self.counters.outcomes.update(later.counters.outcomes)
+        self.decode_started.extend(later.decode_started)
+        self.released.extend(later.released)
+        self.admission_waits.extend(later.admission_waits)
