@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -292,6 +293,4 @@ async def _stream_rest(first: RelayMessage, gen: AsyncIterator[RelayMessage], st
 
 
 def _json_bytes(obj: object) -> bytes:
-    import json
-
     return json.dumps(obj, separators=(",", ":")).encode()
