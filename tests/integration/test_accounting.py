@@ -11,7 +11,7 @@ import asyncio
 import httpx
 
 from tests.integration.conftest import Graph
-from tests.integration.helpers import AUTH, balanced, chat_body, wait_status
+from tests.integration.helpers import AUTH, Held, balanced, chat_body, status, wait_status
 
 
 async def test_burst_of_mixed_outcomes_balances(graph: Graph) -> None:
@@ -35,8 +35,14 @@ async def test_burst_of_mixed_outcomes_balances(graph: Graph) -> None:
                 return (await c.post(url, json=chat_body(), headers={**AUTH, "X-Request-Timeout": "2"})).status_code
             return (await c.post(url, json=chat_body(), headers=AUTH)).status_code
 
+    before = (await status(g))["counters"]
+    held = Held(url, chat_body(sim={"fault": "hang"}), AUTH)  # in flight while the burst arrives
+    await wait_status(g, lambda s: s["gauges"]["prefill_inflight"] == 1, "the held request admitted")
     codes = await asyncio.gather(*(one(i) for i in range(40)))
+    await held.cancel()  # its client disconnects
     assert set(codes) <= {-1, 200, 400, 429, 504}, codes
     assert codes.count(400) == 8
     snap = await wait_status(g, balanced, "every permit and queue slot back, counters balanced", timeout=30)
-    assert snap["counters"]["cancelled"] >= 1 and snap["counters"]["rejected"] >= 1
+    c = snap["counters"]
+    assert c["offered"] == before["offered"] + 41
+    assert c["cancelled"] > before["cancelled"] and c["rejected"] > before["rejected"]
