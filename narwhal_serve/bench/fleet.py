@@ -129,6 +129,7 @@ class Fleet:
             raise
 
     def _start(self, targets: list[str], narwhal_timeout_s: float) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)  # also when no simulated engine is started
         if self.simulated:
             for i in range(self.spec.engines):
                 port = procs.free_port()
