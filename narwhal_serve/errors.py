@@ -16,9 +16,9 @@
     │                                                                      router_unavailable)
     └── BadEngineResponse             502     upstream_error              bad_engine_response
 
-Each error renders itself with :func:`envelope` and :meth:`NarwhalError.headers`; callers catch at any
-level.  Errors cross the Ray hop as :class:`ErrorInfo` (plain data) and come back with
-:func:`from_info`.
+Each error becomes an :class:`ErrorInfo` (plain data, what crosses the Ray hop), which renders the
+OpenAI envelope (:meth:`ErrorInfo.body`) and the refusal headers (:meth:`ErrorInfo.headers`); callers
+catch at any level.
 """
 
 from __future__ import annotations
@@ -148,25 +148,3 @@ class BadEngineResponse(NarwhalError):
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message, param=param)
-
-
-
-
-def from_info(info: ErrorInfo) -> NarwhalError:
-    """Rebuild an error from its snapshot (after a Ray hop)."""
-    err = NarwhalError(
-        info.message,
-        param=info.param,
-        code=info.code,
-        retry_after=info.retry_after,
-        reason=info.reason,
-    )
-    err.status = info.status
-    err.type = info.type
-    return err
-
-
-def envelope(err: NarwhalError | ErrorInfo) -> dict[str, Any]:
-    """The OpenAI error envelope for ``err``."""
-    info = err.info() if isinstance(err, NarwhalError) else err
-    return info.body()

@@ -27,7 +27,7 @@ from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.gateway.responses import error_response
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.protocol.requests import ParsedRequest, Route, parse_request
-from narwhal_serve.relay.messages import RelayMessage
+from narwhal_serve.relay.messages import RelayMessage, RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -246,10 +246,10 @@ class _Flow:
             self.decoding = True
             self.reporter.decode_started(self.ticket)
 
-    def end(self, outcome: Outcome, reason: str, stats: object = None) -> None:
+    def end(self, outcome: Outcome, reason: str, stats: RelayStats | None = None) -> None:
         if not self.ended:
             self.ended = True
-            self.reporter.release(self.ticket, outcome, reason, stats)  # type: ignore[arg-type]
+            self.reporter.release(self.ticket, outcome, reason, stats)
 
 
 async def _close(gen: AsyncIterator[RelayMessage]) -> None:

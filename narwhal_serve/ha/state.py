@@ -8,7 +8,6 @@ from typing import Literal
 from narwhal_serve.errors import ErrorInfo, Unavailable
 
 RouterMode = Literal["active", "standby", "fenced", "monitoring_degraded"]
-UNAVAILABLE_REASONS = ("standby", "fenced", "maintenance", "monitoring_degraded")
 
 
 @dataclass

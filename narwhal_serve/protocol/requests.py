@@ -7,7 +7,7 @@ verbatim.  Errors carry ``param`` as a dotted path (``messages.0.content``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from narwhal_serve.errors import (
@@ -37,7 +37,6 @@ class ParsedRequest:
     prompt_tokens: int
     max_output_tokens: int | None
     prompt_token_ids: tuple[int, ...] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _is_int(v: Any) -> bool:
@@ -106,7 +105,7 @@ def _check_common(body: dict[str, Any], model: str) -> None:
             raise InvalidSamplingWidth(key)
 
 
-def _text_len_of_content(content: Any, path: str, stream: bool) -> int:
+def _text_len_of_content(content: Any, path: str) -> int:
     if content is None or isinstance(content, str):
         return len(content or "")
     if not isinstance(content, list):
@@ -156,7 +155,7 @@ def _check_nonstream_options(body: dict[str, Any]) -> None:
                 )
 
 
-def _check_messages(body: dict[str, Any], stream: bool) -> int:
+def _check_messages(body: dict[str, Any]) -> int:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages", "is required and must be a non-empty list")
@@ -166,7 +165,7 @@ def _check_messages(body: dict[str, Any], stream: bool) -> int:
             raise _bad(f"messages.{i}", "must be an object")
         if not isinstance(msg.get("role"), str):
             raise _bad(f"messages.{i}.role", "is required and must be a string")
-        chars += _text_len_of_content(msg.get("content"), f"messages.{i}.content", stream) + 4
+        chars += _text_len_of_content(msg.get("content"), f"messages.{i}.content") + 4
     return chars
 
 
@@ -197,7 +196,7 @@ def parse_request(route: Route, raw: bytes, *, model: str) -> ParsedRequest:
     stream = bool(body.get("stream", False))
     ids: tuple[int, ...] | None = None
     if route == "chat":
-        chars = _check_messages(body, stream)
+        chars = _check_messages(body)
         _opt(body, "logprobs", lambda v: isinstance(v, bool), "must be a boolean")
         _opt(body, "top_logprobs", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
         _opt(body, "max_completion_tokens", lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")

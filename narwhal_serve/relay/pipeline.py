@@ -22,6 +22,7 @@ from narwhal_serve.engines.errors import EngineFailure
 from narwhal_serve.engines.legs import dialect_of, open_route
 from narwhal_serve.errors import BadEngineResponse, ErrorInfo, InvalidRequest, TerminalExpiry
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
+from narwhal_serve.protocol.requests import Route
 from narwhal_serve.relay.messages import RelayMessage, RelayStats
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -40,7 +41,7 @@ class _Meter:
 
     __slots__ = ("start", "first", "last", "tokens", "check_ids", "route")
 
-    def __init__(self, start: float, check_ids: bool, route: str) -> None:
+    def __init__(self, start: float, check_ids: bool, route: Route) -> None:
         self.start = start
         self.first: float | None = None
         self.last: float | None = None
@@ -50,7 +51,7 @@ class _Meter:
 
     def observe(self, chunk: dict[str, Any], now: float) -> None:
         if self.check_ids:
-            n = check_token_ids(chunk, self.route)  # type: ignore[arg-type]
+            n = check_token_ids(chunk, self.route)
         else:
             n = _content_events(chunk)
         if n:

@@ -70,7 +70,6 @@ class SchedulerService:
         self._client: httpx.AsyncClient | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._expiry: asyncio.TimerHandle | None = None
-        self.scrape_passes = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -98,7 +97,6 @@ class SchedulerService:
             self._client, list(self.engines.values()), self.clock(), self.cfg.monitoring.scrape_timeout_s
         )
         self.router.started = True
-        self.scrape_passes += 1
         self._pump()  # engines may have become eligible for queued requests
 
     # -- admission ---------------------------------------------------------------------------
