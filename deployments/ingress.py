@@ -12,7 +12,7 @@ from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.gateway.app import build_api
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.relay.messages import RelayMessage
-from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
+from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, Report
 
 
 class HandleBackend:
@@ -29,8 +29,9 @@ class HandleBackend:
     async def cancel(self, ticket_id: str) -> None:
         await self.scheduler.cancel.remote(ticket_id)
 
-    async def report(self, rep: Report) -> None:
-        await self.scheduler.report.remote(rep)
+    async def report(self, rep: Report) -> LeaseGrant | None:
+        grant: LeaseGrant | None = await self.scheduler.report.remote(rep)
+        return grant
 
     async def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = await self.scheduler.snapshot.remote()

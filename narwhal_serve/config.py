@@ -18,6 +18,9 @@ class ServingConfig(_Strict):
     http_retention_limit: int = Field(4096, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
     api_keys: tuple[str, ...] = ()
+    # SSE comment written while a stream is silent: behind Serve's HAProxy a client that left is
+    # noticed only when a write to it fails (ARCHITECTURE.md, "Direct ingress")
+    stream_keepalive_s: float = Field(5.0, gt=0)
 
 
 class PhaseConcurrency(_Strict):
@@ -32,6 +35,9 @@ class AdmissionConfig(_Strict):
     ttft_budget_s: float = Field(2.0, gt=0)
     max_ttft_budget_s: float = Field(60.0, gt=0)
     phase_concurrency: PhaseConcurrency = PhaseConcurrency()
+    # Each ingress replica admits under a lease of permits from the scheduler, with no scheduler
+    # call per request; off: every request asks the scheduler (the pre-lease path, for comparison)
+    ingress_leases: bool = True
 
 
 class EngineConfig(_Strict):

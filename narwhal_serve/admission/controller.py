@@ -5,6 +5,10 @@ Every method takes ``now`` and does no I/O; the scheduler deployment wraps it wi
 Permits: a request holds one **retention** slot from arrival at admission until it ends (waiting or
 in flight), one **prefill** permit from admission until its first token, and one **decode**
 reservation from admission until it ends, so entering decode never blocks.
+
+Leases: ingress replicas admit locally against permits *reserved* here for them
+(:meth:`AdmissionController.reserve`); a reservation counts as used, so the sum of everything
+reserved and held never passes a global limit.
 """
 
 from __future__ import annotations
@@ -18,6 +22,38 @@ from narwhal_serve.config import AdmissionConfig, ServingConfig
 from narwhal_serve.errors import ErrorInfo, RateLimited, TerminalExpiry
 
 Phase = Literal["queued", "prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class Permits:
+    """A count of each permit kind (what a lease reserves, holds or gives back)."""
+
+    retention: int = 0
+    prefill: int = 0
+    decode: int = 0
+
+    def __add__(self, o: "Permits") -> "Permits":
+        return Permits(self.retention + o.retention, self.prefill + o.prefill, self.decode + o.decode)
+
+    def __sub__(self, o: "Permits") -> "Permits":
+        return Permits(self.retention - o.retention, self.prefill - o.prefill, self.decode - o.decode)
+
+    def clamp(self, lo: "Permits", hi: "Permits") -> "Permits":
+        return Permits(
+            max(lo.retention, min(hi.retention, self.retention)),
+            max(lo.prefill, min(hi.prefill, self.prefill)),
+            max(lo.decode, min(hi.decode, self.decode)),
+        )
+
+    def covers(self, o: "Permits") -> bool:
+        return self.retention >= o.retention and self.prefill >= o.prefill and self.decode >= o.decode
+
+    def any(self) -> bool:
+        return bool(self.retention or self.prefill or self.decode)
+
+
+NONE = Permits()
+ONE_REQUEST = Permits(1, 1, 1)  # what admitting one request takes
 
 
 @dataclass
@@ -89,11 +125,30 @@ class AdmissionController:
         self.queue: OrderedDict[str, Ticket] = OrderedDict()
         self.prefill = 0
         self.decode = 0
+        self.reserved = NONE  # held by leases (spare or in use)
+        self.lease_in_use = NONE  # of which in use, as last reported (gauges)
 
     # -- capacity ---------------------------------------------------------------------------
-    def _permit_free(self) -> bool:
+    def limits(self) -> Permits:
         pc = self.cfg.phase_concurrency
-        return self.prefill < pc.prefill and self.decode < pc.decode
+        return Permits(self.retention_limit, pc.prefill, pc.decode)
+
+    def free(self) -> Permits:
+        """What is neither held here nor reserved by a lease."""
+        return self.limits() - Permits(len(self.retained), self.prefill, self.decode) - self.reserved
+
+    def reserve(self, want: Permits) -> Permits:
+        """Reserve up to ``want`` for a lease; returns what was reserved (never past a limit)."""
+        got = want.clamp(NONE, self.free())
+        self.reserved = self.reserved + got
+        return got
+
+    def unreserve(self, back: Permits) -> None:
+        self.reserved = (self.reserved - back).clamp(NONE, self.limits())
+
+    def _permit_free(self) -> bool:
+        f = self.free()
+        return f.prefill > 0 and f.decode > 0
 
     def _grant(self, t: Ticket) -> None:
         t.phase = "prefill"
@@ -104,7 +159,7 @@ class AdmissionController:
         """A request asks for admission (after router-state, eligibility and predictive checks)."""
         if ticket_id in self.retained:
             raise ValueError(f"duplicate ticket {ticket_id}")
-        if len(self.retained) >= self.retention_limit:
+        if self.free().retention <= 0:
             return retention_full()
         t = Ticket(ticket_id, now, min(request_deadline, now + self.cfg.max_wait_s), request_deadline)
         if not self.queue and self._permit_free():
@@ -160,8 +215,8 @@ class AdmissionController:
 
     def gauges(self) -> dict[str, int]:
         return {
-            "retained": len(self.retained),
+            "retained": len(self.retained) + self.lease_in_use.retention,
             "queued": len(self.queue),
-            "prefill_inflight": self.prefill,
-            "decode_inflight": self.decode,
+            "prefill_inflight": self.prefill + self.lease_in_use.prefill,
+            "decode_inflight": self.decode + self.lease_in_use.decode,
         }

@@ -5,15 +5,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from narwhal_serve.admission.lease import AdmissionLease
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.errors import InvalidApiKey, InvalidRequest, NarwhalError
 from narwhal_serve.gateway.backend import Backend
@@ -30,8 +32,15 @@ def build_api(
     echo_request_id: bool = True,
 ) -> FastAPI:
     """``echo_request_id=False`` where a proxy in front (Ray Serve's) already returns X-Request-Id."""
-    app = FastAPI(title="Narwhal", docs_url=None, redoc_url=None, openapi_url=None)
-    reporter = Reporter(backend.report)
+    lease = AdmissionLease(f"ingress-{secrets.token_hex(6)}") if cfg.admission.ingress_leases else None
+    reporter = Reporter(backend.report, lease=lease)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        reporter.start()  # the lease's first grant, before the first request
+        yield
+
+    app = FastAPI(title="Narwhal", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     handler = CompletionHandler(cfg, backend, reporter, clock, echo_request_id=echo_request_id)
     app.state.reporter = reporter
     created = int(clock())
@@ -57,6 +66,7 @@ def build_api(
 
     @app.get("/ready")
     async def ready() -> Response:
+        await reporter.flush()  # renews the lease: this replica admits on what /ready says
         snap = await backend.snapshot()
         if snap["ready"]:
             return JSONResponse({"ready": True, "state": "active"})
@@ -78,6 +88,7 @@ def build_api(
                 _check_admin(cfg, request)
                 arg = parse(await _json(request))
                 result = await backend.admin(op_on if request.method == "POST" else op_off, arg)
+                await reporter.flush()  # this replica's lease sees the change before the answer
             except NarwhalError as err:
                 return error_response(err.info(), None)
             except ValueError as exc:

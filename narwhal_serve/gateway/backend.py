@@ -15,7 +15,7 @@ from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.relay.pipeline import Relay
 from narwhal_serve.scheduler.api import SchedulerApi
-from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
+from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, Report
 from narwhal_serve.scheduler.service import SchedulerService
 
 
@@ -24,7 +24,7 @@ class Backend(Protocol):
 
     async def cancel(self, ticket_id: str) -> None: ...
 
-    async def report(self, rep: Report) -> None: ...
+    async def report(self, rep: Report) -> LeaseGrant | None: ...
 
     async def snapshot(self) -> dict[str, Any]: ...
 

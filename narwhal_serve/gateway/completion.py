@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
+from narwhal_serve.admission.controller import NONE, Refusal
+from narwhal_serve.admission.core import Ask
 from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.errors import ErrorInfo, InvalidApiKey, InvalidRequest, NarwhalError, TerminalExpiry
@@ -25,6 +26,7 @@ from narwhal_serve.gateway.backend import Backend
 from narwhal_serve.gateway.body import BodyIncomplete, read_body
 from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.gateway.responses import error_response
+from narwhal_serve.gateway.streaming import Flow, RelayStreamResponse, close_detached, internal_error
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.protocol.requests import ParsedRequest, Route, parse_request
 from narwhal_serve.relay.messages import RelayMessage, RelayStats
@@ -54,10 +56,6 @@ def _outcome_of(err: ErrorInfo) -> Outcome:
     return Outcome.FAILED
 
 
-def internal_error(message: str) -> ErrorInfo:
-    return NarwhalError(message, code="internal_error").info()
-
-
 def deadline_expired() -> ErrorInfo:
     return TerminalExpiry(
         "terminal expiry: the request deadline passed before response headers", code="deadline_expired"
@@ -73,8 +71,10 @@ class CompletionHandler:
         clock: Callable[[], float] = time.time,
         *,
         echo_request_id: bool = True,
+        mono: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
+        self.mono = mono
         self.echo_request_id = echo_request_id  # Ray Serve's proxy already echoes X-Request-Id
         self.backend = backend
         self.reporter = reporter
@@ -105,12 +105,18 @@ class CompletionHandler:
 
     async def handle(self, request: Request, route: Route) -> Response:
         arrived = self.clock()
+        self.reporter.start_once()
         rid = request.headers.get("x-request-id") or f"nw-{secrets.token_hex(12)}"
         echo = rid if self.echo_request_id else None
         self.reporter.offered()
         try:
             self._auth(request)
-            raw = await read_body(request, self.cfg.serving.max_request_bytes)
+            try:
+                raw = await read_body(request, self.cfg.serving.max_request_bytes)
+            except asyncio.CancelledError:  # Serve cancels the handler when the client leaves mid-body
+                self.reporter.unsized()
+                self.reporter.outcome(Outcome.CANCELLED, "body_incomplete")
+                raise
             parsed = parse_request(route, raw, model=self.cfg.model)
             deadline = self._deadline(request, arrived)
             budget = self._ttft_budget(request)
@@ -137,7 +143,21 @@ class CompletionHandler:
         self, rid: str, echo: str | None, parsed: ParsedRequest, deadline: float, budget: float, arrived: float
     ) -> Response:
         ticket = f"{rid}/{secrets.token_hex(4)}"
-        admit_req = AdmitRequest(ticket, deadline, parsed.prompt_tokens, parsed.max_output_tokens, budget)
+        lease = self.reporter.lease
+        if lease is not None:  # admission under the lease: no scheduler call
+            verdict = lease.try_admit(ticket, Ask(parsed.prompt_tokens, budget), deadline, self.clock(), self.mono())
+            if isinstance(verdict, Refusal):
+                self.reporter.outcome(verdict.outcome, verdict.reason)
+                return error_response(verdict.error, echo)
+            if verdict is not None:
+                self.reporter.admission_wait(self.clock() - arrived)
+                placed = PlacedRequest(rid, self.cfg.model, parsed, verdict.routes, deadline)
+                return await self._respond(placed, ticket, parsed, echo)
+        admit_req = AdmitRequest(
+            ticket, deadline, parsed.prompt_tokens, parsed.max_output_tokens, budget,
+            lease_id=lease.lease_id if lease is not None else None,
+            returned=lease.give_back_spare() if lease is not None else NONE,
+        )
         try:
             result = await self._admit(admit_req)
         except Exception as exc:  # the scheduler could not be reached
@@ -177,40 +197,46 @@ class CompletionHandler:
         self, placed: PlacedRequest, ticket: str, parsed: ParsedRequest, rid: str | None
     ) -> Response:
         gen = self.backend.relay(placed)
-        state = _Flow(self.reporter, ticket)
+        flow = Flow(lambda msg: self._first_token(ticket, msg), lambda o, r, st: self._end(ticket, o, r, st))
         rid_header = {"X-Request-Id": rid} if rid else {}
         try:
-            first = await self._first_data(gen, placed.deadline, state)
+            first = await self._first_data(gen, placed.deadline, flow)
         except asyncio.CancelledError:
-            state.end(Outcome.CANCELLED, "client_disconnected")
-            await _close(gen)
+            flow.end(Outcome.CANCELLED, "client_disconnected")
+            close_detached(gen)
             raise
         except Exception as exc:
-            state.end(Outcome.FAILED, "internal_error")
-            await _close(gen)
+            flow.end(Outcome.FAILED, "internal_error")
+            close_detached(gen)
             return error_response(internal_error(f"relay failed: {type(exc).__name__}"), rid)
         if first.error is not None and not first.data:
-            state.end(_outcome_of(first.error), first.error.code)
-            await _close(gen)
+            flow.end(_outcome_of(first.error), first.error.code)
+            close_detached(gen)
             return error_response(first.error, rid)
         if not parsed.stream:
-            state.end(Outcome.COMPLETED, "", first.stats)
-            await _close(gen)
+            flow.end(Outcome.COMPLETED, "", first.stats)
+            close_detached(gen)
             return Response(first.data, media_type="application/json", headers=rid_header)
-        return StreamingResponse(
-            _stream_rest(first, gen, state),
-            media_type="text/event-stream",
-            headers={**SSE_HEADERS, **rid_header},
-        )
+        return RelayStreamResponse(first, gen, flow, self.cfg.serving.stream_keepalive_s, {**SSE_HEADERS, **rid_header})
+
+    def _first_token(self, ticket: str, msg: RelayMessage) -> None:
+        if self.reporter.lease is not None:
+            self.reporter.lease.first_token(ticket, msg.engines)
+        self.reporter.decode_started(ticket, msg.engines)
+
+    def _end(self, ticket: str, outcome: Outcome, reason: str, stats: RelayStats | None) -> None:
+        if self.reporter.lease is not None:
+            self.reporter.lease.release(ticket)
+        self.reporter.release(ticket, outcome, reason, stats)
 
     async def _first_data(
-        self, gen: AsyncIterator[RelayMessage], deadline: float, state: "_Flow"
+        self, gen: AsyncIterator[RelayMessage], deadline: float, flow: Flow
     ) -> RelayMessage:
         """Messages up to the first that carries data or an error, within the deadline."""
         try:
             async with asyncio.timeout(max(0.0, deadline - self.clock())):
                 async for msg in gen:
-                    state.observe(msg)
+                    flow.observe(msg)
                     if msg.data or msg.error is not None:
                         return msg
         except TimeoutError:
@@ -228,69 +254,3 @@ async def _watch_disconnect(request: Request, task: "asyncio.Task[object] | None
             if task is not None:
                 task.cancel()
             return
-
-
-class _Flow:
-    """Tracks one admitted request's phase and makes sure it is released exactly once."""
-
-    __slots__ = ("reporter", "ticket", "decoding", "ended")
-
-    def __init__(self, reporter: Reporter, ticket: str) -> None:
-        self.reporter = reporter
-        self.ticket = ticket
-        self.decoding = False
-        self.ended = False
-
-    def observe(self, msg: RelayMessage) -> None:
-        if msg.first_token and not self.decoding and not msg.final:
-            self.decoding = True
-            self.reporter.decode_started(self.ticket)
-
-    def end(self, outcome: Outcome, reason: str, stats: RelayStats | None = None) -> None:
-        if not self.ended:
-            self.ended = True
-            self.reporter.release(self.ticket, outcome, reason, stats)
-
-
-async def _close(gen: AsyncIterator[RelayMessage]) -> None:
-    aclose = getattr(gen, "aclose", None)
-    if aclose is not None:
-        try:
-            await aclose()
-        except Exception:
-            pass
-
-
-async def _stream_rest(first: RelayMessage, gen: AsyncIterator[RelayMessage], state: _Flow) -> AsyncIterator[bytes]:
-    outcome, reason, stats = Outcome.CANCELLED, "client_disconnected", None
-    try:
-        msg = first
-        while True:
-            if msg.data:
-                yield msg.data
-            if msg.final:
-                stats = msg.stats
-                if msg.error is not None:
-                    outcome, reason = Outcome.FAILED, msg.error.code
-                else:
-                    outcome, reason = Outcome.COMPLETED, ""
-                return
-            try:
-                msg = await gen.__anext__()
-            except StopAsyncIteration:
-                err = internal_error("the assembler stream ended early")
-                outcome, reason = Outcome.FAILED, "internal_error"
-                yield b"data: " + _json_bytes(err.body()) + b"\n\ndata: [DONE]\n\n"
-                return
-            state.observe(msg)
-    except Exception as exc:
-        err = internal_error(f"relay failed: {type(exc).__name__}")
-        outcome, reason = Outcome.FAILED, "internal_error"
-        yield b"data: " + _json_bytes(err.body()) + b"\n\ndata: [DONE]\n\n"
-    finally:
-        state.end(outcome, reason, stats)
-        await _close(gen)
-
-
-def _json_bytes(obj: object) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()

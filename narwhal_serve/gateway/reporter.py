@@ -1,24 +1,44 @@
 """Batches an ingress replica's reports to the scheduler ("gated": send now if no call is in flight,
 else as soon as it returns), from a task with a fresh context so that Ray Serve's cancellation of a
-client's request never cancels a release (ARCHITECTURE.md, "cancellation trap")."""
+client's request never cancels a release (ARCHITECTURE.md, "cancellation trap").
+
+With an :class:`~narwhal_serve.admission.lease.AdmissionLease`, every report carries the lease's
+share (its local placements, permits in use and given back) and the answer renews the lease; an
+idle replica still reports every ``renew_s`` so that its lease and view stay fresh."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
+from narwhal_serve.admission.lease import AdmissionLease
 from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.relay.messages import RelayStats
-from narwhal_serve.scheduler.messages import Report
+from narwhal_serve.scheduler.messages import LeaseGrant, Report
 
 log = logging.getLogger(__name__)
 
 
 class Reporter:
-    def __init__(self, send: Callable[[Report], Awaitable[None]], *, linger_s: float = 0.005) -> None:
+    def __init__(
+        self,
+        send: Callable[[Report], Awaitable[LeaseGrant | None]],
+        *,
+        linger_s: float = 0.005,
+        lease: AdmissionLease | None = None,
+        renew_s: float = 0.25,
+        clock: Callable[[], float] = time.time,
+        mono: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._send = send
+        self.lease = lease
+        self._renew_s = renew_s
+        self._clock = clock
+        self._mono = mono
         self._linger_s = linger_s  # gather a request's events (offered, wait, release) into one call
         self._urgent = False
         self._pending = Report()
@@ -51,9 +71,18 @@ class Reporter:
         self._pending.counters.add(outcome, reason)
         self._queue()
 
-    def decode_started(self, ticket_id: str) -> None:
-        self._pending.decode_started.append(ticket_id)
+    def decode_started(self, ticket_id: str, engines: tuple[str, ...] = ()) -> None:
+        self._pending.decode_started.append((ticket_id, engines))
         self._queue()
+
+    def start(self) -> None:
+        """Begin reporting now (a lease needs its first grant before it can admit)."""
+        self._wake.set()
+        self._ensure_task()
+
+    def start_once(self) -> None:
+        if self._task is None and self.lease is not None:
+            self.start()
 
     def admission_wait(self, seconds: float) -> None:
         self._pending.admission_waits.append(seconds)
@@ -65,7 +94,10 @@ class Reporter:
         self._queue()
 
     async def flush(self) -> None:
-        """Wait until everything reported so far has reached the scheduler."""
+        """Wait until everything reported so far has reached the scheduler (with a lease: and
+        one fresh answer has renewed it)."""
+        if self.lease is not None:
+            self._queued += 1
         target = self._queued
         self._urgent = True
         self._wake.set()
@@ -76,25 +108,38 @@ class Reporter:
     async def _loop(self) -> None:
         backoff = 0.05
         while True:
-            await self._wake.wait()
+            if self.lease is None:
+                await self._wake.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._renew_s):
+                        await self._wake.wait()
             if not self._urgent and self._linger_s > 0:
                 await asyncio.sleep(self._linger_s)
             self._wake.clear()
             self._urgent = False
             rep, self._pending = self._pending, Report()
             upto = self._queued
+            cut_at = self._mono()
+            if self.lease is not None:
+                rep.lease = self.lease.cut(cut_at)
             if not rep.empty():
                 try:
-                    await self._send(rep)
+                    grant = await self._send(rep)
                     backoff = 0.05
                 except Exception:  # the scheduler restarts or is busy: keep the report for later
                     log.exception("report to the scheduler failed; retrying in %.2f s", backoff)
+                    if self.lease is not None and rep.lease is not None:
+                        self.lease.restore(rep.lease.generation)
+                    rep.lease = None
                     rep.absorb(self._pending)
                     self._pending = rep
                     self._wake.set()
                     await asyncio.sleep(backoff)
                     backoff = min(1.0, backoff * 2)
                     continue
+                if self.lease is not None and grant is not None:
+                    self.lease.apply(grant, self._clock(), cut_at)
             self._sent = upto
             async with self._flushed:
                 self._flushed.notify_all()

@@ -8,20 +8,38 @@ routes share the load.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol, TypeVar
 
-from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.config import EngineConfig
+from narwhal_serve.engines.metrics import EngineLoad
 from narwhal_serve.protocol.placement import RouteChoice
+
+
+class Scorable(Protocol):
+    """What placement reads of an engine (the scheduler's state or a holder's frozen facts)."""
+
+    @property
+    def cfg(self) -> EngineConfig: ...
+
+    @property
+    def inflight(self) -> int: ...
+
+    @property
+    def load(self) -> EngineLoad: ...
+
+
+E = TypeVar("E", bound=Scorable)
 
 MAX_CANDIDATES = 3
 
 
-def load_score(e: EngineState, max_num_seqs_hint: float = 64.0) -> float:
+def load_score(e: Scorable, max_num_seqs_hint: float = 64.0) -> float:
     """0 = idle, 1 = saturated: router in-flight and engine queue against a nominal batch size."""
     busy = max(e.inflight, e.load.running) + 2.0 * e.load.waiting
     return min(1.0, max(busy / max_num_seqs_hint, e.load.kv_usage))
 
 
-def candidate_routes(eligible: Sequence[EngineState], rotation: int) -> list[RouteChoice]:
+def candidate_routes(eligible: Sequence[E], rotation: int) -> list[RouteChoice]:
     """Ordered routes over ``eligible`` engines, best first, at most MAX_CANDIDATES."""
     scored: list[tuple[float, int, RouteChoice]] = []
     unified = [e for e in eligible if e.cfg.role == "unified"]

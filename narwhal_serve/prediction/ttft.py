@@ -32,7 +32,7 @@ class PrefillModel:
     samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def predict(self, tokens_ahead_and_own: float) -> float:
-        return self.a + self.b * tokens_ahead_and_own
+        return linear_ttft(self.a, self.b, tokens_ahead_and_own)
 
     def observe(self, x: float, ttft: float) -> None:
         self.samples.append((x, ttft))
@@ -76,7 +76,17 @@ def slot_wait_s(in_flight: int, slots: int | None, service_s: float | None) -> f
 
 def project(model: PrefillModel, pending_tokens: float, prompt_tokens: int, wait_s: float = 0.0) -> Projection:
     """``wait_s``: queueing for a sequence slot ahead of the prefill (see :func:`slot_wait_s`)."""
+    return project_linear(model.a, model.b, pending_tokens, prompt_tokens, wait_s)
+
+
+def linear_ttft(a: float, b: float, tokens_ahead_and_own: float) -> float:
+    """:meth:`PrefillModel.predict` from its two coefficients (what crosses to ingress replicas)."""
+    return a + b * tokens_ahead_and_own
+
+
+def project_linear(a: float, b: float, pending_tokens: float, prompt_tokens: int, wait_s: float = 0.0) -> Projection:
+    """:func:`project` from a model's coefficients."""
     return Projection(
-        prompt_alone_s=model.predict(prompt_tokens),
-        projected_s=wait_s + model.predict(pending_tokens + prompt_tokens),
+        prompt_alone_s=linear_ttft(a, b, prompt_tokens),
+        projected_s=wait_s + linear_ttft(a, b, pending_tokens + prompt_tokens),
     )

@@ -24,7 +24,8 @@ class RelayMessage:
     ``error`` set on a message with no data: the request failed before response headers, and
     ``error`` is the refusal to send.  ``error`` set on a message with data: the stream failed after
     headers and ``data`` already holds the error event and ``[DONE]``.  ``first_token`` marks the
-    end of the prefill phase; ``final`` the last message, with ``stats``.
+    end of the prefill phase (``engines`` says which route served it); ``final`` the last message, with
+    ``stats``.
     """
 
     data: bytes = b""
@@ -32,3 +33,4 @@ class RelayMessage:
     first_token: bool = False
     final: bool = False
     stats: RelayStats | None = None
+    engines: tuple[str, ...] = ()  # with ``first_token``: the route that produced it

@@ -145,7 +145,7 @@ class Relay:
                 if held and (committed or meter.first is not None):
                     first = not committed
                     committed = True
-                    yield RelayMessage(data=b"".join(held), first_token=first)
+                    yield RelayMessage(data=b"".join(held), first_token=first, engines=route.engines)
                     held = []
         except (EngineFailure, BadEngineResponse) as exc:
             if not committed:
@@ -159,6 +159,7 @@ class Relay:
             data=b"".join(held) + DONE_EVENT,
             first_token=not committed,
             final=True,
+            engines=route.engines,
             stats=self._stats(route, meter, attempt),
         )
 
@@ -181,7 +182,7 @@ class Relay:
                     meter.observe(chunk, now)
                     asm.feed(chunk)
                 if not had_first and meter.first is not None:
-                    yield RelayMessage(first_token=True)  # prefill is over: frees the prefill permit
+                    yield RelayMessage(first_token=True, engines=route.engines)  # prefill is over: frees the prefill permit
         finally:
             await stream.aclose()
         engine_prompt = asm.prompt_token_ids

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from narwhal_serve.config import EngineConfig
-from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
+from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, Report
 from narwhal_serve.scheduler.service import SchedulerService
 
 
@@ -18,8 +18,8 @@ class SchedulerApi:
     async def cancel(self, ticket_id: str) -> None:
         self.svc.cancel(ticket_id)
 
-    async def report(self, rep: Report) -> None:
-        self.svc.report(rep)
+    async def report(self, rep: Report) -> LeaseGrant | None:
+        return self.svc.report(rep)
 
     async def snapshot(self) -> dict[str, Any]:
         return self.svc.snapshot()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from narwhal_serve.admission.controller import NONE, Permits
+from narwhal_serve.admission.core import FleetView, Placement
 from narwhal_serve.admission.counters import CounterDelta
 from narwhal_serve.errors import ErrorInfo
 from narwhal_serve.protocol.placement import RouteChoice
@@ -17,6 +19,8 @@ class AdmitRequest:
     prompt_tokens: int
     max_output_tokens: int | None
     ttft_budget_s: float
+    lease_id: str | None = None
+    returned: Permits = NONE  # spare lease permits the ingress gives back before asking
 
 
 @dataclass(frozen=True)
@@ -27,17 +31,53 @@ class AdmitResult:
     error: ErrorInfo | None = None
 
 
+@dataclass(frozen=True)
+class LocalPlacement:
+    """A request an ingress admitted under its lease (the scheduler charges its engines)."""
+
+    ticket_id: str
+    placement: Placement
+    deadline: float  # wall clock: past it (plus a grace) the scheduler forgets the ticket
+
+
+@dataclass
+class LeasePart:
+    """A lease's share of one report."""
+
+    lease_id: str
+    generation: int
+    placed: list[LocalPlacement] = field(default_factory=list)
+    returned: Permits = NONE
+    in_use: Permits = NONE
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """The scheduler's answer to a report: a fresh view and more permits for the lease."""
+
+    lease_id: str
+    generation: int  # of the report it answers
+    view: FleetView
+    sched_now: float  # the scheduler's wall clock when it granted
+    ttl_s: float  # the lease holds this long after the report was cut (on the ingress's clock)
+    granted: Permits  # added to the lease's spare permits
+    spare_target: Permits  # spare beyond this goes back in the next report
+    revoked: bool = False  # the scheduler had forgotten this lease (silent too long): spare permits are void
+
+
 @dataclass
 class Report:
     """What an ingress replica tells the scheduler since its last report."""
 
     counters: CounterDelta = field(default_factory=CounterDelta)
-    decode_started: list[str] = field(default_factory=list)
+    decode_started: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # ticket, engines served
     released: list[tuple[str, RelayStats | None]] = field(default_factory=list)
     admission_waits: list[float] = field(default_factory=list)
+    lease: LeasePart | None = None
 
     def empty(self) -> bool:
-        return self.counters.empty() and not self.decode_started and not self.released and not self.admission_waits
+        return (self.counters.empty() and not self.decode_started and not self.released
+                and not self.admission_waits and self.lease is None)
 
     def absorb(self, later: "Report") -> None:
         """Append ``later``'s events to this report (order kept)."""

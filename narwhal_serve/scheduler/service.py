@@ -1,7 +1,8 @@
 """The scheduler: single source of truth for engines, router state, admission and counters.
 
 Plain asyncio, no Ray: the Ray deployment (``deployments/scheduler.py``) only forwards calls here,
-and tests drive it directly.
+and tests drive it directly.  Admission decisions are :func:`narwhal_serve.admission.core.decide`,
+the same pure function ingress replicas run under their leases (:mod:`.leases`).
 """
 
 from __future__ import annotations
@@ -17,29 +18,28 @@ from typing import Any
 import httpx
 
 from narwhal_serve.admission.controller import AdmissionController, Enqueued, Grant, Refusal
+from narwhal_serve.admission.core import Ask, EngineFacts, FleetView, Placement, decide, rank
 from narwhal_serve.admission.counters import Counters
 from narwhal_serve.admission.outcomes import Outcome
-from narwhal_serve.admission.predictive import judge
 from narwhal_serve.config import EngineConfig, NarwhalConfig
 from narwhal_serve.errors import ErrorInfo, NarwhalError
-from narwhal_serve.ha.state import RouterState, backend_unavailable, router_unavailable
+from narwhal_serve.ha.state import RouterState, backend_unavailable
 from narwhal_serve.placement.engines import EngineState
-from narwhal_serve.placement.picker import candidate_routes
-from narwhal_serve.prediction.ttft import Projection, project, slot_wait_s
-from narwhal_serve.protocol.placement import RouteChoice
-from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
 from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.scheduler.leases import LEASE_TTL_S, LeaseLedger
+from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, LocalPlacement, Report
 from narwhal_serve.scheduler.monitor import scrape_all
 from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, render_metrics
 
+REAP_GRACE_S = 5.0  # a ticket past its request deadline by this much is forgotten (permits freed)
+
+
 @dataclass
-class _Placement:
-    engines: tuple[str, ...]
-    first_engine: str | None  # the engine whose prefill gives the first token
-    prompt_tokens: int
-    x_tokens: int  # prefill tokens at that engine, this prompt included, when admitted
-    predicted_s: float | None
-    slot_wait_s: float = 0.0  # the queueing part of the prediction
+class _Ticket:
+    placement: Placement  # what its admission was judged on
+    engines: tuple[str, ...]  # where it is charged now (moves to the route actually served)
+    deadline: float
+    lease: str | None  # the lease that admitted it, or None (admitted here)
     prefill_done: bool = False
 
 
@@ -52,6 +52,7 @@ class SchedulerService:
         self.cfg = cfg
         self.clock = clock
         self.admission = AdmissionController(cfg.admission, cfg.serving)
+        self.leases = LeaseLedger(self.admission)
         self.engines: dict[str, EngineState] = {e.name: EngineState(e) for e in cfg.resolved_engines()}
         self.router = RouterState(mode="standby" if cfg.ha.role == "standby" else "active")
         self.counters = Counters()
@@ -62,9 +63,9 @@ class SchedulerService:
             "ttft_prediction_error": Histogram(),
         }
         self._waiters: dict[str, asyncio.Future[AdmitResult]] = {}
-        self._routes: dict[str, _Placement] = {}  # ticket -> what its admission counted
+        self._waiting: dict[str, AdmitRequest] = {}  # queued tickets' requests
+        self._tickets: dict[str, _Ticket] = {}  # admitted and not yet released
         self._queued_tokens = 0
-        self._queued_prompt: dict[str, int] = {}
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._rotation = 0
         self._client: httpx.AsyncClient | None = None
@@ -88,6 +89,7 @@ class SchedulerService:
     async def _monitor_loop(self) -> None:
         while True:
             await self.scrape_once()
+            self.reap()
             await asyncio.sleep(self.cfg.monitoring.scrape_interval_s)
 
     async def scrape_once(self) -> None:
@@ -99,16 +101,38 @@ class SchedulerService:
         self.router.started = True
         self._pump()  # engines may have become eligible for queued requests
 
-    # -- admission ---------------------------------------------------------------------------
-    def _eligible(self, now: float) -> list[EngineState]:
+    def reap(self) -> None:
+        """Bound every ticket's life: forget tickets long past their deadline, and leases (with
+        their tickets) whose ingress went silent."""
+        now = self.clock()
+        for lease_id, rec in self.leases.orphans(now):
+            for tid in list(rec.tickets):
+                self._release(tid, None)
+        for tid in [t for t, k in self._tickets.items() if now > k.deadline + REAP_GRACE_S]:
+            self._release(tid, None)
+        self._pump()
+
+    # -- the view every decision is made on ---------------------------------------------------
+    def view(self, now: float, *, queued_tokens: int | None = None) -> FleetView:
         maint = frozenset(self.router.maintenance)
         stale = self.cfg.monitoring.stale_after_s
-        return [e for e in self.engines.values() if e.eligible(now, stale, maint)]
+        facts = []
+        for e in self.engines.values():
+            ok = e.eligible(now, stale, maint) and e.last_ok is not None
+            facts.append(EngineFacts(
+                cfg=e.cfg, eligible_until=(e.last_ok or 0.0) + stale if ok else 0.0, inflight=e.inflight,
+                load=e.load, pending_prefill_tokens=e.pending_prefill_tokens, ttft_a=e.ttft_model.a,
+                ttft_b=e.ttft_model.b, slots=e.slots(), service_s=e.service_s,
+            ))
+        return FleetView(
+            engines=tuple(facts),
+            unavailable=self.router.unavailable_reason({e.cfg.wave for e in self.engines.values()}),
+            predictive=self.cfg.admission.mode == "predictive",
+            queued_tokens=self._queued_tokens if queued_tokens is None else queued_tokens,
+            queued=len(self.admission.queue),
+        )
 
-    def _routes_now(self, now: float) -> list[RouteChoice]:
-        self._rotation += 1
-        return candidate_routes(self._eligible(now), self._rotation)
-
+    # -- admission ---------------------------------------------------------------------------
     def _refuse(self, refusal: Refusal) -> AdmitResult:
         self.counters.add(refusal.outcome, refusal.reason)
         return AdmitResult(error=refusal.error)
@@ -117,113 +141,87 @@ class SchedulerService:
         self.counters.add(outcome, err.code)
         return AdmitResult(error=err)
 
-    def _first_token_engine(self, route: RouteChoice) -> EngineState | None:
-        return self.engines.get(route.prefill.name if route.prefill else route.decode.name)
-
-    def _slot_wait(self, route: RouteChoice) -> float:
-        d = self.engines.get(route.decode.name)
-        return 0.0 if d is None else slot_wait_s(d.in_flight(), d.slots(), d.service_s)
-
-    def _predict(self, route: RouteChoice, prompt_tokens: int) -> Projection | None:
-        e = self._first_token_engine(route)
-        if e is None:
-            return None
-        pending = e.pending_prefill_tokens + self._queued_tokens
-        return project(e.ttft_model, pending, prompt_tokens, self._slot_wait(route))
-
-    def _rank_predictive(self, routes: list[RouteChoice], req: AdmitRequest) -> tuple[list[RouteChoice], Refusal | None]:
-        """Best projected route first; the refusal when even the best one misses the budget."""
-        scored = [(p.projected_s if p else float("inf"), i, r, p)
-                  for i, (r, p) in enumerate((r, self._predict(r, req.prompt_tokens)) for r in routes)]
-        scored.sort(key=lambda s: (s[0], s[1]))
-        best = scored[0][3]
-        refusal = judge(best, req.ttft_budget_s) if best is not None else None
-        return [s[2] for s in scored], refusal
-
-    def _placed(self, ticket_id: str, routes: list[RouteChoice], prompt_tokens: int) -> AdmitResult:
-        route = routes[0]
-        for name in route.engines:
+    def _charge(self, tid: str, placement: Placement, deadline: float, lease: str | None) -> None:
+        for name in placement.engines:
             if name in self.engines:
                 self.engines[name].inflight += 1
-        e = self._first_token_engine(route)
-        x = prompt_tokens
-        predicted = None
-        wait = self._slot_wait(route)
+        e = self.engines.get(placement.first_engine or "")
         if e is not None:
-            x += e.pending_prefill_tokens
-            predicted = wait + e.ttft_model.predict(x)
-            e.pending_prefill_tokens += prompt_tokens
-        self._routes[ticket_id] = _Placement(
-            route.engines, e.cfg.name if e else None, prompt_tokens, x, predicted, wait
-        )
-        return AdmitResult(candidates=tuple(routes))
+            e.pending_prefill_tokens += placement.prompt_tokens
+        self._tickets[tid] = _Ticket(placement, placement.engines, deadline, lease)
 
-    def _prefill_done(self, p: "_Placement") -> None:
-        if not p.prefill_done:
-            p.prefill_done = True
-            e = self.engines.get(p.first_engine or "")
+    def _placed(self, tid: str, placement: Placement, deadline: float) -> AdmitResult:
+        self._charge(tid, placement, deadline, None)
+        return AdmitResult(candidates=placement.routes)
+
+    def _prefill_done(self, t: _Ticket) -> None:
+        if not t.prefill_done:
+            t.prefill_done = True
+            e = self.engines.get(t.placement.first_engine or "")
             if e is not None:
-                e.pending_prefill_tokens = max(0, e.pending_prefill_tokens - p.prompt_tokens)
+                e.pending_prefill_tokens = max(0, e.pending_prefill_tokens - t.placement.prompt_tokens)
 
     async def admit(self, req: AdmitRequest) -> AdmitResult:
         now = self.clock()
+        self.leases.returned(req.lease_id, req.returned)
         if req.ticket_id in self._tombstones:
             self._tombstones.pop(req.ticket_id)
+            self._pump()
             return AdmitResult(error=_CANCELLED)  # the ingress counts the cancellation
-        reason = self.router.unavailable_reason({e.cfg.wave for e in self.engines.values()})
-        if reason is not None:
-            return self._refuse_info(router_unavailable(reason), Outcome.REJECTED)
-        routes = self._routes_now(now)
-        if not routes:
-            return self._refuse_info(backend_unavailable(), Outcome.REJECTED)
-        if self.cfg.admission.mode == "predictive":
-            routes, refusal = self._rank_predictive(routes, req)
-            if refusal is not None:
-                return self._refuse(refusal)
+        self._rotation += 1
+        verdict = decide(self.view(now), Ask(req.prompt_tokens, req.ttft_budget_s), now, self._rotation)
+        if isinstance(verdict, Refusal):
+            self._pump()
+            return self._refuse(verdict)
         decision = self.admission.offer(req.ticket_id, now, req.request_deadline)
         if isinstance(decision, Refusal):
+            self._pump()
             return self._refuse(decision)
         if isinstance(decision, Grant):
-            return self._placed(req.ticket_id, routes, req.prompt_tokens)
-        return await self._wait(decision, req.prompt_tokens)
+            return self._placed(req.ticket_id, verdict, req.request_deadline)
+        return await self._wait(decision, req)
 
-    async def _wait(self, decision: Enqueued, prompt_tokens: int) -> AdmitResult:
+    async def _wait(self, decision: Enqueued, req: AdmitRequest) -> AdmitResult:
         tid = decision.ticket.id
-        self._queued_prompt[tid] = prompt_tokens
-        self._queued_tokens += prompt_tokens
+        self._waiting[tid] = req
+        self._queued_tokens += req.prompt_tokens
         fut: asyncio.Future[AdmitResult] = asyncio.get_running_loop().create_future()
         self._waiters[tid] = fut
-        self._arm_expiry()
+        self._pump()  # returned lease permits may grant it at once
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             self.cancel(tid)  # our caller was cancelled: give back the slot or the grant
             raise
 
-    def _unqueue(self, tid: str) -> int:
-        n = self._queued_prompt.pop(tid, 0)
-        self._queued_tokens -= n
-        return n
+    def _unqueue(self, tid: str) -> AdmitRequest | None:
+        req = self._waiting.pop(tid, None)
+        if req is not None:
+            self._queued_tokens -= req.prompt_tokens
+        return req
 
     def _pump(self) -> None:
-        granted, expired = self.admission.pump(self.clock())
+        now = self.clock()
+        granted, expired = self.admission.pump(now)
         for t, refusal in expired:
             self._unqueue(t.id)
             fut = self._waiters.pop(t.id, None)
             if fut is not None and not fut.done():
                 fut.set_result(self._refuse(refusal))
         for t in granted:
-            prompt_tokens = self._unqueue(t.id)
+            req = self._unqueue(t.id)
             fut = self._waiters.pop(t.id, None)
-            if fut is None or fut.done():
+            if req is None or fut is None or fut.done():
                 self.admission.release(t.id)
                 continue
-            routes = self._routes_now(self.clock())
-            if not routes:
+            # ranked again now (it waited); nothing queued is ahead of it any more
+            self._rotation += 1
+            placement, _ = rank(self.view(now, queued_tokens=0), req.prompt_tokens, now, self._rotation)
+            if placement is None:
                 self.admission.release(t.id)
                 fut.set_result(self._refuse_info(backend_unavailable(), Outcome.REJECTED))
             else:
-                fut.set_result(self._placed(t.id, routes, prompt_tokens))
+                fut.set_result(self._placed(t.id, placement, req.request_deadline))
         self._arm_expiry()
 
     def _arm_expiry(self) -> None:
@@ -254,33 +252,70 @@ class SchedulerService:
             while len(self._tombstones) > _TOMBSTONES:
                 self._tombstones.popitem(last=False)
 
-    def report(self, rep: Report) -> None:
+    def report(self, rep: Report) -> LeaseGrant | None:
+        now = self.clock()
         self.counters.merge(rep.counters)
-        for tid in rep.decode_started:
+        grant_for = None
+        if rep.lease is not None:
+            part = rep.lease
+            rec, fresh = self.leases.touch(part.lease_id, part.in_use, now)
+            if not fresh:
+                self.leases.returned(part.lease_id, part.returned)
+            for lp in part.placed:
+                self._local_placed(lp, part.lease_id)
+            grant_for = (rec, fresh)
+        for tid, engines in rep.decode_started:
             self.admission.enter_decode(tid)
-            p = self._routes.get(tid)
-            if p is not None:
-                self._prefill_done(p)
+            t = self._tickets.get(tid)
+            if t is not None:
+                self._move(t, engines)
+                self._prefill_done(t)
         for tid, stats in rep.released:
             self._release(tid, stats)
         for w in rep.admission_waits:
             self.histograms["admission_wait"].observe(w)
         self._pump()
+        if grant_for is None or rep.lease is None:
+            return None
+        rec, fresh = grant_for
+        granted, target = self.leases.grant(rec, bool(self.admission.queue))
+        return LeaseGrant(rep.lease.lease_id, rep.lease.generation, self.view(now), now, LEASE_TTL_S,
+                          granted, target, revoked=fresh and rep.lease.generation > 1)
+
+    def _local_placed(self, lp: LocalPlacement, lease_id: str) -> None:
+        self._charge(lp.ticket_id, lp.placement, lp.deadline, lease_id)
+        rec = self.leases.leases.get(lease_id)
+        if rec is not None:
+            rec.tickets.add(lp.ticket_id)
+
+    def _move(self, t: _Ticket, engines: tuple[str, ...]) -> None:
+        """Charge the route that actually served the request (a retry may have moved it)."""
+        if not engines or engines == t.engines:
+            return
+        for name in t.engines:
+            if name in self.engines:
+                self.engines[name].inflight -= 1
+        for name in engines:
+            if name in self.engines:
+                self.engines[name].inflight += 1
+        t.engines = engines
 
     def _release(self, tid: str, stats: RelayStats | None) -> None:
         """Idempotent: permits, in-flight and pending-prefill counts of one ticket."""
         self.admission.release(tid)
-        p = self._routes.pop(tid, None)
-        if p is None:
+        t = self._tickets.pop(tid, None)
+        if t is None:
             return
-        self._prefill_done(p)
-        for name in p.engines:
+        if t.lease is not None and (rec := self.leases.leases.get(t.lease)) is not None:
+            rec.tickets.discard(tid)
+        self._prefill_done(t)
+        for name in t.engines:
             if name in self.engines:
                 self.engines[name].inflight -= 1
         if stats is not None:
-            self._observe(stats, p)
+            self._observe(stats, t.placement)
 
-    def _observe(self, stats: RelayStats, p: "_Placement") -> None:
+    def _observe(self, stats: RelayStats, p: Placement) -> None:
         if stats.ttft_s is not None:
             self.histograms["ttft"].observe(stats.ttft_s)
             e = self.engines.get(p.first_engine or "")
@@ -333,7 +368,8 @@ class SchedulerService:
             return False, reason
         if not self.router.started:
             return False, "starting"
-        if not self._eligible(self.clock()):
+        now = self.clock()
+        if not any(e.eligible(now) for e in self.view(now).engines):
             return False, "no_eligible_engines"
         return True, "active"
 

@@ -1,8 +1,16 @@
-"""The Ray environment every in-process Serve session needs here; apply before importing ray."""
+"""The Ray environment every in-process Serve session needs here; apply before importing ray.
+
+The run mode is Serve's direct ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``). Its HAProxy defaults to
+fixed ports (8404 stats, 9101 metrics) and fixed files under /tmp/haproxy-serve, so two sessions on
+one machine (a test run beside ``make run``) would collide: each test process gets its own.
+"""
 
 from __future__ import annotations
 
 import os
+import tempfile
+
+from tests.support.net import free_port
 
 ADMIN_TOKEN = "test-admin-token"
 RAY_TEST_ENV = {
@@ -15,6 +23,19 @@ RAY_TEST_ENV = {
 }
 
 
+def haproxy_env() -> dict[str, str]:
+    """Private HAProxy ports and files for one Serve session."""
+    d = tempfile.mkdtemp(prefix="narwhal-haproxy-")
+    return {
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(d, "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(d, "admin.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": d,
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(d, "server-state"),
+    }
+
+
 def apply() -> None:
-    for k, v in RAY_TEST_ENV.items():
+    for k, v in {**RAY_TEST_ENV, **haproxy_env()}.items():
         os.environ.setdefault(k, v)

@@ -42,7 +42,7 @@ async def test_grant_queue_release_and_counters() -> None:
     waiter = asyncio.ensure_future(svc.admit(req("b")))
     await asyncio.sleep(0)
     assert svc.admission.gauges()["queued"] == 1
-    svc.report(Report(decode_started=["a"]))  # a's prefill permit frees: b is granted
+    svc.report(Report(decode_started=[("a", ())]))  # a's prefill permit frees: b is granted
     b = await waiter
     assert b.error is None
     svc.report(Report(released=[("a", None), ("b", None)]))
@@ -113,7 +113,7 @@ async def test_predictive_sees_requests_queueing_for_slots() -> None:
         r = await svc.admit(req(f"q{i}", prompt=10, budget=1.0))
         if r.error is None:
             admitted += 1
-            svc.report(Report(decode_started=[f"q{i}"]))  # prefill done, still decoding
+            svc.report(Report(decode_started=[(f"q{i}", ())]))  # prefill done, still decoding
         else:
             assert r.error.code == "ttft_budget_exceeded"
     # two routes with two slots each, then a wait under 1 s for at most one more per route

@@ -1,0 +1,171 @@
+"""An ingress replica's admission lease: admit, refuse and place locally, with no scheduler call.
+
+The scheduler reserves permits for the lease (:class:`~narwhal_serve.admission.controller.Permits`)
+and sends, with each answer to a report, a :class:`~narwhal_serve.admission.core.FleetView`.  The
+lease decides with the same pure :func:`~narwhal_serve.admission.core.decide` the scheduler runs,
+on that view plus its own placements since ("the others as last known, plus mine exactly").
+
+Accounting is additive, so it stays exact however messages interleave: the scheduler adds to a
+reservation before it sends a grant; the lease gives permits back only from its spare, and only
+in a report or an admission call.  What the scheduler counts as reserved is therefore never less
+than what the lease holds, and leases never sum past a global limit.
+
+Defers to the scheduler (``None``) when the lease has expired (no answer within ``ttl_s`` of the
+report that renewed it), when a permit is missing, or when the scheduler's queue is not empty —
+queued requests go first, and the queue keeps queue-full, waits and 504s exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from narwhal_serve.admission.controller import NONE, ONE_REQUEST, Permits, Refusal
+from narwhal_serve.admission.core import Ask, EngineDelta, FleetView, Placement, charge, decide
+from narwhal_serve.scheduler.messages import LeaseGrant, LeasePart, LocalPlacement
+
+
+@dataclass
+class _Local:
+    placement: Placement
+    engines: tuple[str, ...]  # where its in-flight count is charged (moves to the route served)
+    prefill_done: bool = False
+
+
+def _add(into: dict[str, EngineDelta], more: dict[str, EngineDelta]) -> None:
+    for name, d in more.items():
+        into[name] = into.get(name, EngineDelta()) + d
+
+
+@dataclass
+class _Sent:
+    part: LeasePart
+    deltas: dict[str, EngineDelta]
+
+
+@dataclass
+class AdmissionLease:
+    lease_id: str
+    spare: Permits = NONE
+    in_use: Permits = NONE
+    spare_target: Permits = NONE
+    view: FleetView | None = None
+    valid_until: float = 0.0  # monotonic
+    rotation: int = 0
+    generation: int = 0
+    tickets: dict[str, _Local] = field(default_factory=dict)
+    _deltas: dict[str, EngineDelta] = field(default_factory=dict)  # since the last cut
+    _placed: list[LocalPlacement] = field(default_factory=list)
+    _to_return: Permits = NONE
+    _sent: dict[int, _Sent] = field(default_factory=dict)
+
+    # -- admission ----------------------------------------------------------------------------
+    def valid(self, mono: float) -> bool:
+        return self.view is not None and mono < self.valid_until
+
+    def current_view(self) -> FleetView | None:
+        if self.view is None:
+            return None
+        deltas: dict[str, EngineDelta] = {}
+        for s in self._sent.values():
+            _add(deltas, s.deltas)
+        _add(deltas, self._deltas)
+        return self.view.adjusted(deltas)
+
+    def try_admit(self, ticket_id: str, ask: Ask, deadline: float, now: float, mono: float) -> Placement | Refusal | None:
+        """A placement (permits taken), a refusal (counted by the caller), or None: ask the scheduler."""
+        view = self.current_view()
+        if view is None or not self.valid(mono) or view.queued:
+            return None
+        self.rotation += 1
+        verdict = decide(view, ask, now, self.rotation)
+        if isinstance(verdict, Refusal):
+            return verdict
+        if not self.spare.covers(ONE_REQUEST):
+            return None
+        self.spare = self.spare - ONE_REQUEST
+        self.in_use = self.in_use + ONE_REQUEST
+        self.tickets[ticket_id] = _Local(verdict, verdict.engines)
+        _add(self._deltas, charge(verdict))
+        self._placed.append(LocalPlacement(ticket_id, verdict, deadline))
+        return verdict
+
+    def give_back_spare(self) -> Permits:
+        """All spare permits, handed back with an admission call to the scheduler."""
+        out, self.spare = self.spare, NONE
+        return out
+
+    # -- lifecycle of a locally admitted request ----------------------------------------------
+    def first_token(self, ticket_id: str, engines: tuple[str, ...]) -> None:
+        t = self.tickets.get(ticket_id)
+        if t is None or t.prefill_done:
+            return
+        t.prefill_done = True
+        self._move(t, engines)
+        if t.placement.first_engine is not None:
+            _add(self._deltas, {t.placement.first_engine: EngineDelta(pending_prefill_tokens=-t.placement.prompt_tokens)})
+        self._free(Permits(prefill=1))
+
+    def release(self, ticket_id: str) -> None:
+        t = self.tickets.pop(ticket_id, None)
+        if t is None:
+            return
+        freed = Permits(retention=1, decode=1)
+        if not t.prefill_done:
+            freed = freed + Permits(prefill=1)
+            if t.placement.first_engine is not None:
+                _add(self._deltas, {t.placement.first_engine: EngineDelta(pending_prefill_tokens=-t.placement.prompt_tokens)})
+        _add(self._deltas, {n: EngineDelta(inflight=-1) for n in t.engines})
+        self._free(freed)
+
+    def _move(self, t: _Local, engines: tuple[str, ...]) -> None:
+        if engines and engines != t.engines:
+            _add(self._deltas, {n: EngineDelta(inflight=-1) for n in t.engines})
+            _add(self._deltas, {n: EngineDelta(inflight=1) for n in engines})
+            t.engines = engines
+
+    def _free(self, p: Permits) -> None:
+        self.in_use = self.in_use - p
+        self.spare = self.spare + p
+        self._trim()
+
+    def _trim(self) -> None:
+        """Spare beyond the target goes back with the next report."""
+        extra = (self.spare - self.spare_target).clamp(NONE, self.spare)
+        if extra.any():
+            self.spare = self.spare - extra
+            self._to_return = self._to_return + extra
+
+    # -- the exchange with the scheduler ------------------------------------------------------
+    def cut(self, mono: float) -> LeasePart:
+        """This lease's share of the next report (kept until answered or restored)."""
+        if not self.valid(mono) and self.spare.any():  # an expired lease holds nothing spare
+            self._to_return = self._to_return + self.spare
+            self.spare = NONE
+        self.generation += 1
+        part = LeasePart(self.lease_id, self.generation, self._placed, self._to_return, self.in_use)
+        self._sent[self.generation] = _Sent(part, self._deltas)
+        self._placed, self._to_return, self._deltas = [], NONE, {}
+        return part
+
+    def restore(self, generation: int) -> None:
+        """The report carrying ``generation`` failed: its events go out again with the next one."""
+        s = self._sent.pop(generation, None)
+        if s is None:
+            return
+        self._placed = s.part.placed + self._placed
+        self._to_return = self._to_return + s.part.returned
+        merged = dict(s.deltas)
+        _add(merged, self._deltas)
+        self._deltas = merged
+
+    def apply(self, grant: LeaseGrant, now: float, cut_mono: float) -> None:
+        """The scheduler answered the report of ``grant.generation``, cut at ``cut_mono``."""
+        for g in [g for g in self._sent if g <= grant.generation]:
+            del self._sent[g]
+        if grant.revoked:  # the scheduler had forgotten this lease: it reserved only what is in use
+            self.spare, self._to_return = NONE, NONE
+        self.view = grant.view.shifted(now - grant.sched_now)
+        self.valid_until = cut_mono + grant.ttl_s
+        self.spare = self.spare + grant.granted
+        self.spare_target = grant.spare_target
+        self._trim()

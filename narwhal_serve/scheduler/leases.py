@@ -1,0 +1,81 @@
+"""The scheduler's side of admission leases: who holds what, how much more to grant, and what to
+reclaim from a lease that went silent (its ingress replica died)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from narwhal_serve.admission.controller import NONE, AdmissionController, Permits
+
+LEASE_TTL_S = 2.0  # an ingress stops admitting locally this long after its last answered report
+ORPHAN_S = 30.0  # a lease not heard from this long is forgotten: its spare permits come back
+SPARE_CAP = 64  # most spare permits of one kind a lease holds
+
+
+@dataclass
+class LeaseRecord:
+    reserved: Permits = NONE  # spare + in use, as far as the scheduler knows (never less than held)
+    in_use: Permits = NONE  # as last reported
+    last_seen: float = 0.0
+    tickets: set[str] = field(default_factory=set)
+
+
+class LeaseLedger:
+    def __init__(self, permits: AdmissionController) -> None:
+        self.permits = permits
+        self.leases: dict[str, LeaseRecord] = {}
+
+    def _sync_gauges(self) -> None:
+        total = NONE
+        for r in self.leases.values():
+            total = total + r.in_use
+        self.permits.lease_in_use = total
+
+    def returned(self, lease_id: str | None, back: Permits) -> None:
+        """Spare permits a lease gives back (in a report or an admission call)."""
+        rec = self.leases.get(lease_id or "")
+        if rec is None or not back.any():
+            return
+        rec.reserved = rec.reserved - back
+        self.permits.unreserve(back)
+
+    def touch(self, lease_id: str, in_use: Permits, now: float) -> tuple[LeaseRecord, bool]:
+        """The record of a reporting lease; ``True`` when it was unknown (new, or forgotten)."""
+        rec = self.leases.get(lease_id)
+        fresh = rec is None
+        if rec is None:
+            rec = LeaseRecord()
+            self.leases[lease_id] = rec
+            # what it has in use runs anyway: reserve it even past a limit
+            self.permits.reserved = self.permits.reserved + in_use
+            rec.reserved = in_use
+        rec.in_use = in_use
+        rec.last_seen = now
+        self._sync_gauges()
+        return rec, fresh
+
+    def grant(self, rec: LeaseRecord, queue_waiting: bool) -> tuple[Permits, Permits]:
+        """(granted, spare target): a fair share of what is free, nothing while requests queue."""
+        if queue_waiting:
+            return NONE, NONE
+        live = max(1, len(self.leases))
+        lim = self.permits.limits()
+
+        def share(limit: int) -> int:
+            return max(1, min(SPARE_CAP, limit // (2 * live)))
+
+        target = Permits(share(lim.retention), share(lim.prefill), share(lim.decode))
+        spare = (rec.reserved - rec.in_use).clamp(NONE, rec.reserved)
+        got = self.permits.reserve((target - spare).clamp(NONE, target))
+        rec.reserved = rec.reserved + got
+        return got, target
+
+    def orphans(self, now: float) -> list[tuple[str, LeaseRecord]]:
+        """Leases silent for ORPHAN_S: forgotten, their permits unreserved; their tickets to reap."""
+        out = [(k, r) for k, r in self.leases.items() if now - r.last_seen > ORPHAN_S]
+        for k, r in out:
+            del self.leases[k]
+            self.permits.unreserve(r.reserved)
+        if out:
+            self._sync_gauges()
+        return out
