@@ -21,8 +21,10 @@ from typing import Any
 from narwhal_serve.bench import procs
 from narwhal_serve.bench.client import Endpoint
 
-TARGETS: tuple[str, ...] = ("direct", "proxy", "narwhal-open", "narwhal-predictive", "rr")
-NARWHAL_PREFIX = {"narwhal-open": "/open", "narwhal-predictive": "/predictive"}
+TARGETS: tuple[str, ...] = ("direct", "proxy", "narwhal-open", "narwhal-predictive", "rr", "narwhal-nolease")
+# narwhal-nolease: open admission with a scheduler call per request (admission.ingress_leases off),
+# the shape before admission leases, measured beside the others
+NARWHAL_PREFIX = {"narwhal-open": "/open", "narwhal-predictive": "/predictive", "narwhal-nolease": "/nolease"}
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -81,7 +83,7 @@ def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets:
             e["max_num_seqs"] = max_num_seqs
     apps = []
     for t in targets:
-        mode = "open" if t == "narwhal-open" else "predictive"
+        mode = "predictive" if t == "narwhal-predictive" else "open"
         apps.append({
             "name": t,
             "route_prefix": NARWHAL_PREFIX[t],
@@ -89,7 +91,8 @@ def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets:
             "args": {
                 "model": model,
                 "admission": {"mode": mode, "ttft_budget_s": ttft_budget_s,
-                              "max_ttft_budget_s": max(60.0, ttft_budget_s)},
+                              "max_ttft_budget_s": max(60.0, ttft_budget_s),
+                              "ingress_leases": t != "narwhal-nolease"},
                 "engines": engines,
             },
         })

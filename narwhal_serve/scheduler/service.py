@@ -12,7 +12,7 @@ import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
@@ -71,6 +71,7 @@ class SchedulerService:
         self._client: httpx.AsyncClient | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._expiry: asyncio.TimerHandle | None = None
+        self.calls = {"admit": 0, "report": 0}  # calls from ingress replicas (/status)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -162,6 +163,7 @@ class SchedulerService:
                 e.pending_prefill_tokens = max(0, e.pending_prefill_tokens - t.placement.prompt_tokens)
 
     async def admit(self, req: AdmitRequest) -> AdmitResult:
+        self.calls["admit"] += 1
         now = self.clock()
         self.leases.returned(req.lease_id, req.returned)
         if req.ticket_id in self._tombstones:
@@ -253,6 +255,7 @@ class SchedulerService:
                 self._tombstones.popitem(last=False)
 
     def report(self, rep: Report) -> LeaseGrant | None:
+        self.calls["report"] += 1
         now = self.clock()
         self.counters.merge(rep.counters)
         grant_for = None
@@ -388,6 +391,12 @@ class SchedulerService:
                 {"outcome": o, "reason": r, "count": n} for (o, r), n in sorted(self.counters.by_outcome.items())
             ],
             "gauges": self.admission.gauges(),
+            "scheduler_calls": dict(self.calls),
+            "admission_leases": [
+                {"lease": k, "reserved": asdict(r.reserved), "in_use": asdict(r.in_use),
+                 "tickets": len(r.tickets), "age_s": round(now - r.last_seen, 3)}
+                for k, r in self.leases.leases.items()
+            ],
             "engines": [
                 e.view(now, self.cfg.monitoring.stale_after_s, maint) for e in self.engines.values()
             ],
