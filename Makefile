@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 run: $(VENV)/.installed
-	$(VENV)/bin/serve run serve_config.yaml
+	$(PY) scripts/serve_run.py serve_config.yaml
 
 test: $(VENV)/.installed
 	$(VENV)/bin/mypy

@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Literal
 
-import httpx
-
+from narwhal_serve.engines.client import engine_client
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.relay.pipeline import Relay
 
 
-def engine_client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
-    )
-
-
 class Assembler:
-    def __init__(self) -> None:
-        self.relay = Relay(engine_client())
+    def __init__(self, engine_http: Literal["aiohttp", "httpx"] = "aiohttp") -> None:
+        self.relay = Relay(engine_client(engine_http))
 
     async def run(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         async for msg in self.relay.run(placed):

@@ -98,6 +98,8 @@ class DeploymentKnobs(_Strict):
     assembler_min_replicas: int = Field(1, ge=1)
     assembler_max_replicas: int = Field(2, ge=1)
     max_ongoing_requests: int = Field(1000, gt=0)
+    # the assembler's HTTP stack to engines: httpx's API over aiohttp's transport, or plain httpx
+    engine_http: Literal["aiohttp", "httpx"] = "aiohttp"
 
 
 class NarwhalConfig(_Strict):

@@ -1,5 +1,6 @@
 """``narwhal-bench overhead|goodput``: start the fleet and the targets, measure, print tables, write
-``results.json``, ``requests.jsonl`` and PNG plots to ``--out/<mode>-<time>/``, stop everything."""
+``results.json``, ``requests.jsonl`` and PNG plots to ``--out/<mode>-<time>/``, stop everything.
+``assembly`` and ``transport`` (see their modules) write ``results.json`` only."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from narwhal_serve.bench import assembly, views
+from narwhal_serve.bench import assembly, transport, views
 from narwhal_serve.bench.fleet import TARGETS, Fleet, FleetSpec, SimTiming
 from narwhal_serve.bench.goodput import GoodputArgs, run_goodput
 from narwhal_serve.bench.overhead import OverheadArgs, run_overhead
@@ -94,6 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("assembly", help="per-token CPU cost of assembly and relay (no servers)")
     a.add_argument("--tokens", type=int, default=20_000)
     a.add_argument("--out", type=Path, default=Path("bench-results"))
+    t = sub.add_parser("transport", help="engine client HTTP stack: httpx vs httpx-aiohttp vs aiohttp (one sim)")
+    t.add_argument("--variants", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+                   default=list(transport.VARIANTS), help="comma list of %(default)s")
+    t.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="closed-loop clients (comma list)")
+    t.add_argument("--rounds", type=int, default=3, help="rotated rounds (a multiple of the variants balances order)")
+    t.add_argument("--requests", type=int, default=500, help="measured requests per variant per round per concurrency")
+    t.add_argument("--warmup", type=int, default=32, help="unmeasured requests before each phase")
+    t.add_argument("--tokens", type=int, default=16)
+    t.add_argument("--tpot-s", type=float, default=0.0, help="simulated seconds per token")
+    t.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop",
+                   help="client event loop (Ray runs async actors on uvloop when installed)")
+    t.add_argument("--skip-checks", action="store_true", help="skip the correctness checks")
+    t.add_argument("--model", default="narwhal-sim")
+    t.add_argument("--out", type=Path, default=Path("bench-results"))
     g = sub.add_parser("goodput", help="goodput and p99 TTFT over a rate sweep up to ~2x capacity")
     _common(g)
     g.add_argument("--slo-ttft-ms", type=float, default=2000.0)
@@ -166,6 +181,20 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.mode == "assembly":
         assembly.run(run_dir(ns.out, "assembly"), ns.tokens)
+        return 0
+    if ns.mode == "transport":
+        bad = [v for v in ns.variants if v not in transport.VARIANTS]
+        if bad:
+            raise SystemExit(f"unknown variant(s) {bad}; known: {', '.join(transport.VARIANTS)}")
+        out = run_dir(ns.out, "transport")
+        targs = transport.TransportArgs(variants=ns.variants, concurrencies=ns.concurrency, rounds=ns.rounds,
+                                        requests=ns.requests, warmup=ns.warmup, tokens=ns.tokens, tpot_s=ns.tpot_s,
+                                        model=ns.model, checks=not ns.skip_checks)
+        res = transport.run(targs, out, ns.loop)
+        if res["checks"]:
+            print(transport.checks_table([transport.Check(**c) for c in res["checks"]]) + "\n")
+        print(transport.summary_table(res["summary"]))
+        print(f"\nresults: {out / 'results.json'}")
         return 0
     targets: list[str] = ns.targets or DEFAULT_TARGETS[ns.mode]
     if ns.mode == "goodput" and "direct" not in targets and not ns.capacity_rps:

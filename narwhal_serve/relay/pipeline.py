@@ -23,6 +23,7 @@ from narwhal_serve.engines.legs import dialect_of, open_route
 from narwhal_serve.errors import BadEngineResponse, ErrorInfo, InvalidRequest, TerminalExpiry
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
 from narwhal_serve.protocol.requests import Route
+from narwhal_serve.relay.coalesce import coalesce
 from narwhal_serve.relay.messages import RelayMessage, RelayStats
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -127,7 +128,7 @@ class Relay:
         req = placed.request
         committed = False
         held: list[bytes] = []  # chunks before the first generated token (e.g. the role chunk)
-        stream = open_route(self.client, route, req, headers)
+        stream = coalesce(open_route(self.client, route, req, headers))
         try:
             async for batch in stream:
                 now = self.clock()

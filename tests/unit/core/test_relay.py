@@ -3,6 +3,7 @@ errors after headers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -84,13 +85,16 @@ async def test_bad_first_token_ids_retry_then_all_bad_is_502() -> None:
 
 
 class Parts(httpx.AsyncByteStream):
-    """A body that arrives in several network reads."""
+    """A body that arrives in several network reads, a moment apart (so the relay has sent one
+    read on before the next arrives, rather than coalescing them)."""
 
     def __init__(self, *parts: bytes) -> None:
         self.parts = parts
 
     async def __aiter__(self):  # type: ignore[no-untyped-def]
-        for p in self.parts:
+        for i, p in enumerate(self.parts):
+            if i:
+                await asyncio.sleep(0.05)
             yield p
 
 
