@@ -22,8 +22,8 @@ from narwhal_serve.bench import procs
 from narwhal_serve.bench.client import Endpoint
 
 TARGETS: tuple[str, ...] = ("direct", "proxy", "narwhal-open", "narwhal-predictive", "rr", "narwhal-nolease")
-# narwhal-nolease: open admission with a scheduler call per request (admission.ingress_leases off),
-# the shape before admission leases, measured beside the others
+# narwhal-nolease: open admission with a scheduler call per request (admission.ingress_leases off)
+# and plain httpx to the engines — the hot path before leases, measured beside the others
 NARWHAL_PREFIX = {"narwhal-open": "/open", "narwhal-predictive": "/predictive", "narwhal-nolease": "/nolease"}
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -94,6 +94,7 @@ def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets:
                               "max_ttft_budget_s": max(60.0, ttft_budget_s),
                               "ingress_leases": t != "narwhal-nolease"},
                 "engines": engines,
+                **({"deployment": {"engine_http": "httpx"}} if t == "narwhal-nolease" else {}),
             },
         })
     return {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1", "port": port},
