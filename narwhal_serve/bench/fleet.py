@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from narwhal_serve.bench import procs
+from narwhal_serve.runenv import direct_ingress_env
 from narwhal_serve.bench.client import Endpoint
 
 TARGETS: tuple[str, ...] = ("direct", "proxy", "narwhal-open", "narwhal-predictive", "rr", "narwhal-nolease")
@@ -30,6 +31,7 @@ RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",  # direct ingress, the run mode (--ray-env ...=0: the proxy actor)
     "RAY_ADDRESS": "local",  # never join another Ray instance on this machine
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
 }
@@ -155,8 +157,7 @@ class Fleet:
                 None if self.spec.external_urls else self.spec.timing.max_num_seqs), indent=1))
             serve = Path(sys.executable).parent / "serve"
             self.narwhal = procs.start("narwhal", [str(serve), "run", str(cfg_path)], self.log_dir,
-                                       env={**RAY_ENV, "RAY_worker_niceness": str(self.spec.ray_niceness),
-                                            **dict(self.spec.ray_env)},
+                                       env=self._ray_env(),
                                        cwd=_app_dir())
         if "proxy" in targets or "rr" in targets:
             port = procs.free_port()
@@ -175,6 +176,17 @@ class Fleet:
                 self.endpoints[t] = Endpoint(t, (base,))
             self.narwhal_startup_s = time.monotonic() - t0
             self.narwhal.remember_tree()
+
+    def _ray_env(self) -> dict[str, str]:
+        env = {**RAY_ENV, "RAY_worker_niceness": str(self.spec.ray_niceness),
+               # HAProxy's own ports, away from a `make run` on the same machine
+               "RAY_SERVE_HAPROXY_STATS_PORT": str(procs.free_port()),
+               "RAY_SERVE_HAPROXY_METRICS_PORT": str(procs.free_port()),
+               "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(procs.free_port()),
+               **dict(self.spec.ray_env)}
+        if env["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
+            env = direct_ingress_env(env, str(self.log_dir / "haproxy-bin"))
+        return env
 
     def settle(self, timeout_s: float = 15.0) -> bool:
         """Wait until every simulated engine is idle (nothing running or waiting); bounded."""

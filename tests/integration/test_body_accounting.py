@@ -1,6 +1,6 @@
 """The seed's unsized_offered: a body that ends before sizing counts as offered and unsized_offered,
-and ends as cancelled.  Under Serve's proxy actor (the default run mode) a request whose body never
-completes does not reach the ingress at all; in direct-ingress mode it does, every time."""
+and ends as cancelled.  In direct-ingress mode (the run mode) it reaches the ingress every time;
+behind Serve's proxy actor (the other mode) a body that never completes never reaches it."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ async def _short_body(host: str, port: int, path: str) -> None:
     await writer.wait_closed()
 
 
-@pytest.mark.direct_ingress
 @pytest.mark.skipif(not DIRECT_INGRESS, reason="the proxy actor never forwards an incomplete body")
 async def test_a_body_that_ends_early_counts_unsized_offered_every_time(graph: Graph) -> None:
     g = graph.tight_url

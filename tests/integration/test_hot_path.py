@@ -7,12 +7,9 @@ import asyncio
 import time
 
 import httpx
-import pytest
 
 from tests.integration.conftest import KEEPALIVE_S, Graph
 from tests.integration.helpers import AUTH, Held, balanced, chat_body, status, wait_engine_idle, wait_status
-
-pytestmark = pytest.mark.direct_ingress  # also run in direct-ingress (HA-proxy) mode
 
 
 async def test_admissions_under_a_held_lease_make_no_scheduler_call(graph: Graph) -> None:

@@ -10,8 +10,6 @@ import pytest
 from tests.integration.conftest import MODEL, Graph
 from tests.integration.helpers import without_engine
 
-pytestmark = pytest.mark.direct_ingress  # also run in direct-ingress (HA-proxy) mode
-
 MSGS = [{"role": "user", "content": "Tell me about narwhals."}]
 
 

@@ -10,8 +10,6 @@ import pytest
 from tests.integration.conftest import MODEL, Graph
 from tests.integration.helpers import AUTH, counter, status
 
-pytestmark = pytest.mark.direct_ingress  # also run in direct-ingress (HA-proxy) mode
-
 M = [{"role": "user", "content": "hi"}]
 CASES: list[tuple[str, str, Any, int, str, str | None]] = [
     # (id, route, body (bytes or JSON), status, code, param)

@@ -1,8 +1,10 @@
 """The Ray environment every in-process Serve session needs here; apply before importing ray.
 
-The run mode is Serve's direct ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``). Its HAProxy defaults to
-fixed ports (8404 stats, 9101 metrics) and fixed files under /tmp/haproxy-serve, so two sessions on
-one machine (a test run beside ``make run``) would collide: each test process gets its own.
+The run mode is Serve's direct ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``, overridable: ``make test``
+also runs the integration suite with ``0``, behind Serve's proxy actor), with Narwhal's HAProxy
+wrapper (:mod:`narwhal_serve.runenv`). HAProxy defaults to fixed ports (8404 stats, 9101 metrics,
+8500 fallback proxy), so two sessions on one machine (a test run beside ``make run``) would
+collide: each test process gets its own.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+from narwhal_serve.runenv import direct_ingress_env
 from tests.support.net import free_port
 
 ADMIN_TOKEN = "test-admin-token"
@@ -18,6 +21,7 @@ RAY_TEST_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
     "NARWHAL_ADMIN_TOKEN": ADMIN_TOKEN,
 }
@@ -29,6 +33,7 @@ def haproxy_env() -> dict[str, str]:
     return {
         "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(d, "haproxy.cfg"),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(d, "admin.sock"),
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": d,
@@ -39,3 +44,5 @@ def haproxy_env() -> dict[str, str]:
 def apply() -> None:
     for k, v in {**RAY_TEST_ENV, **haproxy_env()}.items():
         os.environ.setdefault(k, v)
+    if os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
+        os.environ.update(direct_ingress_env(dict(os.environ)))

@@ -204,3 +204,35 @@ async def test_scheduler_reaps_tickets_past_their_deadline() -> None:
     svc.reap()
     assert svc.admission.gauges()["retained"] == 0
     assert all(e.inflight == 0 for e in svc.engines.values())
+
+
+async def test_predictive_over_admission_across_replicas_is_bounded_by_the_others_spare() -> None:
+    """Each replica decides on the others as last known: between two reports, the others' new
+    admissions are invisible to it. Against one global decider, the excess is at most the other
+    replicas' spare prefill permits (what they can admit before they report)."""
+    svc, clock = service("predictive", prefill=64, decode=256, retention=256)
+    for e in svc.engines.values():
+        e.ttft_model.a, e.ttft_model.b = 0.1, 0.001  # 100 ms + 1 ms per prompt token ahead
+    holders = [Holder(svc, clock, f"i{k}") for k in range(3)]
+    for h in holders:
+        h.sync()
+    budget, prompt = 0.5, 100  # a route fits 4 such prompts in its queue within budget
+    # the global decider's answer: one holder admitting alone, reporting after every admission
+    solo, _ = service("predictive", prefill=64, decode=256, retention=256)
+    for e in solo.engines.values():
+        e.ttft_model.a, e.ttft_model.b = 0.1, 0.001
+    alone = Holder(solo, clock, "solo")
+    alone.sync()
+    global_ok = 0
+    while isinstance(alone.admit(f"g{global_ok}", prompt, budget), Placement):
+        global_ok += 1
+        alone.sync()
+    # now three replicas admit on the same view without reporting in between
+    admitted = [0, 0, 0]
+    for k, h in enumerate(holders):
+        while isinstance(h.admit(f"{k}-{admitted[k]}", prompt, budget), Placement):
+            admitted[k] += 1
+    spare = [h.lease.spare_target.prefill for h in holders]
+    excess = sum(admitted) - global_ok
+    assert 0 < excess <= sum(spare) - spare[0]
+    assert all(a <= s for a, s in zip(admitted, spare))  # no replica past its own permits
