@@ -31,8 +31,10 @@ def build_app(args: dict[str, Any]) -> Application:
     conf = cfg.model_dump(mode="json")
     knobs = cfg.deployment
     free = {"num_cpus": 0}
+    quiet = {"enable_access_log": False}  # internal hops: Serve's per-call access log costs CPU on each
     scheduler_dep = serve.deployment(
-        Scheduler, name="Scheduler", num_replicas=1, max_ongoing_requests=100_000, ray_actor_options=free
+        Scheduler, name="Scheduler", num_replicas=1, max_ongoing_requests=100_000, ray_actor_options=free,
+        logging_config=quiet,
     )
     assembler_dep = serve.deployment(
         Assembler,
@@ -40,6 +42,7 @@ def build_app(args: dict[str, Any]) -> Application:
         max_ongoing_requests=knobs.max_ongoing_requests,
         autoscaling_config=_autoscaling(knobs.assembler_min_replicas, knobs.assembler_max_replicas),
         ray_actor_options=free,
+        logging_config=quiet,
     )
     ingress_dep = serve.deployment(
         serve.ingress()(Ingress),

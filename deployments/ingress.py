@@ -49,6 +49,7 @@ class HandleBackend:
         finished = False
         try:
             async for msg in resp:
+                finished = msg.final  # after the final message there is nothing left to cancel
                 yield msg
             finished = True
         finally:
