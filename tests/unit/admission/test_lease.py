@@ -9,35 +9,17 @@ import asyncio
 from narwhal_serve.admission.controller import NONE, Permits, Refusal
 from narwhal_serve.admission.core import Ask, Placement
 from narwhal_serve.admission.lease import AdmissionLease
-from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.scheduler.leases import LEASE_TTL_S, ORPHAN_S
 from narwhal_serve.scheduler.messages import AdmitRequest, Report
 from narwhal_serve.scheduler.service import SchedulerService
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.scheduler import Clock, scheduler_service
 
 
 def service(mode: str = "open", prefill: int = 4, decode: int = 8, retention: int = 16) -> tuple[SchedulerService, Clock]:
-    clock = Clock()
-    cfg = NarwhalConfig.model_validate({
-        "serving": {"http_retention_limit": retention},
-        "admission": {"mode": mode, "queue_limit": 4, "max_wait_s": 5,
-                      "phase_concurrency": {"prefill": prefill, "decode": decode}},
-        "engines": [{"name": "u", "url": "http://127.0.0.1:1", "role": "unified"},
-                    {"name": "p", "url": "http://127.0.0.1:2", "role": "prefill"},
-                    {"name": "d", "url": "http://127.0.0.1:3", "role": "decode"}],
-    })
-    svc = SchedulerService(cfg, clock=clock)
-    for e in svc.engines.values():
-        e.healthy, e.last_ok = True, clock.t
-    svc.router.started = True
-    return svc, clock
+    return scheduler_service(
+        {"mode": mode, "queue_limit": 4, "max_wait_s": 5, "phase_concurrency": {"prefill": prefill, "decode": decode}},
+        {"http_retention_limit": retention},
+    )
 
 
 class Holder:

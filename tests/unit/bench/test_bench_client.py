@@ -18,20 +18,16 @@ from narwhal_serve.bench.client import (
     run_open_loop,
 )
 from narwhal_serve.bench.workload import LengthDist, Workload
-from narwhal_serve.sim.config import SimEngineConfig
-from narwhal_serve.sim.server import SimServer, start_server
+from narwhal_serve.sim.server import SimServer
+from tests.support.sim import sim_engine
 
 WL = Workload(LengthDist(16, 0.0, 16, 16), LengthDist(5, 0.0, 5, 5), seed=1)
 
 
 @pytest.fixture
 async def engine() -> AsyncIterator[SimServer]:
-    cfg = SimEngineConfig(prefill_overhead_s=0.005, prefill_per_token_s=0, tpot_base_s=0.002, eos_prob=0)
-    srv = await start_server(cfg, "127.0.0.1", 0)
-    try:
+    async with sim_engine(prefill_overhead_s=0.005, prefill_per_token_s=0, tpot_base_s=0.002) as srv:
         yield srv
-    finally:
-        await srv.stop()
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -13,8 +13,8 @@ import pytest
 from narwhal_serve.bench import transport as tr
 from narwhal_serve.bench.transport import Check, Phase, PhaseResult, rotated, schedule, summarize
 from narwhal_serve.engines.errors import EngineFailure
-from narwhal_serve.sim.config import SimEngineConfig
-from narwhal_serve.sim.server import SimServer, start_server
+from narwhal_serve.sim.server import SimServer
+from tests.support.sim import sim_engine
 
 
 def test_rotated() -> None:
@@ -116,12 +116,8 @@ def test_exc_chain_and_checks_table() -> None:
 
 @pytest.fixture
 async def engine() -> AsyncIterator[SimServer]:
-    cfg = SimEngineConfig(prefill_overhead_s=0, prefill_per_token_s=0, tpot_base_s=0, eos_prob=0)
-    srv = await start_server(cfg, "127.0.0.1", 0)
-    try:
+    async with sim_engine(prefill_overhead_s=0, prefill_per_token_s=0, tpot_base_s=0) as srv:
         yield srv
-    finally:
-        await srv.stop()
 
 
 async def test_short_bench_httpx_and_raw_aiohttp(engine: SimServer) -> None:

@@ -2,33 +2,16 @@
 
 import asyncio
 
-from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.relay.messages import RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest, Report
 from narwhal_serve.scheduler.service import SchedulerService
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.scheduler import Clock, scheduler_service
 
 
 def service(mode: str = "open", **adm: object) -> tuple[SchedulerService, Clock]:
-    clock = Clock()
-    cfg = NarwhalConfig.model_validate({
-        "admission": {"mode": mode, "queue_limit": 2, "max_wait_s": 5, "phase_concurrency": {"prefill": 1, "decode": 4}, **adm},
-        "engines": [{"name": "u", "url": "http://127.0.0.1:1", "role": "unified"},
-                    {"name": "p", "url": "http://127.0.0.1:2", "role": "prefill"},
-                    {"name": "d", "url": "http://127.0.0.1:3", "role": "decode"}],
-    })
-    svc = SchedulerService(cfg, clock=clock)
-    for e in svc.engines.values():
-        e.healthy, e.last_ok = True, clock.t
-    svc.router.started = True
-    return svc, clock
+    return scheduler_service(
+        {"mode": mode, "queue_limit": 2, "max_wait_s": 5, "phase_concurrency": {"prefill": 1, "decode": 4}, **adm}
+    )
 
 
 def req(tid: str, prompt: int = 10, budget: float = 2.0) -> AdmitRequest:
