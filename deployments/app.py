@@ -56,4 +56,4 @@ def build_app(args: dict[str, Any]) -> Application:
         fleet = serve.deployment(SimFleet, name="SimFleet", num_replicas=1, max_ongoing_requests=100,
                                  ray_actor_options=free).bind(conf)
     scheduler = scheduler_dep.bind(conf, fleet)
-    return ingress_dep.bind(conf, scheduler, assembler_dep.bind(knobs.engine_http))
+    return ingress_dep.bind(conf, scheduler, assembler_dep.bind(knobs.engine_http, cfg.serving.engine_idle_timeout_s))

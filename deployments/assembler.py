@@ -12,8 +12,8 @@ from narwhal_serve.relay.pipeline import Relay
 
 
 class Assembler:
-    def __init__(self, engine_http: Literal["aiohttp", "httpx"] = "aiohttp") -> None:
-        self.relay = Relay(engine_client(engine_http))
+    def __init__(self, engine_http: Literal["aiohttp", "httpx"] = "aiohttp", engine_idle_timeout_s: float = 60.0) -> None:
+        self.relay = Relay(engine_client(engine_http), idle_timeout_s=engine_idle_timeout_s)
 
     async def run(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         async for msg in self.relay.run(placed):

@@ -21,6 +21,9 @@ class ServingConfig(_Strict):
     # SSE comment written while a stream is silent: behind Serve's HAProxy a client that left is
     # noticed only when a write to it fails (ARCHITECTURE.md, "Direct ingress")
     stream_keepalive_s: float = Field(5.0, gt=0)
+    # an engine silent this long fails the attempt: another route before response headers, an
+    # error event and [DONE] after
+    engine_idle_timeout_s: float = Field(60.0, gt=0)
 
 
 class PhaseConcurrency(_Strict):
@@ -50,6 +53,10 @@ class EngineConfig(_Strict):
     # The engine's concurrent-sequence limit (vLLM --max-num-seqs): lets predictive admission see
     # requests queueing for a slot. Unset: inferred from scraped metrics once the engine queues.
     max_num_seqs: int | None = Field(None, gt=0)
+    # The TTFT model's prior for this engine, before any measurement (and fading as measurements
+    # arrive): fixed cost and seconds per prompt token. Unset: 0.02 s + 0.0002 s/token.
+    ttft_prior_a_s: float | None = Field(None, ge=0)
+    ttft_prior_b_s_per_token: float | None = Field(None, gt=0)
 
     @property
     def base_url(self) -> str:

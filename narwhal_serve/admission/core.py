@@ -41,13 +41,14 @@ class EngineFacts:
     ttft_b: float
     slots: int | None
     service_s: float | None
+    external: int = 0  # requests from other clients, as last scraped (EngineState.external)
 
     def eligible(self, now: float) -> bool:
         return now <= self.eligible_until
 
     def in_flight(self) -> int:
-        """Requests at the engine now: the router's own count, or the engine's if it reports more."""
-        return max(self.inflight, int(self.load.running + self.load.waiting))
+        """Requests at the engine now: the router's own (exact), plus others' as last scraped."""
+        return self.inflight + self.external
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from narwhal_serve.admission.lease import AdmissionLease
 from narwhal_serve.config import NarwhalConfig
-from narwhal_serve.errors import InvalidApiKey, InvalidRequest, NarwhalError
+from narwhal_serve.errors import ErrorInfo, InvalidApiKey, InvalidRequest, NarwhalError
 from narwhal_serve.gateway.backend import Backend
 from narwhal_serve.gateway.completion import CompletionHandler
 from narwhal_serve.gateway.reporter import Reporter
@@ -41,6 +42,13 @@ def build_api(
         yield
 
     app = FastAPI(title="Narwhal", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Unknown routes and methods answer in the OpenAI envelope too."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(ErrorInfo(exc.status_code, "invalid_request_error", code, msg), None)
     handler = CompletionHandler(cfg, backend, reporter, clock, echo_request_id=echo_request_id)
     app.state.reporter = reporter
     created = int(clock())

@@ -38,7 +38,7 @@ class Backend(Protocol):
 class LocalBackend(SchedulerApi):
     def __init__(self, svc: SchedulerService, client: httpx.AsyncClient) -> None:
         self.svc = svc
-        self.relay_ = Relay(client)
+        self.relay_ = Relay(client, idle_timeout_s=svc.cfg.serving.engine_idle_timeout_s)
 
     def relay(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         return self.relay_.run(placed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -26,13 +27,14 @@ from narwhal_serve.gateway.backend import Backend
 from narwhal_serve.gateway.body import BodyIncomplete, read_body
 from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.gateway.responses import error_response
-from narwhal_serve.gateway.streaming import Flow, RelayStreamResponse, close_detached, internal_error
+from narwhal_serve.gateway.streaming import Flow, RelayStreamResponse, close_detached, internal_error, outcome_of
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.protocol.requests import ParsedRequest, Route, parse_request
 from narwhal_serve.relay.messages import RelayMessage, RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_REQUEST_ID = re.compile(r"[!-~]{1,128}")  # printable ASCII, no spaces
 
 
 def _seconds_header(request: Request, name: str) -> float | None:
@@ -46,14 +48,6 @@ def _seconds_header(request: Request, name: str) -> float | None:
     if not f > 0:
         raise InvalidRequest(f"header {name} must be positive", param=name)
     return f
-
-
-def _outcome_of(err: ErrorInfo) -> Outcome:
-    if err.status == 504:
-        return Outcome.EXPIRED
-    if 400 <= err.status < 500:
-        return Outcome.INVALID  # the engine rejected the request itself
-    return Outcome.FAILED
 
 
 def deadline_expired() -> ErrorInfo:
@@ -106,10 +100,13 @@ class CompletionHandler:
     async def handle(self, request: Request, route: Route) -> Response:
         arrived = self.clock()
         self.reporter.start_once()
-        rid = request.headers.get("x-request-id") or f"nw-{secrets.token_hex(12)}"
+        given = request.headers.get("x-request-id")
+        rid = given if given and _REQUEST_ID.fullmatch(given) else f"nw-{secrets.token_hex(12)}"
         echo = rid if self.echo_request_id else None
         self.reporter.offered()
         try:
+            if given and given != rid:  # it goes to every engine leg as a header: keep it plain
+                raise InvalidRequest("header X-Request-Id must be 1-128 printable ASCII characters", param="x-request-id")
             self._auth(request)
             try:
                 raw = await read_body(request, self.cfg.serving.max_request_bytes)
@@ -210,7 +207,7 @@ class CompletionHandler:
             close_detached(gen)
             return error_response(internal_error(f"relay failed: {type(exc).__name__}"), rid)
         if first.error is not None and not first.data:
-            flow.end(_outcome_of(first.error), first.error.code)
+            flow.end(outcome_of(first.error), first.error.code)
             close_detached(gen)
             return error_response(first.error, rid)
         if not parsed.stream:

@@ -34,6 +34,15 @@ def internal_error(message: str) -> ErrorInfo:
     return NarwhalError(message, code="internal_error").info()
 
 
+def outcome_of(err: ErrorInfo) -> Outcome:
+    """The terminal class of a request that ended with ``err`` after admission."""
+    if err.status == 504:
+        return Outcome.EXPIRED  # the deadline passed (before or after headers)
+    if 400 <= err.status < 500:
+        return Outcome.INVALID  # the engine rejected the request itself
+    return Outcome.FAILED
+
+
 def error_event(err: ErrorInfo) -> bytes:
     return b"data: " + json.dumps(err.body(), separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
 
@@ -115,7 +124,7 @@ class RelayStreamResponse(Response):
                     await send({"type": "http.response.body", "body": msg.data, "more_body": True})
                 if msg.final:
                     if msg.error is not None:
-                        end = (Outcome.FAILED, msg.error.code, msg.stats)
+                        end = (outcome_of(msg.error), msg.error.code, msg.stats)
                     else:
                         end = (Outcome.COMPLETED, "", msg.stats)
                     break

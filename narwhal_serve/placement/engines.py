@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
-from narwhal_serve.prediction.ttft import PrefillModel
+from narwhal_serve.prediction.ttft import PRIOR_A, PRIOR_B, PrefillModel
 
 
 @dataclass
@@ -16,6 +16,7 @@ class EngineState:
     last_ok: float | None = None  # when /health and /metrics last both answered
     load: EngineLoad = field(default_factory=EngineLoad)
     inflight: int = 0  # requests the router has routed here and not yet seen end
+    inflight_at_scrape: int = 0  # ``inflight`` when the last /metrics answer arrived
     failures: int = 0  # consecutive scrape failures
     tpot_s: float | None = None  # measured time per output token (EWMA)
     drift_score: float = 0.0  # EWMA of (measured - predicted) / predicted TTFT: >0 slower than modelled
@@ -23,6 +24,12 @@ class EngineState:
     service_s: float | None = None  # measured request duration, first byte to last token (EWMA)
     max_running_seen: int = 0
     ttft_model: PrefillModel = field(default_factory=PrefillModel)
+
+    def __post_init__(self) -> None:
+        self.ttft_model = PrefillModel(
+            prior_a=PRIOR_A if self.cfg.ttft_prior_a_s is None else self.cfg.ttft_prior_a_s,
+            prior_b=PRIOR_B if self.cfg.ttft_prior_b_s_per_token is None else self.cfg.ttft_prior_b_s_per_token,
+        )
 
     def fresh(self, now: float, stale_after_s: float) -> bool:
         return self.last_ok is not None and now - self.last_ok <= stale_after_s
@@ -39,9 +46,16 @@ class EngineState:
             return self.max_running_seen
         return None
 
+    def external(self) -> int:
+        """Requests at the engine the router did not send (other clients), as of the last scrape:
+        what the engine reported beyond the router's own count *at that moment*.  The router's
+        ledger is exact and immediate; a scrape only adds what the ledger cannot see, so a scrape
+        older than the router's last change never overrides it (a drained burst is drained)."""
+        return max(0, int(self.load.running + self.load.waiting) - self.inflight_at_scrape)
+
     def in_flight(self) -> int:
-        """Requests at the engine now: the router's own count, or the engine's if it reports more."""
-        return max(self.inflight, int(self.load.running + self.load.waiting))
+        """Requests at the engine now: the router's own, plus others' as last scraped."""
+        return self.inflight + self.external()
 
     def token_accounting(self) -> str:
         return "token_ids" if self.cfg.dialect == "vllm" else "unavailable"
@@ -66,6 +80,7 @@ class EngineState:
             "service_s": self.service_s,
             "drift_score": round(self.drift_score, 4),
             "ttft_model": {"a_s": self.ttft_model.a, "b_s_per_token": self.ttft_model.b,
-                           "samples": len(self.ttft_model.samples)},
+                           "samples": len(self.ttft_model.samples), "prior_a_s": self.ttft_model.prior_a,
+                           "prior_b_s_per_token": self.ttft_model.prior_b},
             "token_accounting": self.token_accounting(),
         }

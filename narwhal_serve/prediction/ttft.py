@@ -22,14 +22,27 @@ PRIOR_A = 0.02  # seconds
 PRIOR_B = 0.0002  # seconds per prompt token
 PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior with no data; it fades as samples arrive
 PRIOR_FAR_X = 4096.0  # tokens
+# How firmly the prior holds the slope: as firmly as measurements spread over about this many
+# tokens would.  Measurements bunched at short prompts (a spread far below it) leave the slope near
+# the prior, so noise never extrapolates wildly; measurements spread over a wider range than it
+# decide the slope, whatever the engine's speed.
+PRIOR_SLOPE_SPAN = 256.0
 WINDOW = 256
 
 
 @dataclass
 class PrefillModel:
-    a: float = PRIOR_A
-    b: float = PRIOR_B
+    prior_a: float = PRIOR_A
+    prior_b: float = PRIOR_B
+    a: float = -1.0  # set from the prior at construction
+    b: float = -1.0
     samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+    def __post_init__(self) -> None:
+        if self.a < 0:
+            self.a = self.prior_a
+        if self.b < 0:
+            self.b = self.prior_b
 
     def predict(self, tokens_ahead_and_own: float) -> float:
         return linear_ttft(self.a, self.b, tokens_ahead_and_own)
@@ -41,13 +54,13 @@ class PrefillModel:
     def _fit(self) -> None:
         xs = np.array([s[0] for s in self.samples], dtype=float)
         ys = np.array([s[1] for s in self.samples], dtype=float)
-        # The prior as weighted pseudo-points at 0 and at a long prompt: measured prompts bunched at
-        # small sizes say little about the slope, so a long prompt's projection stays near the prior
-        # until long prompts have been measured (no wild extrapolation from noise).
+        # The prior as weighted pseudo-points at 0 (the intercept) and at a long prompt (the slope,
+        # held as firmly as data spread over PRIOR_SLOPE_SPAN tokens would hold it).
         px = np.array([0.0, PRIOR_FAR_X])
-        py = PRIOR_A + PRIOR_B * px
+        py = self.prior_a + self.prior_b * px
         prior_w = PRIOR_WEIGHT / (1.0 + len(xs) / 8.0)
-        w = np.concatenate([np.ones_like(xs), np.full(2, prior_w / 2)])
+        far_w = prior_w / 2 * (PRIOR_SLOPE_SPAN / PRIOR_FAR_X) ** 2
+        w = np.concatenate([np.ones_like(xs), [prior_w / 2, far_w]])
         X = np.concatenate([xs, px])
         Y = np.concatenate([ys, py])
         sw = np.sqrt(w)

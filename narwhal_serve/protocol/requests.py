@@ -7,6 +7,8 @@ verbatim.  Errors carry ``param`` as a dotted path (``messages.0.content``).
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -51,15 +53,67 @@ def _bad(param: str, what: str) -> InvalidRequest:
     return InvalidRequest(f"'{param}' {what}", param=param)
 
 
+MAX_NESTING = 64  # containers inside containers; deeper bodies are refused before they reach an engine
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _finite(text: str) -> float:
+    f = float(text)
+    if not math.isfinite(f):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return f
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_key(key: str, path: str) -> None:
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("a key is not valid Unicode (a lone surrogate)", param=path.encode("utf-8", "replace").decode()) from None
+
+
+def _walk(value: Any, check_strings: bool) -> None:
+    """Nesting depth (and, when asked, strings that are not valid Unicode), with the failing path."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:
+        v, path, depth = stack.pop()
+        if isinstance(v, dict):
+            items: Any = v.items()
+        elif isinstance(v, list):
+            items = enumerate(v)
+        else:
+            if check_strings and isinstance(v, str):
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise InvalidRequest(f"'{path}' is not valid Unicode (a lone surrogate)", param=path or None) from None
+            continue
+        if depth >= MAX_NESTING:
+            raise InvalidRequest(f"the body nests deeper than {MAX_NESTING} levels", param=path[:200] or None)
+        for k, child in items:
+            child_path = f"{path}.{k}" if path else str(k)
+            if check_strings and isinstance(k, str):
+                _check_key(k, child_path)
+            stack.append((child, child_path, depth + 1))
+
+
 def decode_json(raw: bytes) -> dict[str, Any]:
+    """Strict JSON: no NaN / Infinity, no number that overflows to infinity, valid Unicode only,
+    at most MAX_NESTING levels — what an engine or the Ray hop cannot carry is refused here."""
     if not raw.strip():
         raise InvalidRequest("request body is empty; expected a JSON object", param=None)
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
+    except RecursionError:
+        raise InvalidRequest(f"the body nests deeper than {MAX_NESTING} levels", param=None) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", param=None) from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object", param=None)
+    _walk(body, check_strings=_SURROGATE_ESCAPE.search(raw) is not None)
     return body
 
 

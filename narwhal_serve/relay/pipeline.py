@@ -8,6 +8,7 @@ event and ``[DONE]`` (SPEC §4) — never a silent truncation.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -35,6 +36,14 @@ def sse_event(obj: dict[str, Any]) -> bytes:
 
 def error_events(err: ErrorInfo) -> bytes:
     return sse_event(err.body()) + DONE_EVENT
+
+
+class _DeadlinePassed(Exception):
+    """The request's deadline passed while waiting for the engine."""
+
+
+def _deadline_info() -> ErrorInfo:
+    return TerminalExpiry("terminal expiry: the request deadline passed", code="deadline_expired").info()
 
 
 class _Meter:
@@ -74,11 +83,37 @@ def _content_events(chunk: dict[str, Any]) -> int:
 
 
 class Relay:
-    """Runs one placed request. ``clock`` is wall time (deadlines cross processes)."""
+    """Runs one placed request. ``clock`` is wall time (deadlines cross processes).
 
-    def __init__(self, client: httpx.AsyncClient, clock: Callable[[], float] = time.time) -> None:
+    Every read from an engine is bounded: by ``idle_timeout_s`` (an engine silent that long fails
+    the attempt — another route before headers, an error event after) and by the request's
+    deadline, which holds for the whole request (SPEC §2): past it, 504 before headers, an error
+    event ``deadline_expired`` and ``[DONE]`` after."""
+
+    def __init__(
+        self, client: httpx.AsyncClient, clock: Callable[[], float] = time.time, *, idle_timeout_s: float = 60.0
+    ) -> None:
         self.client = client
         self.clock = clock
+        self.idle_timeout_s = idle_timeout_s
+
+    async def _batches(
+        self, stream: AsyncIterator[list[dict[str, Any]]], placed: PlacedRequest, route: RouteChoice
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """``stream``'s batches, each awaited within the idle timeout and the deadline."""
+        while True:
+            left = placed.deadline - self.clock()
+            limit = max(0.0, min(self.idle_timeout_s, left))
+            try:
+                async with asyncio.timeout(limit):
+                    batch = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                if self.clock() >= placed.deadline:
+                    raise _DeadlinePassed() from None
+                raise EngineFailure(route.decode.name, f"engine silent for {self.idle_timeout_s:g} s") from None
+            yield batch
 
     async def run(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         failures: list[str] = []
@@ -102,6 +137,8 @@ class Relay:
                 failures.append(str(exc))
             except BadEngineResponse as exc:
                 failures.append(str(exc))
+            except _DeadlinePassed:
+                break
         if self.clock() >= placed.deadline:
             err = TerminalExpiry(
                 "terminal expiry: the request deadline passed before response headers", code="deadline_expired"
@@ -130,7 +167,7 @@ class Relay:
         held: list[bytes] = []  # chunks before the first generated token (e.g. the role chunk)
         stream = coalesce(open_route(self.client, route, req, headers))
         try:
-            async for batch in stream:
+            async for batch in self._batches(stream, placed, route):
                 now = self.clock()
                 for chunk in batch:
                     meter.observe(chunk, now)  # raises BadEngineResponse on bad token IDs
@@ -148,10 +185,13 @@ class Relay:
                     committed = True
                     yield RelayMessage(data=b"".join(held), first_token=first, engines=route.engines)
                     held = []
-        except (EngineFailure, BadEngineResponse) as exc:
+        except (EngineFailure, BadEngineResponse, _DeadlinePassed) as exc:
             if not committed:
                 raise
-            err = exc.info() if isinstance(exc, BadEngineResponse) else BadEngineResponse(str(exc)).info()
+            if isinstance(exc, _DeadlinePassed):
+                err = _deadline_info()
+            else:
+                err = exc.info() if isinstance(exc, BadEngineResponse) else BadEngineResponse(str(exc)).info()
             yield RelayMessage(data=error_events(err), error=err, final=True, stats=self._stats(route, meter, attempt))
             return
         finally:
@@ -176,7 +216,7 @@ class Relay:
         asm = Assembler(req.route, return_token_ids=req.return_token_ids)
         stream = open_route(self.client, route, req, headers)
         try:
-            async for batch in stream:
+            async for batch in self._batches(stream, placed, route):
                 now = self.clock()
                 had_first = meter.first is not None
                 for chunk in batch:

@@ -24,6 +24,7 @@ async def scrape_one(client: httpx.AsyncClient, e: EngineState, now: float, time
     e.healthy = health.status_code == 200
     if e.healthy and metrics.status_code == 200:
         e.load = parse_engine_metrics(metrics.text)
+        e.inflight_at_scrape = e.inflight
         e.max_running_seen = max(e.max_running_seen, int(e.load.running))
         e.last_ok = now
         e.failures = 0

@@ -123,7 +123,7 @@ class SchedulerService:
             facts.append(EngineFacts(
                 cfg=e.cfg, eligible_until=(e.last_ok or 0.0) + stale if ok else 0.0, inflight=e.inflight,
                 load=e.load, pending_prefill_tokens=e.pending_prefill_tokens, ttft_a=e.ttft_model.a,
-                ttft_b=e.ttft_model.b, slots=e.slots(), service_s=e.service_s,
+                ttft_b=e.ttft_model.b, slots=e.slots(), service_s=e.service_s, external=e.external(),
             ))
         return FleetView(
             engines=tuple(facts),

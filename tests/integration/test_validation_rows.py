@@ -27,6 +27,14 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
     ("audio-nonstream", "chat", {"model": MODEL, "messages": M, "audio": {"voice": "alloy", "format": "wav"}}, 400, "unsupported_option", "audio"),
     ("modality-nonstream", "chat", {"model": MODEL, "messages": M, "modalities": ["text", "audio"]}, 400, "unsupported_option", "modalities"),
     ("custom-tool-nonstream", "chat", {"model": MODEL, "messages": M, "tools": [{"type": "custom", "custom": {"name": "x"}}]}, 400, "unsupported_option", "tools.0.type"),
+    # what an engine or the Ray hop cannot carry is refused at parse time, never a 500
+    ("nan", "chat", b'{"model": "narwhal-sim", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "invalid_request", None),
+    ("infinity", "completion", b'{"model": "narwhal-sim", "prompt": "x", "top_p": -Infinity}', 400, "invalid_request", None),
+    ("overflow", "completion", b'{"model": "narwhal-sim", "prompt": "x", "temperature": 1e999}', 400, "invalid_request", None),
+    ("lone-surrogate-model", "chat", b'{"model": "\\ud800", "messages": []}', 400, "invalid_request", "model"),
+    ("lone-surrogate-content", "chat", b'{"model": "narwhal-sim", "messages": [{"role": "user", "content": "a\\udc00b"}]}', 400, "invalid_request", "messages.0.content"),
+    ("nesting-600", "chat", b'{"model": "narwhal-sim", "messages": [{"role": "user", "content": "x"}], "x": ' + b"[" * 600 + b"]" * 600 + b"}", 400, "invalid_request", "x" + ".0" * 63),
+    ("nesting-5000", "chat", b"[" * 5000 + b"]" * 5000, 400, "invalid_request", None),
 ]
 PATH = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
@@ -78,3 +86,23 @@ async def test_api_key_required_when_configured(graph: Graph) -> None:
         assert r.status_code == 401
         r = await c.post("/v1/completions", json=body, headers=AUTH)
         assert r.status_code == 200, r.text
+
+
+async def test_a_request_id_that_cannot_be_a_header_is_refused(graph: Graph) -> None:
+    body = {"model": MODEL, "messages": M, "max_tokens": 2}
+    async with httpx.AsyncClient(base_url=graph.url, timeout=30) as c:
+        r = await c.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "caf\u00e9".encode()})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "x-request-id"
+        r = await c.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "ok-123"})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "ok-123"
+
+
+@pytest.mark.parametrize("method,path,status_code,code", [("GET", "/v1/nothing", 404, "not_found"),
+                                                          ("GET", "/v1/chat/completions", 405, "method_not_allowed")])
+async def test_unknown_routes_and_methods_answer_in_the_envelope(graph: Graph, method: str, path: str, status_code: int, code: str) -> None:
+    async with httpx.AsyncClient(base_url=graph.url, timeout=30) as c:
+        r = await c.request(method, path)
+    assert r.status_code == status_code
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == code

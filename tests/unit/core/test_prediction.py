@@ -44,3 +44,30 @@ def test_slot_wait() -> None:
     assert slot_wait_s(4, 4, 1.0) == 0.25  # one ahead of the slots: a quarter of a service time
     assert slot_wait_s(11, 4, 2.0) == 4.0
     assert slot_wait_s(100, None, 1.0) == 0.0 and slot_wait_s(100, 4, None) == 0.0
+
+
+def test_a_slow_engine_is_learned_from_a_few_measurements_spanning_prompt_lengths() -> None:
+    """An engine 10× slower per token than the prior: after six measurements over a 10× range of
+    prompt lengths, a prompt that needs 5 s alone is projected near 5 s (the prompt-alone row)."""
+    m = PrefillModel()
+    for x in (100, 200, 400, 600, 800, 1000):
+        m.observe(x, 0.05 + 0.002 * x)
+    alone = project(m, pending_tokens=0, prompt_tokens=2500).prompt_alone_s
+    assert abs(alone - 5.05) < 0.5, alone
+    refusal = judge(project(m, 0, 2500), 2.0)
+    assert refusal is not None and refusal.error.code == "prompt_exceeds_ttft_budget"
+
+
+def test_the_prior_is_configurable_per_engine() -> None:
+    m = PrefillModel(prior_a=0.1, prior_b=0.003)
+    assert (m.a, m.b) == (0.1, 0.003)
+    assert judge(project(m, 0, 1000), 2.0) is not None  # 3.1 s before any measurement
+
+
+def test_an_engine_config_states_its_prior() -> None:
+    from narwhal_serve.config import EngineConfig
+    from narwhal_serve.placement.engines import EngineState
+
+    e = EngineState(EngineConfig(name="slow", url="http://x", ttft_prior_a_s=0.2, ttft_prior_b_s_per_token=0.004))
+    assert (e.ttft_model.a, e.ttft_model.b) == (0.2, 0.004)
+    assert EngineState(EngineConfig(name="d", url="http://y")).ttft_model.b == PRIOR_B

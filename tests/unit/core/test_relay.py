@@ -117,3 +117,66 @@ async def test_stream_without_done_is_a_failure_and_usage_is_hidden_unless_asked
                         placed(True, {"stream_options": {"include_usage": True}, "return_token_ids": True}))
     data = b"".join(m.data for m in msgs)
     assert b'"usage"' in data and b'"token_ids":[1]' in data
+
+
+class Stalls(httpx.AsyncByteStream):
+    """``head`` at once, then silence until closed."""
+
+    def __init__(self, head: bytes) -> None:
+        self.head = head
+        self.closed = asyncio.Event()
+
+    async def __aiter__(self):  # type: ignore[no-untyped-def]
+        yield self.head
+        await asyncio.Event().wait()
+
+    async def aclose(self) -> None:
+        self.closed.set()
+
+
+async def _relay(handler: Callable[[httpx.Request], httpx.Response], p: PlacedRequest, idle_s: float) -> list[RelayMessage]:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        return [m async for m in Relay(client, idle_timeout_s=idle_s).run(p)]
+
+
+async def test_an_engine_silent_before_the_first_token_fails_over() -> None:
+    stalls = Stalls(sse(ROLE, done=False))
+
+    def h(r: httpx.Request) -> httpx.Response:
+        if r.url.host == "e1":
+            return httpx.Response(200, stream=stalls)
+        return httpx.Response(200, stream=httpx.ByteStream(GOOD))
+
+    t0 = time.monotonic()
+    msgs = await _relay(h, placed(True), idle_s=0.2)
+    assert time.monotonic() - t0 < 5
+    assert msgs[-1].error is None and msgs[-1].stats is not None and msgs[-1].stats.engines == ("e2",)
+    assert stalls.closed.is_set()
+
+
+async def test_an_engine_silent_after_the_first_token_ends_with_an_error_event() -> None:
+    stalls = Stalls(sse(ROLE, tok("a", [1]), done=False))
+    msgs = await _relay(lambda r: httpx.Response(200, stream=stalls), placed(True), idle_s=0.2)
+    tail = msgs[-1]
+    assert tail.final and tail.error is not None and tail.error.code == "bad_engine_response"
+    assert b"silent" in tail.data and tail.data.endswith(b"data: [DONE]\n\n")
+    assert stalls.closed.is_set()
+
+
+async def test_the_deadline_holds_after_headers() -> None:
+    p = placed(True)
+    p = PlacedRequest(p.request_id, p.model, p.request, p.candidates, time.time() + 0.3)
+    stalls = Stalls(sse(ROLE, tok("a", [1]), done=False))
+    t0 = time.monotonic()
+    msgs = await _relay(lambda r: httpx.Response(200, stream=stalls), p, idle_s=60)
+    assert time.monotonic() - t0 < 5
+    tail = msgs[-1]
+    assert tail.error is not None and tail.error.code == "deadline_expired" and tail.error.status == 504
+    assert tail.data.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_non_streaming_request_past_its_deadline_is_a_504() -> None:
+    p = placed(False)
+    p = PlacedRequest(p.request_id, p.model, p.request, p.candidates, time.time() + 0.3)
+    msgs = await _relay(lambda r: httpx.Response(200, stream=Stalls(sse(ROLE, done=False))), p, idle_s=60)
+    assert len(msgs) == 1 and msgs[0].error is not None and msgs[0].error.code == "deadline_expired"

@@ -1,0 +1,32 @@
+"""Strict JSON at parse time: what an engine or the Ray hop cannot carry is a 400 naming param."""
+
+import pytest
+
+from narwhal_serve.errors import InvalidRequest
+from narwhal_serve.protocol.requests import MAX_NESTING, decode_json
+
+ROWS = [
+    (b'{"a": NaN}', None, "NaN"),
+    (b'{"a": [Infinity]}', None, "Infinity"),
+    (b'{"a": -Infinity}', None, "Infinity"),
+    (b'{"a": 1e400}', None, "out of range"),
+    (b'{"a": "\\ud800"}', "a", "lone surrogate"),
+    (b'{"a": ["x", "\\udfff"]}', "a.1", "lone surrogate"),
+    (b'{"a": {"\\ud800": 1}}', "a.?", "lone surrogate"),
+    (b"[" * 2000 + b"]" * 2000, None, "nests deeper"),
+    (b'{"a": ' + b"[" * MAX_NESTING + b"]" * MAX_NESTING + b"}", "a" + ".0" * (MAX_NESTING - 1), "nests deeper"),
+]
+
+
+@pytest.mark.parametrize("raw,param,words", ROWS)
+def test_refused_with_param(raw: bytes, param: str | None, words: str) -> None:
+    with pytest.raises(InvalidRequest) as ei:
+        decode_json(raw)
+    info = ei.value.info()
+    assert (info.status, info.param) == (400, param)
+    assert words in info.message
+
+
+def test_what_is_fine_stays_fine() -> None:
+    assert decode_json(b'{"a": "\\ud83d\\ude00", "b": 1e308, "c": -0.0}')["a"] == "\U0001F600"
+    assert decode_json(b'{"a": ' + b"[" * (MAX_NESTING - 1) + b"]" * (MAX_NESTING - 1) + b"}")
