@@ -24,6 +24,7 @@ class ServingConfig(_Strict):
     # an engine silent this long fails the attempt: another route before response headers, an
     # error event and [DONE] after
     engine_idle_timeout_s: float = Field(60.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)  # the whole request body must arrive within this → 408
 
 
 class PhaseConcurrency(_Strict):

@@ -5,7 +5,8 @@
     │   ├── InvalidSamplingWidth      400     invalid_request_error       invalid_sampling_width
     │   ├── UnsupportedOption         400     invalid_request_error       unsupported_option
     │   ├── ModelNotFound             404     invalid_request_error       model_not_found
-    │   └── RequestTooLarge           413     invalid_request_error       request_too_large
+    │   ├── RequestTooLarge           413     invalid_request_error       request_too_large
+    │   └── BodyTimeout               408     invalid_request_error       request_timeout
     ├── InvalidApiKey                 401     authentication_error        invalid_api_key
     ├── RateLimited                   429     rate_limit_error            (retention_full, queue_full,
     │                                                                      ttft_budget_exceeded,
@@ -115,6 +116,13 @@ class ModelNotFound(InvalidRequest):
 class RequestTooLarge(InvalidRequest):
     status = 413
     code = "request_too_large"
+
+
+class BodyTimeout(InvalidRequest):
+    """The body did not arrive within ``serving.body_timeout_s`` (a slow or stalled client)."""
+
+    status = 408
+    code = "request_timeout"
 
 
 class InvalidApiKey(NarwhalError):

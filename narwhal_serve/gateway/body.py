@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.requests import ClientDisconnect, Request
 
-from narwhal_serve.errors import InvalidRequest, RequestTooLarge
+from narwhal_serve.errors import BodyTimeout, InvalidRequest, RequestTooLarge
 
 
 class BodyIncomplete(Exception):
@@ -15,8 +17,17 @@ def too_large(limit: int) -> RequestTooLarge:
     return RequestTooLarge(f"The request body exceeds the limit of {limit} bytes.", param=None)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """Decide from Content-Length when present, else count while reading (chunked)."""
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """Decide from Content-Length when present, else count while reading (chunked); the whole
+    body must arrive within ``timeout_s`` (:class:`BodyTimeout`)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read(request, limit)
+    except TimeoutError:
+        raise BodyTimeout(f"The request body did not arrive within {timeout_s:g} s.", param=None) from None
+
+
+async def _read(request: Request, limit: int) -> bytes:
     cl = request.headers.get("content-length")
     expected: int | None = None
     if cl is not None:

@@ -22,7 +22,7 @@ from narwhal_serve.admission.controller import NONE, Refusal
 from narwhal_serve.admission.core import Ask
 from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.config import NarwhalConfig
-from narwhal_serve.errors import ErrorInfo, InvalidApiKey, InvalidRequest, NarwhalError, TerminalExpiry
+from narwhal_serve.errors import BodyTimeout, ErrorInfo, InvalidApiKey, InvalidRequest, NarwhalError, TerminalExpiry
 from narwhal_serve.gateway.backend import Backend
 from narwhal_serve.gateway.body import BodyIncomplete, read_body
 from narwhal_serve.gateway.reporter import Reporter
@@ -109,7 +109,7 @@ class CompletionHandler:
                 raise InvalidRequest("header X-Request-Id must be 1-128 printable ASCII characters", param="x-request-id")
             self._auth(request)
             try:
-                raw = await read_body(request, self.cfg.serving.max_request_bytes)
+                raw = await read_body(request, self.cfg.serving.max_request_bytes, self.cfg.serving.body_timeout_s)
             except asyncio.CancelledError:  # Serve cancels the handler when the client leaves mid-body
                 self.reporter.unsized()
                 self.reporter.outcome(Outcome.CANCELLED, "body_incomplete")
@@ -122,6 +122,8 @@ class CompletionHandler:
             self.reporter.outcome(Outcome.CANCELLED, "body_incomplete")
             return Response(status_code=400)
         except NarwhalError as err:
+            if isinstance(err, BodyTimeout):
+                self.reporter.unsized()  # the body never ended: it was never sized
             self.reporter.outcome(Outcome.INVALID, err.code)
             return error_response(err.info(), echo)
         task = asyncio.current_task()

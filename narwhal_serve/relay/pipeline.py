@@ -19,6 +19,7 @@ import httpx
 from narwhal_serve.assembly.exposure import expose
 from narwhal_serve.assembly.fold import Assembler
 from narwhal_serve.assembly.tokens import check_token_ids
+from narwhal_serve.assembly.usage import computed_usage
 from narwhal_serve.engines.errors import EngineFailure
 from narwhal_serve.engines.legs import dialect_of, open_route
 from narwhal_serve.errors import BadEngineResponse, ErrorInfo, InvalidRequest, TerminalExpiry
@@ -44,6 +45,34 @@ class _DeadlinePassed(Exception):
 
 def _deadline_info() -> ErrorInfo:
     return TerminalExpiry("terminal expiry: the request deadline passed", code="deadline_expired").info()
+
+
+class _UsageWatch:
+    """Whether a stream carried usage, and what a computed usage chunk needs if it did not."""
+
+    __slots__ = ("seen", "prompt_tokens", "meta")
+
+    def __init__(self, prompt_estimate: int) -> None:
+        self.seen = False
+        self.prompt_tokens = prompt_estimate
+        self.meta: dict[str, Any] = {}
+
+    def observe(self, chunk: dict[str, Any]) -> None:
+        if chunk.get("usage") is not None:
+            self.seen = True
+        for k in ("id", "object", "created", "system_fingerprint"):
+            if k in chunk:
+                self.meta[k] = chunk[k]
+        ids = chunk.get("prompt_token_ids")
+        choices = chunk.get("choices") or ()
+        if ids is None and choices and isinstance(choices[0], dict):
+            ids = choices[0].get("prompt_token_ids")
+        if isinstance(ids, list):
+            self.prompt_tokens = len(ids)
+
+    def chunk(self, model: str, completion_tokens: int) -> dict[str, Any]:
+        return {**self.meta, "model": model, "choices": [],
+                "usage": computed_usage(self.prompt_tokens, completion_tokens)}
 
 
 class _Meter:
@@ -165,12 +194,14 @@ class Relay:
         req = placed.request
         committed = False
         held: list[bytes] = []  # chunks before the first generated token (e.g. the role chunk)
+        usage = _UsageWatch(req.prompt_tokens)
         stream = coalesce(open_route(self.client, route, req, headers))
         try:
             async for batch in self._batches(stream, placed, route):
                 now = self.clock()
                 for chunk in batch:
                     meter.observe(chunk, now)  # raises BadEngineResponse on bad token IDs
+                    usage.observe(chunk)
                     if "model" in chunk:
                         chunk["model"] = placed.model
                     if not chunk.get("choices") and "usage" in chunk and not req.include_usage:
@@ -196,6 +227,8 @@ class Relay:
             return
         finally:
             await stream.aclose()
+        if req.include_usage and not usage.seen:  # the engine omitted it: computed (seed)
+            held.append(sse_event(usage.chunk(placed.model, meter.tokens)))
         yield RelayMessage(
             data=b"".join(held) + DONE_EVENT,
             first_token=not committed,

@@ -19,6 +19,7 @@ ADMIN = {"Authorization": f"Bearer {ray_env.ADMIN_TOKEN}"}
 
 TIGHT_KEY = "k-tight"
 KEEPALIVE_S = 0.5  # the tight app's SSE keep-alive interval
+BODY_TIMEOUT_S = 1.0  # the tight app's body read limit
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def graph() -> Iterator[Graph]:
         {
             "model": MODEL,
             "serving": {"max_request_bytes": 4096, "http_retention_limit": 3, "api_keys": [TIGHT_KEY],
-                        "stream_keepalive_s": KEEPALIVE_S},
+                        "stream_keepalive_s": KEEPALIVE_S, "body_timeout_s": BODY_TIMEOUT_S},
             "admission": {"mode": "open", "queue_limit": 1, "max_wait_s": 5.0,
                           "phase_concurrency": {"prefill": 1, "decode": 2}},
             "sim": {"base_port": tight_sim, "engines": [{"name": "tight-unified-0", "role": "unified"}]},

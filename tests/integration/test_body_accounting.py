@@ -5,11 +5,12 @@ behind Serve's proxy actor (the other mode) a body that never completes never re
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import pytest
 
-from tests.integration.conftest import Graph
+from tests.integration.conftest import BODY_TIMEOUT_S, Graph
 from tests.integration.helpers import AUTH, balanced, status, wait_status
 
 DIRECT_INGRESS = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
@@ -40,3 +41,28 @@ async def test_a_body_that_ends_early_counts_unsized_offered_every_time(graph: G
     assert c["offered"] - before["offered"] == 5
     assert c["unsized_offered"] - before["unsized_offered"] == 5
     assert c["cancelled"] - before["cancelled"] == 5
+
+
+@pytest.mark.skipif(not DIRECT_INGRESS, reason="the proxy actor never forwards an incomplete body")
+async def test_a_body_trickled_past_the_body_timeout_gets_a_408_in_the_envelope(graph: Graph) -> None:
+    g = graph.tight_url
+    host, port = g.split("//")[1].split("/")[0].split(":")
+    before = (await status(g))["counters"]
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = (f"POST /tight/v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Authorization: {AUTH['Authorization']}\r\nContent-Length: 400\r\n\r\n")
+    writer.write(head.encode() + b'{"model": "narwhal-sim", ')
+    await writer.drain()
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S + 10):
+            answer = await reader.read(4096)  # the client keeps the connection open, sends no more
+    finally:
+        writer.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert b" 408 " in status_line, answer[:200]
+    body = json.loads(rest.split(b"\r\n\r\n", 1)[1])
+    assert body["error"]["code"] == "request_timeout" and body["error"]["type"] == "invalid_request_error"
+    snap = await wait_status(g, balanced, "counters balanced")
+    c = snap["counters"]
+    assert (c["offered"] - before["offered"], c["unsized_offered"] - before["unsized_offered"]) == (1, 1)
+    assert c["invalid_requests"] - before["invalid_requests"] == 1

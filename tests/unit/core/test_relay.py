@@ -180,3 +180,19 @@ async def test_a_non_streaming_request_past_its_deadline_is_a_504() -> None:
     p = PlacedRequest(p.request_id, p.model, p.request, p.candidates, time.time() + 0.3)
     msgs = await _relay(lambda r: httpx.Response(200, stream=Stalls(sse(ROLE, done=False))), p, idle_s=60)
     assert len(msgs) == 1 and msgs[0].error is not None and msgs[0].error.code == "deadline_expired"
+
+
+async def test_a_stream_that_asked_for_usage_gets_it_computed_when_the_engine_omits_it() -> None:
+    msgs, _ = await run(lambda r: httpx.Response(200, stream=httpx.ByteStream(GOOD)),
+                        placed(True, {"stream_options": {"include_usage": True}}))
+    events = [e for e in b"".join(m.data for m in msgs).split(b"\n\n") if e.startswith(b"data: {")]
+    last = json.loads(events[-1][6:])
+    assert last["choices"] == [] and last["model"] == "m" and last["id"] == "x"
+    assert last["usage"]["completion_tokens"] == 2 and last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 2
+    # an engine that sent usage keeps its own, once
+    usage = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+             "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}
+    msgs, _ = await run(lambda r: httpx.Response(200, stream=httpx.ByteStream(sse(ROLE, tok("a", [1]), tok("b", [2], "stop"), usage))),
+                        placed(True, {"stream_options": {"include_usage": True}}))
+    data = b"".join(m.data for m in msgs)
+    assert data.count(b'"usage"') == 1 and b'"prompt_tokens": 7' in data.replace(b":7", b": 7")
