@@ -45,6 +45,9 @@ class Permits:
             max(lo.decode, min(hi.decode, self.decode)),
         )
 
+    def positive(self) -> "Permits":
+        return Permits(max(0, self.retention), max(0, self.prefill), max(0, self.decode))
+
     def covers(self, o: "Permits") -> bool:
         return self.retention >= o.retention and self.prefill >= o.prefill and self.decode >= o.decode
 
@@ -144,7 +147,7 @@ class AdmissionController:
         return got
 
     def unreserve(self, back: Permits) -> None:
-        self.reserved = (self.reserved - back).clamp(NONE, self.limits())
+        self.reserved = (self.reserved - back).positive()  # may sit past a limit (reserve_in_use)
 
     def _permit_free(self) -> bool:
         f = self.free()

@@ -52,6 +52,7 @@ class AdmissionLease:
     valid_until: float = 0.0  # monotonic
     rotation: int = 0
     generation: int = 0
+    epoch: int = 0  # the scheduler's record this lease's permits are reserved under (0: none yet)
     tickets: dict[str, _Local] = field(default_factory=dict)
     _deltas: dict[str, EngineDelta] = field(default_factory=dict)  # since the last cut
     _placed: list[LocalPlacement] = field(default_factory=list)
@@ -90,8 +91,10 @@ class AdmissionLease:
         return verdict
 
     def give_back_spare(self) -> Permits:
-        """All spare permits, handed back with an admission call to the scheduler."""
-        out, self.spare = self.spare, NONE
+        """All spare permits, handed back with an admission call to the scheduler (a deficit
+        stays: nothing to give)."""
+        out = self.spare.positive()
+        self.spare = self.spare - out
         return out
 
     # -- lifecycle of a locally admitted request ----------------------------------------------
@@ -138,11 +141,12 @@ class AdmissionLease:
     # -- the exchange with the scheduler ------------------------------------------------------
     def cut(self, mono: float) -> LeasePart:
         """This lease's share of the next report (kept until answered or restored)."""
-        if not self.valid(mono) and self.spare.any():  # an expired lease holds nothing spare
-            self._to_return = self._to_return + self.spare
-            self.spare = NONE
+        if not self.valid(mono) and self.spare.positive().any():  # an expired lease holds nothing spare
+            back = self.spare.positive()
+            self._to_return = self._to_return + back
+            self.spare = self.spare - back
         self.generation += 1
-        part = LeasePart(self.lease_id, self.generation, self._placed, self._to_return, self.in_use)
+        part = LeasePart(self.lease_id, self.generation, self.epoch, self._placed, self._to_return, self.in_use)
         self._sent[self.generation] = _Sent(part, self._deltas)
         self._placed, self._to_return, self._deltas = [], NONE, {}
         return part
@@ -160,10 +164,17 @@ class AdmissionLease:
 
     def apply(self, grant: LeaseGrant, now: float, cut_mono: float) -> None:
         """The scheduler answered the report of ``grant.generation``, cut at ``cut_mono``."""
+        answered = self._sent.get(grant.generation)
         for g in [g for g in self._sent if g <= grant.generation]:
             del self._sent[g]
-        if grant.revoked:  # the scheduler had forgotten this lease: it reserved only what is in use
-            self.spare, self._to_return = NONE, NONE
+        if grant.epoch != self.epoch:
+            # A new record reserved exactly what that report had in use (plus ``granted``): what
+            # this lease holds now must add up to it. Permits freed since the cut stay (they are in
+            # that count); admissions since the cut, made on void spare, become a deficit that
+            # blocks local admission until frees repay it (spare may go negative).
+            self.epoch = grant.epoch
+            in_use_then = answered.part.in_use if answered is not None else self.in_use
+            self.spare = in_use_then - self.in_use - self._to_return
         self.view = grant.view.shifted(now - grant.sched_now)
         self.valid_until = cut_mono + grant.ttl_s
         self.spare = self.spare + grant.granted

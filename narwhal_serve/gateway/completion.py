@@ -156,6 +156,7 @@ class CompletionHandler:
             ticket, deadline, parsed.prompt_tokens, parsed.max_output_tokens, budget,
             lease_id=lease.lease_id if lease is not None else None,
             returned=lease.give_back_spare() if lease is not None else NONE,
+            lease_epoch=lease.epoch if lease is not None else 0,
         )
         try:
             result = await self._admit(admit_req)

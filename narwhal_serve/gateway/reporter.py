@@ -93,9 +93,15 @@ class Reporter:
         self._pending.released.append((ticket_id, stats))
         self._queue()
 
-    async def flush(self) -> None:
+    async def flush(self, timeout_s: float = 2.0) -> None:
         """Wait until everything reported so far has reached the scheduler (with a lease: and
-        one fresh answer has renewed it)."""
+        one fresh answer has renewed it) — at most ``timeout_s``: a scheduler that cannot be
+        reached must not hang /ready, /status or the admin routes."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._flush()
+
+    async def _flush(self) -> None:
         if self.lease is not None:
             self._queued += 1
         target = self._queued

@@ -3,6 +3,7 @@ reclaim from a lease that went silent (its ingress replica died)."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 from narwhal_serve.admission.controller import NONE, AdmissionController, Permits
@@ -18,12 +19,15 @@ class LeaseRecord:
     in_use: Permits = NONE  # as last reported
     last_seen: float = 0.0
     tickets: set[str] = field(default_factory=set)
+    epoch: int = 0
 
 
 class LeaseLedger:
     def __init__(self, permits: AdmissionController) -> None:
         self.permits = permits
         self.leases: dict[str, LeaseRecord] = {}
+        # epochs unique across scheduler replicas (a restarted scheduler must not reuse one)
+        self._epochs = secrets.randbits(40) << 20
 
     def _sync_gauges(self) -> None:
         total = NONE
@@ -31,10 +35,11 @@ class LeaseLedger:
             total = total + r.in_use
         self.permits.lease_in_use = total
 
-    def returned(self, lease_id: str | None, back: Permits) -> None:
-        """Spare permits a lease gives back (in a report or an admission call)."""
+    def returned(self, lease_id: str | None, back: Permits, epoch: int) -> None:
+        """Spare permits a lease gives back (in a report or an admission call); ignored when they
+        were reserved under another record of the lease (they are void)."""
         rec = self.leases.get(lease_id or "")
-        if rec is None or not back.any():
+        if rec is None or not back.any() or epoch != rec.epoch:
             return
         rec.reserved = rec.reserved - back
         self.permits.unreserve(back)
@@ -44,7 +49,8 @@ class LeaseLedger:
         rec = self.leases.get(lease_id)
         fresh = rec is None
         if rec is None:
-            rec = LeaseRecord()
+            self._epochs += 1
+            rec = LeaseRecord(epoch=self._epochs)
             self.leases[lease_id] = rec
             # what it has in use runs anyway: reserve it even past a limit
             self.permits.reserved = self.permits.reserved + in_use

@@ -21,6 +21,7 @@ class AdmitRequest:
     ttft_budget_s: float
     lease_id: str | None = None
     returned: Permits = NONE  # spare lease permits the ingress gives back before asking
+    lease_epoch: int = 0  # the lease record those permits were reserved under
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class LeasePart:
 
     lease_id: str
     generation: int
+    epoch: int = 0  # the scheduler's record of the lease that ``returned`` was reserved under
     placed: list[LocalPlacement] = field(default_factory=list)
     returned: Permits = NONE
     in_use: Permits = NONE
@@ -62,7 +64,10 @@ class LeaseGrant:
     ttl_s: float  # the lease holds this long after the report was cut (on the ingress's clock)
     granted: Permits  # added to the lease's spare permits
     spare_target: Permits  # spare beyond this goes back in the next report
-    revoked: bool = False  # the scheduler had forgotten this lease (silent too long): spare permits are void
+    # The scheduler's record of this lease. A new epoch means a new record (the first grant, or the
+    # scheduler forgot the lease — restart, or silent too long): it reserved exactly what the
+    # answered report had in use, plus ``granted``; permits held from before are void.
+    epoch: int = 0
 
 
 @dataclass

@@ -165,7 +165,7 @@ class SchedulerService:
     async def admit(self, req: AdmitRequest) -> AdmitResult:
         self.calls["admit"] += 1
         now = self.clock()
-        self.leases.returned(req.lease_id, req.returned)
+        self.leases.returned(req.lease_id, req.returned, req.lease_epoch)
         if req.ticket_id in self._tombstones:
             self._tombstones.pop(req.ticket_id)
             self._pump()
@@ -262,8 +262,7 @@ class SchedulerService:
         if rep.lease is not None:
             part = rep.lease
             rec, fresh = self.leases.touch(part.lease_id, part.in_use, now)
-            if not fresh:
-                self.leases.returned(part.lease_id, part.returned)
+            self.leases.returned(part.lease_id, part.returned, part.epoch)
             for lp in part.placed:
                 self._local_placed(lp, part.lease_id)
             grant_for = (rec, fresh)
@@ -280,10 +279,10 @@ class SchedulerService:
         self._pump()
         if grant_for is None or rep.lease is None:
             return None
-        rec, fresh = grant_for
+        rec, _ = grant_for
         granted, target = self.leases.grant(rec, bool(self.admission.queue))
         return LeaseGrant(rep.lease.lease_id, rep.lease.generation, self.view(now), now, LEASE_TTL_S,
-                          granted, target, revoked=fresh and rep.lease.generation > 1)
+                          granted, target, epoch=rec.epoch)
 
     def _local_placed(self, lp: LocalPlacement, lease_id: str) -> None:
         self._charge(lp.ticket_id, lp.placement, lp.deadline, lease_id)

@@ -162,6 +162,53 @@ async def test_a_forgotten_lease_keeps_its_requests_and_loses_its_spare() -> Non
     assert svc.admission.reserved.covers(h.lease.in_use + h.lease.spare)
 
 
+def holds(h: Holder) -> Permits:
+    return h.lease.in_use + h.lease.spare + h.lease._to_return
+
+
+async def test_a_scheduler_restart_under_load_neither_leaks_nor_over_admits() -> None:
+    svc, clock = service(prefill=4, decode=8, retention=16)
+    h = Holder(svc, clock)
+    h.sync()
+    for t in ("a", "b"):
+        assert isinstance(h.admit(t), Placement)
+    h.sync()
+    new, _ = service(prefill=4, decode=8, retention=16)  # the scheduler restarts, empty
+    h.svc = new
+    part = h.lease.cut(h.mono)  # the first report to the new scheduler is in flight...
+    h.lease.release("a")  # ...while one request ends (its permits were in use at the cut)
+    assert isinstance(h.admit("c"), Placement)  # ...and one is admitted on the old, void spare
+    grant = new.report(Report(lease=part))
+    assert grant is not None
+    h.lease.apply(grant, clock(), h.mono)
+    # the lease holds exactly what the new record reserved: a's freed permits count, c's is a deficit
+    assert new.admission.reserved == holds(h)
+    for _ in range(3):
+        h.sync()
+        assert new.admission.reserved.covers(holds(h))
+        assert new.admission.limits().covers(new.admission.reserved)
+    h.lease.release("b")
+    h.lease.release("c")
+    for _ in range(2):
+        h.sync()
+    assert new.admission.reserved == holds(h)  # nothing leaked: the lease holds all it is charged for
+
+
+async def test_spare_returned_under_a_forgotten_record_is_ignored() -> None:
+    svc, clock = service()
+    h = Holder(svc, clock)
+    h.sync()
+    stale = h.lease.give_back_spare()  # an admit call carrying these is slow to arrive...
+    old_epoch = h.lease.epoch
+    clock.t += ORPHAN_S + 1
+    svc.reap()  # ...the scheduler forgets the lease (its spare came back) and it re-registers
+    h.sync()
+    before = svc.admission.reserved
+    svc.leases.returned(h.lease.lease_id, stale, old_epoch)  # the late return: void, not subtracted
+    assert svc.admission.reserved == before
+    assert svc.admission.reserved.covers(holds(h))
+
+
 async def test_charges_move_to_the_route_that_served() -> None:
     svc, clock = service()
     h = Holder(svc, clock)
