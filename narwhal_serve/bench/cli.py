@@ -1,6 +1,6 @@
 """``narwhal-bench overhead|goodput``: start the fleet and the targets, measure, print tables, write
 ``results.json``, ``requests.jsonl`` and PNG plots to ``--out/<mode>-<time>/``, stop everything.
-``assembly`` and ``transport`` (see their modules) write ``results.json`` only."""
+``assembly``, ``decision`` and ``transport`` (see their modules) write ``results.json`` only."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from narwhal_serve.bench import assembly, transport, views
+from narwhal_serve.bench import assembly, decision, transport, views
 from narwhal_serve.bench.fleet import TARGETS, Fleet, FleetSpec, SimTiming
 from narwhal_serve.bench.goodput import GoodputArgs, run_goodput
 from narwhal_serve.bench.overhead import OverheadArgs, run_overhead
@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--refusal-s", type=float, default=4.0)
     o.add_argument("--prompt-tokens", type=int, default=64)
     o.add_argument("--output-tokens", type=int, default=16)
+    d = sub.add_parser("decision", help="CPU cost of one admission decision, lease and scheduler (no servers)")
+    d.add_argument("--engines", type=_ints, default=[3, 16, 64], help="fleet sizes (comma list)")
+    d.add_argument("--requests", type=int, default=5000)
+    d.add_argument("--out", type=Path, default=Path("bench-results"))
     a = sub.add_parser("assembly", help="per-token CPU cost of assembly and relay (no servers)")
     a.add_argument("--tokens", type=int, default=20_000)
     a.add_argument("--out", type=Path, default=Path("bench-results"))
@@ -179,6 +183,9 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    if ns.mode == "decision":
+        decision.run(run_dir(ns.out, "decision"), ns.engines, ns.requests)
+        return 0
     if ns.mode == "assembly":
         assembly.run(run_dir(ns.out, "assembly"), ns.tokens)
         return 0

@@ -1,0 +1,83 @@
+"""``narwhal-bench decision``: the admission decision's own cost, no servers.
+
+A scheduler with N engines (half unified, the rest prefill/decode pairs) marked healthy, and one
+ingress :class:`~narwhal_serve.admission.lease.AdmissionLease` synced with it. Times, per request:
+a lease admission (``try_admit``: view with its own changes, routes, projections, judgement,
+permits) and its release, and the scheduler's own ``decide`` on its view (what a fallback admit
+call runs). Pure CPU; prints percentiles and writes JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from narwhal_serve.admission.core import Ask, decide
+from narwhal_serve.admission.lease import AdmissionLease
+from narwhal_serve.config import NarwhalConfig
+from narwhal_serve.scheduler.messages import Report
+from narwhal_serve.scheduler.service import SchedulerService
+
+BIG = 10**9
+
+
+def _service(engines: int) -> SchedulerService:
+    specs = []
+    for i in range(engines):
+        role = "unified" if i % 2 == 0 else ("prefill" if i % 4 == 1 else "decode")
+        specs.append({"name": f"e{i}", "url": f"http://127.0.0.1:{10000 + i}", "role": role})
+    cfg = NarwhalConfig.model_validate({
+        "serving": {"http_retention_limit": BIG},
+        "admission": {"mode": "predictive", "queue_limit": BIG, "phase_concurrency": {"prefill": BIG, "decode": BIG}},
+        "engines": specs,
+    })
+    svc = SchedulerService(cfg, clock=lambda: 1000.0)
+    for e in svc.engines.values():
+        e.healthy, e.last_ok = True, 1000.0
+    svc.router.started = True
+    return svc
+
+
+def _pct(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    return {"p50_us": round(xs[len(xs) // 2] * 1e6, 1), "p99_us": round(xs[int(len(xs) * 0.99)] * 1e6, 1)}
+
+
+def measure(engines: int, requests: int) -> dict[str, object]:
+    svc = _service(engines)
+    lease = AdmissionLease("bench")
+
+    def sync() -> None:
+        grant = svc.report(Report(lease=lease.cut(0.0)))
+        if grant is not None:
+            lease.apply(grant, 1000.0, 0.0)
+
+    sync()
+    ask = Ask(prompt_tokens=200, ttft_budget_s=60.0)
+    local: list[float] = []
+    for i in range(requests):
+        t0 = time.perf_counter()
+        lease.try_admit(f"t{i}", ask, 2000.0, 1000.0, 0.0)
+        local.append(time.perf_counter() - t0)
+        lease.release(f"t{i}")
+        if i % 100 == 99:  # a report every ~100 requests, as under load (every ~5 ms)
+            sync()
+    central: list[float] = []
+    for i in range(requests):
+        t0 = time.perf_counter()
+        decide(svc.view(1000.0), ask, 1000.0, i)
+        central.append(time.perf_counter() - t0)
+    return {"engines": engines, "requests": requests, "lease_admission": _pct(local), "scheduler_decide": _pct(central)}
+
+
+def run(out_dir: Path, engines: list[int], requests: int) -> list[dict[str, object]]:
+    rows = [measure(n, requests) for n in engines]
+    print(f"{'engines':>8} {'lease admit p50/p99 (µs)':>26} {'scheduler decide p50/p99 (µs)':>31}")
+    for r in rows:
+        la, sd = r["lease_admission"], r["scheduler_decide"]
+        assert isinstance(la, dict) and isinstance(sd, dict)
+        print(f"{r['engines']:>8} {la['p50_us']:>12} / {la['p99_us']:<11} {sd['p50_us']:>14} / {sd['p99_us']:<14}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(rows, indent=1))
+    return rows
