@@ -8,7 +8,11 @@ replica never learns the client left: measured here, a client leaving before res
 seen in 1 to 3 requests out of 4; with splicing off, in 10 out of 10, within 50 ms.  Ray offers no
 setting for it, only ``RAY_SERVE_HAPROXY_BINARY_PATH``: so Narwhal points that at a small wrapper
 that turns splicing off in the configuration Ray writes, then runs the real HAProxy (``exec``, so
-Ray manages the same process).  Ray reads the variable in its HAProxy manager actor, which inherits
+Ray manages the same process).  The same wrapper drops two request headers that Ray Serve reads as
+*client* controls — ``x-request-timeout-seconds`` (Serve's own per-request timeout: a plain-text
+408 or a stream cut without an error event) and ``x-request-disconnect-disabled`` (stops Serve
+from cancelling a request whose client left) — so that only Narwhal's documented deadline headers
+apply.  Ray reads the variable in its HAProxy manager actor, which inherits
 the environment of the process that starts Ray: ``scripts/serve_run.py`` (``make run``), the tests
 and the benchmark set it.
 """
@@ -28,7 +32,10 @@ take=0
 for a in "$@"; do
   if [ "$take" = 1 ] && [ -f "$a" ]; then
     sed -e 's/^\\([[:space:]]*\\)option splice-request/\\1no option splice-request/' \\
-        -e 's/^\\([[:space:]]*\\)option splice-response/\\1no option splice-response/' "$a" > "$a.narwhal"
+        -e 's/^\\([[:space:]]*\\)option splice-response/\\1no option splice-response/' \\
+        -e '/^frontend http_frontend/a\\
+    http-request del-header x-request-timeout-seconds\\
+    http-request del-header x-request-disconnect-disabled' "$a" > "$a.narwhal"
     a="$a.narwhal"
   fi
   take=0
