@@ -105,7 +105,7 @@ class CompletionHandler:
         echo = rid if self.echo_request_id else None
         self.reporter.offered()
         try:
-            if given and given != rid:  # it goes to every engine leg as a header: keep it plain
+            if given is not None and given != rid:  # it goes to every engine leg as a header: keep it plain
                 raise InvalidRequest("header X-Request-Id must be 1-128 printable ASCII characters", param="x-request-id")
             self._auth(request)
             try:

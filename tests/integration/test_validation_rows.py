@@ -94,6 +94,8 @@ async def test_a_request_id_that_cannot_be_a_header_is_refused(graph: Graph) -> 
         r = await c.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "caf\u00e9".encode()})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "x-request-id"
+        r = await c.post("/v1/chat/completions", json=body, headers={"X-Request-Id": ""})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id"  # present but empty
         r = await c.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "ok-123"})
         assert r.status_code == 200 and r.headers["x-request-id"] == "ok-123"
 
