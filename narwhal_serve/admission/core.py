@@ -42,6 +42,8 @@ class EngineFacts:
     slots: int | None
     service_s: float | None
     external: int = 0  # requests from other clients, as last scraped (EngineState.external)
+    pending_prefill_requests: int = 0  # requests routed here and not yet past their first token
+    ttft_c: float = 0.0  # seconds per request ahead
 
     def eligible(self, now: float) -> bool:
         return now <= self.eligible_until
@@ -55,9 +57,14 @@ class EngineFacts:
 class EngineDelta:
     inflight: int = 0
     pending_prefill_tokens: int = 0
+    pending_prefill_requests: int = 0
 
     def __add__(self, other: "EngineDelta") -> "EngineDelta":
-        return EngineDelta(self.inflight + other.inflight, self.pending_prefill_tokens + other.pending_prefill_tokens)
+        return EngineDelta(
+            self.inflight + other.inflight,
+            self.pending_prefill_tokens + other.pending_prefill_tokens,
+            self.pending_prefill_requests + other.pending_prefill_requests,
+        )
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,7 @@ class FleetView:
                 e,
                 inflight=max(0, e.inflight + d.inflight),
                 pending_prefill_tokens=max(0, e.pending_prefill_tokens + d.pending_prefill_tokens),
+                pending_prefill_requests=max(0, e.pending_prefill_requests + d.pending_prefill_requests),
             )
             if (d := deltas.get(e.cfg.name)) is not None
             else e
@@ -105,6 +113,7 @@ class Placement:
     x_tokens: int  # prefill tokens at that engine, this prompt included
     slot_wait_s: float  # the queueing part of the prediction
     predicted_s: float | None
+    r_ahead: int = 0  # requests waiting for prefill at that engine, ahead of this one
 
     @property
     def engines(self) -> tuple[str, ...]:
@@ -124,13 +133,16 @@ def _slot_wait(facts: Mapping[str, EngineFacts], route: RouteChoice) -> float:
     return 0.0 if d is None else slot_wait_s(d.in_flight(), d.slots, d.service_s)
 
 
-def _project(view: FleetView, facts: Mapping[str, EngineFacts], route: RouteChoice, prompt: int) -> tuple[Projection, int, float] | None:
+def _project(
+    view: FleetView, facts: Mapping[str, EngineFacts], route: RouteChoice, prompt: int
+) -> tuple[Projection, int, int, float] | None:
     e = facts.get(_first_token_engine(route))
     if e is None:
         return None
     x = e.pending_prefill_tokens + view.queued_tokens + prompt
+    r = e.pending_prefill_requests + view.queued
     wait = _slot_wait(facts, route)
-    return project_linear(e.ttft_a, e.ttft_b, x - prompt, prompt, wait), x, wait
+    return project_linear(e.ttft_a, e.ttft_b, x - prompt, prompt, wait, e.ttft_c, r), x, r, wait
 
 
 def rank(view: FleetView, prompt_tokens: int, now: float, rotation: int) -> tuple[Placement | None, Projection | None]:
@@ -147,10 +159,10 @@ def rank(view: FleetView, prompt_tokens: int, now: float, rotation: int) -> tupl
     ordered = tuple(s[1] for s in scored)
     if proj is None:
         return Placement(ordered, None, prompt_tokens, prompt_tokens, 0.0, None), None
-    projection, x, wait = proj
+    projection, x, r, wait = proj
     e = facts[_first_token_engine(best)]
-    predicted = wait + linear_ttft(e.ttft_a, e.ttft_b, x)
-    return Placement(ordered, e.cfg.name, prompt_tokens, x, wait, predicted), projection
+    predicted = wait + linear_ttft(e.ttft_a, e.ttft_b, x, e.ttft_c, r)
+    return Placement(ordered, e.cfg.name, prompt_tokens, x, wait, predicted, r), projection
 
 
 def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | Refusal:
@@ -172,6 +184,6 @@ def charge(placement: Placement) -> dict[str, EngineDelta]:
     out = {name: EngineDelta(inflight=1) for name in placement.engines}
     if placement.first_engine is not None:
         out[placement.first_engine] = out.get(placement.first_engine, EngineDelta()) + EngineDelta(
-            pending_prefill_tokens=placement.prompt_tokens
+            pending_prefill_tokens=placement.prompt_tokens, pending_prefill_requests=1
         )
     return out

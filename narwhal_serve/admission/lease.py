@@ -105,7 +105,7 @@ class AdmissionLease:
         t.prefill_done = True
         self._move(t, engines)
         if t.placement.first_engine is not None:
-            _add(self._deltas, {t.placement.first_engine: EngineDelta(pending_prefill_tokens=-t.placement.prompt_tokens)})
+            _add(self._deltas, {t.placement.first_engine: EngineDelta(pending_prefill_tokens=-t.placement.prompt_tokens, pending_prefill_requests=-1)})
         self._free(Permits(prefill=1))
 
     def release(self, ticket_id: str) -> None:
@@ -116,7 +116,7 @@ class AdmissionLease:
         if not t.prefill_done:
             freed = freed + Permits(prefill=1)
             if t.placement.first_engine is not None:
-                _add(self._deltas, {t.placement.first_engine: EngineDelta(pending_prefill_tokens=-t.placement.prompt_tokens)})
+                _add(self._deltas, {t.placement.first_engine: EngineDelta(pending_prefill_tokens=-t.placement.prompt_tokens, pending_prefill_requests=-1)})
         _add(self._deltas, {n: EngineDelta(inflight=-1) for n in t.engines})
         self._free(freed)
 

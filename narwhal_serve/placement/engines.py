@@ -21,6 +21,7 @@ class EngineState:
     tpot_s: float | None = None  # measured time per output token (EWMA)
     drift_score: float = 0.0  # EWMA of (measured - predicted) / predicted TTFT: >0 slower than modelled
     pending_prefill_tokens: int = 0  # prompt tokens routed here and not yet past their first token
+    pending_prefill_requests: int = 0  # requests routed here and not yet past their first token
     service_s: float | None = None  # measured request duration, first byte to last token (EWMA)
     max_running_seen: int = 0
     ttft_model: PrefillModel = field(default_factory=PrefillModel)
@@ -76,10 +77,12 @@ class EngineState:
             "inflight": self.inflight,
             "tpot_s": self.tpot_s,
             "pending_prefill_tokens": self.pending_prefill_tokens,
+            "pending_prefill_requests": self.pending_prefill_requests,
             "slots": self.slots(),
             "service_s": self.service_s,
             "drift_score": round(self.drift_score, 4),
             "ttft_model": {"a_s": self.ttft_model.a, "b_s_per_token": self.ttft_model.b,
+                           "c_s_per_request_ahead": self.ttft_model.c,
                            "samples": len(self.ttft_model.samples), "prior_a_s": self.ttft_model.prior_a,
                            "prior_b_s_per_token": self.ttft_model.prior_b},
             "token_accounting": self.token_accounting(),

@@ -2,13 +2,17 @@
 
 Model, per engine that serves the first token of a route:
 
-    ttft ≈ w + a + b · x,   x = prompt tokens still waiting for prefill at that engine (router-known,
-                                including this request's own prompt)
-                            w = wait for a sequence slot at the engine that decodes (slot_wait_s)
+    ttft ≈ w + a + b · x + c · r
+        x = prompt tokens still waiting for prefill at that engine (router-known, this prompt included)
+        r = requests still waiting for prefill there, ahead of this one
+        w = wait for a sequence slot at the engine that decodes (slot_wait_s)
 
 ``a`` is the fixed cost (scheduling, KV hand-off, first decode step), ``b`` seconds per prefill
-token.  Fitted by least squares on the most recent measurements (x at admission, measured TTFT),
-with a weak prior so that a fresh engine starts from sane values.  Pure: no clock, no I/O.
+token, ``c`` seconds per request ahead (what a queued request costs beyond its tokens: its own
+scheduling and first step).  Without ``c``, bursts of same-sized short prompts teach ``b`` a
+per-request cost as if it were per token, and long prompts then look far slower than they are.
+Fitted by least squares on the most recent measurements, with a prior on each coefficient that
+fades as measurements arrive (regularization toward the prior).  Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ import numpy as np
 
 PRIOR_A = 0.02  # seconds
 PRIOR_B = 0.0002  # seconds per prompt token
+PRIOR_C = 0.0  # seconds per request ahead
 PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior with no data; it fades as samples arrive
-PRIOR_FAR_X = 4096.0  # tokens
-# How firmly the prior holds the slope: as firmly as measurements spread over about this many
-# tokens would.  Measurements bunched at short prompts (a spread far below it) leave the slope near
-# the prior, so noise never extrapolates wildly; measurements spread over a wider range than it
-# decide the slope, whatever the engine's speed.
+# How firmly the prior holds each slope: as firmly as measurements spread over about this many
+# tokens (requests) would.  Measurements bunched at short prompts (a spread far below it) leave
+# ``b`` near the prior, so noise never extrapolates wildly; measurements spread wider decide it,
+# whatever the engine's speed.  ``c`` is held loosely: a few requests' spread decides it, so a
+# per-request cost lands in ``c`` rather than in ``b`` when token and request counts move together.
 PRIOR_SLOPE_SPAN = 256.0
+PRIOR_REQUEST_SPAN = 2.0
 WINDOW = 256
 
 
@@ -36,7 +42,8 @@ class PrefillModel:
     prior_b: float = PRIOR_B
     a: float = -1.0  # set from the prior at construction
     b: float = -1.0
-    samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    c: float = PRIOR_C
+    samples: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def __post_init__(self) -> None:
         if self.a < 0:
@@ -44,31 +51,30 @@ class PrefillModel:
         if self.b < 0:
             self.b = self.prior_b
 
-    def predict(self, tokens_ahead_and_own: float) -> float:
-        return linear_ttft(self.a, self.b, tokens_ahead_and_own)
+    def predict(self, tokens_ahead_and_own: float, requests_ahead: float = 0.0) -> float:
+        return linear_ttft(self.a, self.b, tokens_ahead_and_own, self.c, requests_ahead)
 
-    def observe(self, x: float, ttft: float) -> None:
-        self.samples.append((x, ttft))
+    def observe(self, x: float, ttft: float, r: float = 0.0) -> None:
+        self.samples.append((x, r, ttft))
         self._fit()
 
     def _fit(self) -> None:
-        xs = np.array([s[0] for s in self.samples], dtype=float)
-        ys = np.array([s[1] for s in self.samples], dtype=float)
-        # The prior as weighted pseudo-points at 0 (the intercept) and at a long prompt (the slope,
-        # held as firmly as data spread over PRIOR_SLOPE_SPAN tokens would hold it).
-        px = np.array([0.0, PRIOR_FAR_X])
-        py = self.prior_a + self.prior_b * px
-        prior_w = PRIOR_WEIGHT / (1.0 + len(xs) / 8.0)
-        far_w = prior_w / 2 * (PRIOR_SLOPE_SPAN / PRIOR_FAR_X) ** 2
-        w = np.concatenate([np.ones_like(xs), [prior_w / 2, far_w]])
-        X = np.concatenate([xs, px])
-        Y = np.concatenate([ys, py])
-        sw = np.sqrt(w)
-        A = np.stack([np.ones_like(X), X], axis=1) * sw[:, None]
-        sol, *_ = np.linalg.lstsq(A, Y * sw, rcond=None)
-        a, b = float(sol[0]), float(sol[1])
-        self.a = max(0.0, a)
-        self.b = max(1e-7, b)
+        data = np.array(self.samples, dtype=float).reshape(-1, 3)
+        n = len(data)
+        lam = PRIOR_WEIGHT / (1.0 + n / 8.0) / 2  # the prior's weight, fading with data
+        rows = [np.column_stack([np.ones(n), data[:, 0], data[:, 1]])]
+        ys = [data[:, 2]]
+        # the prior as regularization toward (prior_a, prior_b, PRIOR_C)
+        for i, (value, span) in enumerate(((self.prior_a, 1.0), (self.prior_b, PRIOR_SLOPE_SPAN),
+                                           (PRIOR_C, PRIOR_REQUEST_SPAN))):
+            row = np.zeros((1, 3))
+            row[0, i] = np.sqrt(lam) * span
+            rows.append(row)
+            ys.append(np.array([np.sqrt(lam) * span * value]))
+        sol, *_ = np.linalg.lstsq(np.vstack(rows), np.concatenate(ys), rcond=None)
+        self.a = max(0.0, float(sol[0]))
+        self.b = max(1e-7, float(sol[1]))
+        self.c = max(0.0, float(sol[2]))
 
 
 @dataclass(frozen=True)
@@ -87,19 +93,24 @@ def slot_wait_s(in_flight: int, slots: int | None, service_s: float | None) -> f
     return 0.0 if excess <= 0 else excess * service_s / slots
 
 
-def project(model: PrefillModel, pending_tokens: float, prompt_tokens: int, wait_s: float = 0.0) -> Projection:
+def project(
+    model: PrefillModel, pending_tokens: float, prompt_tokens: int, wait_s: float = 0.0, pending_requests: float = 0.0
+) -> Projection:
     """``wait_s``: queueing for a sequence slot ahead of the prefill (see :func:`slot_wait_s`)."""
-    return project_linear(model.a, model.b, pending_tokens, prompt_tokens, wait_s)
+    return project_linear(model.a, model.b, pending_tokens, prompt_tokens, wait_s, model.c, pending_requests)
 
 
-def linear_ttft(a: float, b: float, tokens_ahead_and_own: float) -> float:
-    """:meth:`PrefillModel.predict` from its two coefficients (what crosses to ingress replicas)."""
-    return a + b * tokens_ahead_and_own
+def linear_ttft(a: float, b: float, tokens_ahead_and_own: float, c: float = 0.0, requests_ahead: float = 0.0) -> float:
+    """:meth:`PrefillModel.predict` from its coefficients (what crosses to ingress replicas)."""
+    return a + b * tokens_ahead_and_own + c * requests_ahead
 
 
-def project_linear(a: float, b: float, pending_tokens: float, prompt_tokens: int, wait_s: float = 0.0) -> Projection:
+def project_linear(
+    a: float, b: float, pending_tokens: float, prompt_tokens: int, wait_s: float = 0.0,
+    c: float = 0.0, pending_requests: float = 0.0,
+) -> Projection:
     """:func:`project` from a model's coefficients."""
     return Projection(
         prompt_alone_s=linear_ttft(a, b, prompt_tokens),
-        projected_s=wait_s + linear_ttft(a, b, pending_tokens + prompt_tokens),
+        projected_s=wait_s + linear_ttft(a, b, pending_tokens + prompt_tokens, c, pending_requests),
     )

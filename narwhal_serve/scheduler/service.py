@@ -124,13 +124,14 @@ class SchedulerService:
                 cfg=e.cfg, eligible_until=(e.last_ok or 0.0) + stale if ok else 0.0, inflight=e.inflight,
                 load=e.load, pending_prefill_tokens=e.pending_prefill_tokens, ttft_a=e.ttft_model.a,
                 ttft_b=e.ttft_model.b, slots=e.slots(), service_s=e.service_s, external=e.external(),
+                pending_prefill_requests=e.pending_prefill_requests, ttft_c=e.ttft_model.c,
             ))
         return FleetView(
             engines=tuple(facts),
             unavailable=self.router.unavailable_reason({e.cfg.wave for e in self.engines.values()}),
             predictive=self.cfg.admission.mode == "predictive",
             queued_tokens=self._queued_tokens if queued_tokens is None else queued_tokens,
-            queued=len(self.admission.queue),
+            queued=len(self.admission.queue) if queued_tokens is None else 0,
         )
 
     # -- admission ---------------------------------------------------------------------------
@@ -149,6 +150,7 @@ class SchedulerService:
         e = self.engines.get(placement.first_engine or "")
         if e is not None:
             e.pending_prefill_tokens += placement.prompt_tokens
+            e.pending_prefill_requests += 1
         self._tickets[tid] = _Ticket(placement, placement.engines, deadline, lease)
 
     def _placed(self, tid: str, placement: Placement, deadline: float) -> AdmitResult:
@@ -161,6 +163,7 @@ class SchedulerService:
             e = self.engines.get(t.placement.first_engine or "")
             if e is not None:
                 e.pending_prefill_tokens = max(0, e.pending_prefill_tokens - t.placement.prompt_tokens)
+                e.pending_prefill_requests = max(0, e.pending_prefill_requests - 1)
 
     async def admit(self, req: AdmitRequest) -> AdmitResult:
         self.calls["admit"] += 1
@@ -323,7 +326,7 @@ class SchedulerService:
             e = self.engines.get(p.first_engine or "")
             if e is not None and stats.attempts == 1 and stats.engines == p.engines:
                 # the prefill model learns the TTFT net of the predicted slot wait
-                e.ttft_model.observe(p.x_tokens, max(0.0, stats.ttft_s - p.slot_wait_s))
+                e.ttft_model.observe(p.x_tokens, max(0.0, stats.ttft_s - p.slot_wait_s), p.r_ahead)
                 d = self.engines.get(stats.engines[-1])
                 if d is not None:
                     dur = stats.ttft_s + stats.decode_s

@@ -71,3 +71,19 @@ def test_an_engine_config_states_its_prior() -> None:
     e = EngineState(EngineConfig(name="slow", url="http://x", ttft_prior_a_s=0.2, ttft_prior_b_s_per_token=0.004))
     assert (e.ttft_model.a, e.ttft_model.b) == (0.2, 0.004)
     assert EngineState(EngineConfig(name="d", url="http://y")).ttft_model.b == PRIOR_B
+
+
+def test_a_per_request_cost_in_bursts_is_not_learned_as_a_per_token_cost() -> None:
+    """Bursts of same-sized short prompts: each request queued ahead costs 25 ms whatever its
+    tokens. The cost lands on requests ahead, and a long prompt on an idle engine stays cheap (the
+    hostile-probe finding: without the term, b learned ~2.5 ms/token and 2,000 tokens looked like 5 s)."""
+    rng = np.random.default_rng(0)
+    m = PrefillModel()
+    for _ in range(256):
+        own, ahead = int(rng.integers(2, 13)), int(rng.integers(0, 20))
+        m.observe(own + 10 * ahead, 0.01 + 0.025 * ahead + abs(float(rng.normal(0, 0.01))), ahead)
+    assert abs(m.c - 0.025) < 0.005
+    assert m.b < 2 * PRIOR_B
+    assert m.predict(2000) < 0.5
+    p = project(m, pending_tokens=100, prompt_tokens=10, pending_requests=10)
+    assert abs(p.projected_s - (0.01 + 0.025 * 10)) < 0.1

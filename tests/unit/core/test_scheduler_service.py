@@ -30,7 +30,7 @@ async def test_grant_queue_release_and_counters() -> None:
     assert b.error is None
     svc.report(Report(released=[("a", None), ("b", None)]))
     assert svc.admission.gauges() == {"retained": 0, "queued": 0, "prefill_inflight": 0, "decode_inflight": 0}
-    assert all(e.inflight == 0 and e.pending_prefill_tokens == 0 for e in svc.engines.values())
+    assert all(e.inflight == 0 and e.pending_prefill_tokens == 0 and e.pending_prefill_requests == 0 for e in svc.engines.values())
 
 
 async def test_cancel_frees_queue_slots_and_grants() -> None:
@@ -47,7 +47,7 @@ async def test_cancel_frees_queue_slots_and_grants() -> None:
     assert late.error is not None and late.error.code == "cancelled"
     svc.cancel("a")  # a grant whose answer never reached its client is freed too
     assert svc.admission.gauges() == {"retained": 0, "queued": 0, "prefill_inflight": 0, "decode_inflight": 0}
-    assert all(e.inflight == 0 and e.pending_prefill_tokens == 0 for e in svc.engines.values())
+    assert all(e.inflight == 0 and e.pending_prefill_tokens == 0 and e.pending_prefill_requests == 0 for e in svc.engines.values())
 
 
 async def test_no_eligible_engine_and_router_states() -> None:
