@@ -132,20 +132,22 @@ class Relay:
         """``stream``'s batches, each awaited within the idle timeout and the deadline."""
         while True:
             left = placed.deadline - self.clock()
-            limit = max(0.0, min(self.idle_timeout_s, left))
+            by_deadline = left <= self.idle_timeout_s  # which limit this wait runs under
             try:
-                async with asyncio.timeout(limit):
+                async with asyncio.timeout(max(0.0, min(self.idle_timeout_s, left))):
                     batch = await stream.__anext__()
             except StopAsyncIteration:
                 return
             except TimeoutError:
-                if self.clock() >= placed.deadline:
+                # (the loop's timer may fire a hair before the wall clock reaches the deadline)
+                if by_deadline or self.clock() >= placed.deadline:
                     raise _DeadlinePassed() from None
                 raise EngineFailure(route.decode.name, f"engine silent for {self.idle_timeout_s:g} s") from None
             yield batch
 
     async def run(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         failures: list[str] = []
+        expired = False
         req = placed.request
         headers = {"X-Request-Id": placed.request_id}
         for attempt, route in enumerate(placed.candidates, start=1):
@@ -167,8 +169,9 @@ class Relay:
             except BadEngineResponse as exc:
                 failures.append(str(exc))
             except _DeadlinePassed:
+                expired = True
                 break
-        if self.clock() >= placed.deadline:
+        if expired or self.clock() >= placed.deadline:
             err = TerminalExpiry(
                 "terminal expiry: the request deadline passed before response headers", code="deadline_expired"
             ).info()
