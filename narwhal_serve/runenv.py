@@ -12,7 +12,10 @@ Ray manages the same process).  The same wrapper drops two request headers that 
 *client* controls — ``x-request-timeout-seconds`` (Serve's own per-request timeout: a plain-text
 408 or a stream cut without an error event) and ``x-request-disconnect-disabled`` (stops Serve
 from cancelling a request whose client left) — so that only Narwhal's documented deadline headers
-apply.  Ray reads the variable in its HAProxy manager actor, which inherits
+apply.  And it bounds the time a client may take to send its request headers (slowloris):
+``timeout http-request`` (``NARWHAL_HTTP_HEADER_TIMEOUT_S``, default 10 s), answered by HAProxy with
+a 408 and a closed connection (HAProxy 2.8 sends its own HTML page there: its H1 layer answers
+before any ``errorfile`` or ``http-error`` applies — tried both).  Ray reads the variable in its HAProxy manager actor, which inherits
 the environment of the process that starts Ray: ``scripts/serve_run.py`` (``make run``), the tests
 and the benchmark set it.
 """
@@ -33,6 +36,8 @@ for a in "$@"; do
   if [ "$take" = 1 ] && [ -f "$a" ]; then
     sed -e 's/^\\([[:space:]]*\\)option splice-request/\\1no option splice-request/' \\
         -e 's/^\\([[:space:]]*\\)option splice-response/\\1no option splice-response/' \\
+        -e '/^defaults/a\\
+    timeout http-request {header_timeout_s}s' \\
         -e '/^frontend http_frontend/a\\
     http-request del-header x-request-timeout-seconds\\
     http-request del-header x-request-disconnect-disabled' "$a" > "$a.narwhal"
@@ -45,6 +50,9 @@ done
 shift "$n"
 exec "$real" "$@"
 """
+
+
+HEADER_TIMEOUT_ENV = "NARWHAL_HTTP_HEADER_TIMEOUT_S"  # default 10 (SPEC serving.header_timeout_s)
 
 
 def real_haproxy() -> str | None:
@@ -64,8 +72,9 @@ def haproxy_wrapper(folder: str | None = None) -> str | None:
         return None
     d = Path(folder or tempfile.mkdtemp(prefix="narwhal-haproxy-bin-"))
     d.mkdir(parents=True, exist_ok=True)
+    header_timeout = float(os.environ.get(HEADER_TIMEOUT_ENV, "10"))
     path = d / "haproxy"
-    path.write_text(_WRAPPER.format(real=real.replace("'", "'\\''")))
+    path.write_text(_WRAPPER.format(real=real.replace("'", "'\\''"), header_timeout_s=f"{header_timeout:g}"))
     path.chmod(0o755)
     return str(path)
 

@@ -37,3 +37,21 @@ async def test_disconnect_disabled_header_does_not_keep_a_request_alive(graph: G
     await held.cancel()
     snap = await wait_status(g, balanced, "released after the client left", timeout=10)
     assert counter(snap, "cancelled", "client_disconnected") == before + 1
+
+
+async def test_headers_that_never_finish_get_a_408_and_a_closed_connection(graph: Graph) -> None:
+    """Slowloris on headers: HAProxy's header timeout (NARWHAL_HTTP_HEADER_TIMEOUT_S, 2 s here).
+    (The body is HAProxy's own page: 2.8 answers this one before errorfile/http-error apply.)"""
+    host, port = graph.url.split("//")[1].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: applic")
+    await writer.drain()
+    t0 = asyncio.get_running_loop().time()
+    try:
+        async with asyncio.timeout(2 + 10):
+            answer = await reader.read(-1)  # everything until HAProxy closes the connection
+    finally:
+        writer.close()
+    took = asyncio.get_running_loop().time() - t0
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert 1.5 <= took < 12, took

@@ -24,6 +24,7 @@ RAY_TEST_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
     "NARWHAL_ADMIN_TOKEN": ADMIN_TOKEN,
+    "NARWHAL_HTTP_HEADER_TIMEOUT_S": "2",  # HAProxy's limit on slow request headers (default 10)
 }
 
 
