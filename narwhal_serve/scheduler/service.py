@@ -28,6 +28,7 @@ from narwhal_serve.placement.engines import EngineState
 from narwhal_serve.relay.messages import RelayStats
 from narwhal_serve.scheduler.leases import LEASE_TTL_S, LeaseLedger
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, LocalPlacement, Report
+from narwhal_serve.scheduler.learning import learn_from
 from narwhal_serve.scheduler.monitor import scrape_all
 from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, render_metrics
 
@@ -318,30 +319,7 @@ class SchedulerService:
             if name in self.engines:
                 self.engines[name].inflight -= 1
         if stats is not None:
-            self._observe(stats, t.placement)
-
-    def _observe(self, stats: RelayStats, p: Placement) -> None:
-        if stats.ttft_s is not None:
-            self.histograms["ttft"].observe(stats.ttft_s)
-            e = self.engines.get(p.first_engine or "")
-            if e is not None and stats.attempts == 1 and stats.engines == p.engines:
-                # the prefill model learns the TTFT net of the predicted slot wait
-                e.ttft_model.observe(p.x_tokens, max(0.0, stats.ttft_s - p.slot_wait_s), p.r_ahead)
-                d = self.engines.get(stats.engines[-1])
-                if d is not None:
-                    dur = stats.ttft_s + stats.decode_s
-                    d.service_s = dur if d.service_s is None else 0.8 * d.service_s + 0.2 * dur
-            if p.predicted_s is not None:
-                self.histograms["ttft_prediction_error"].observe(abs(stats.ttft_s - p.predicted_s))
-                if e is not None:
-                    rel = (stats.ttft_s - p.predicted_s) / max(p.predicted_s, 1e-3)
-                    e.drift_score = 0.9 * e.drift_score + 0.1 * rel
-        if stats.output_tokens > 1:
-            tpot = stats.decode_s / (stats.output_tokens - 1)
-            self.histograms["tpot"].observe(tpot)
-            e = self.engines.get(stats.engines[-1])
-            if e is not None:
-                e.tpot_s = tpot if e.tpot_s is None else 0.8 * e.tpot_s + 0.2 * tpot
+            learn_from(stats, t.placement, self.engines, self.histograms)
 
     def metrics_text(self) -> str:
         return render_metrics(self.snapshot(), self.histograms)
