@@ -11,8 +11,10 @@ in a report or an admission call.  What the scheduler counts as reserved is ther
 than what the lease holds, and leases never sum past a global limit.
 
 Defers to the scheduler (``None``) when the lease has expired (no answer within ``ttl_s`` of the
-report that renewed it), when a permit is missing, or when the scheduler's queue is not empty —
-queued requests go first, and the queue keeps queue-full, waits and 504s exact.
+report that renewed it), when a permit is missing, when the scheduler's queue is not empty —
+queued requests go first, and the queue keeps queue-full, waits and 504s exact — and when the
+view says the router or the whole fleet is unavailable: that view is up to one renewal old, and a
+503 the scheduler would no longer give (an engine back, a standby promoted) must not go out.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from dataclasses import dataclass, field
 from narwhal_serve.admission.controller import NONE, ONE_REQUEST, Permits, Refusal
 from narwhal_serve.admission.core import Ask, EngineDelta, FleetView, Placement, charge, decide
 from narwhal_serve.scheduler.messages import LeaseGrant, LeasePart, LocalPlacement
+
+
+# Refusals that only restate the scheduler's state; the scheduler gives them, from the state as it is.
+_STATE_REFUSALS = frozenset({"backend_unavailable", "router_unavailable"})
 
 
 @dataclass
@@ -80,7 +86,7 @@ class AdmissionLease:
         self.rotation += 1
         verdict = decide(view, ask, now, self.rotation)
         if isinstance(verdict, Refusal):
-            return verdict
+            return None if verdict.reason in _STATE_REFUSALS else verdict
         if not self.spare.covers(ONE_REQUEST):
             return None
         self.spare = self.spare - ONE_REQUEST

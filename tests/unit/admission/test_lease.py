@@ -141,10 +141,28 @@ async def test_refusals_are_decided_locally_with_the_same_rows() -> None:
     h.sync()
     verdict = h.admit("long", prompt=100_000, budget=0.5)
     assert isinstance(verdict, Refusal) and verdict.reason == "prompt_exceeds_ttft_budget"
+    assert h.lease.in_use == NONE
+
+
+async def test_state_refusals_are_left_to_the_scheduler() -> None:
+    """A view that says "standby" or "no eligible engine" may be a renewal old: the scheduler,
+    whose state is current, answers instead (seen in CI: a 503 just after /ready said 200)."""
+    svc, clock = service()
+    h = Holder(svc, clock)
+    h.sync()
     svc.set_mode("standby")
     h.sync()
-    verdict = h.admit("x")
-    assert isinstance(verdict, Refusal) and verdict.reason == "router_unavailable"
+    assert h.admit("x") is None
+    refused = await svc.admit(AdmitRequest("x", clock() + 60, 10, 16, 2.0))
+    assert refused.error is not None and refused.error.code == "router_unavailable"
+    svc.set_mode("active")  # promoted; the lease has not heard yet
+    assert h.admit("y") is None
+    admitted = await svc.admit(AdmitRequest("y", clock() + 60, 10, 16, 2.0))
+    assert admitted.error is None
+    for e in svc.engines.values():
+        e.healthy = False
+    h.sync()
+    assert h.admit("z") is None
     assert h.lease.in_use == NONE
 
 
