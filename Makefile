@@ -7,7 +7,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_SERVE_THROUGHPUT_OPTIMIZED := 1
 
-.PHONY: install run test test-e2e test-proxy-actor test-fast test-unit typecheck
+.PHONY: install run test test-e2e test-proxy-actor test-fast test-unit typecheck prometheus
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,7 +20,12 @@ install: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(PY) scripts/serve_run.py serve_config.yaml
 
-test: $(VENV)/.installed
+# Prometheus for the dashboard test (tests/integration/test_dashboard.py, README "Dashboard"): the
+# `prometheus` on PATH, else Debian's package (apt-get, as root; its service is kept from starting).
+prometheus: $(VENV)/.installed
+	$(PY) scripts/prometheus_server.py install
+
+test: $(VENV)/.installed prometheus
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests --ignore=tests/e2e
 	$(MAKE) test-proxy-actor
@@ -36,10 +41,10 @@ test-e2e: $(VENV)/.installed
 
 # The run mode is direct ingress (HA-proxy mode); the integration suite also runs behind Serve's
 # proxy actor, the other supported mode (README, "Run modes").
-test-proxy-actor: $(VENV)/.installed
+test-proxy-actor: $(VENV)/.installed prometheus
 	RAY_SERVE_ENABLE_HA_PROXY=0 $(PY) -m pytest -q tests/integration
 
-test-fast: $(VENV)/.installed
+test-fast: $(VENV)/.installed prometheus
 	$(PY) -m pytest -q tests --ignore=tests/e2e
 
 test-unit: $(VENV)/.installed

@@ -19,10 +19,6 @@ from deployments.simfleet import SimFleet
 from narwhal_serve.config import NarwhalConfig, format_validation_error
 
 
-def _autoscaling(lo: int, hi: int) -> dict[str, Any]:
-    return {"min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": 64}
-
-
 def build_app(args: dict[str, Any]) -> Application:
     try:
         cfg = NarwhalConfig.model_validate(args or {})
@@ -40,7 +36,7 @@ def build_app(args: dict[str, Any]) -> Application:
         Assembler,
         name="Assembler",
         max_ongoing_requests=knobs.max_ongoing_requests,
-        autoscaling_config=_autoscaling(knobs.assembler_min_replicas, knobs.assembler_max_replicas),
+        autoscaling_config=knobs.autoscaling("assembler"),
         ray_actor_options=free,
         logging_config=quiet,
     )
@@ -48,7 +44,7 @@ def build_app(args: dict[str, Any]) -> Application:
         serve.ingress()(Ingress),
         name="Ingress",
         max_ongoing_requests=knobs.max_ongoing_requests,
-        autoscaling_config=_autoscaling(knobs.ingress_min_replicas, knobs.ingress_max_replicas),
+        autoscaling_config=knobs.autoscaling("ingress"),
         ray_actor_options=free,
     )
     fleet = None
@@ -56,4 +52,5 @@ def build_app(args: dict[str, Any]) -> Application:
         fleet = serve.deployment(SimFleet, name="SimFleet", num_replicas=1, max_ongoing_requests=100,
                                  ray_actor_options=free).bind(conf)
     scheduler = scheduler_dep.bind(conf, fleet)
-    return ingress_dep.bind(conf, scheduler, assembler_dep.bind(knobs.engine_http, cfg.serving.engine_idle_timeout_s))
+    assembler = assembler_dep.bind(knobs.engine_http, cfg.serving.engine_idle_timeout_s, cfg.observability.model_dump())
+    return ingress_dep.bind(conf, scheduler, assembler)

@@ -51,7 +51,63 @@ HISTOGRAM_HELP = {
         "narwhal_ttft_prediction_error_seconds",
         "Measured minus predicted TTFT (absolute value).",
     ),
+    "ttft_predicted": (
+        "narwhal_ttft_predicted_seconds",
+        "TTFT predicted at admission, for requests whose TTFT was then measured.",
+    ),
 }
+
+# Per-engine gauges from the scheduler's engine view: (metric, view key, help). A key whose value
+# is None (not known yet) gives no sample for that engine.
+ENGINE_GAUGES = (
+    ("narwhal_engine_healthy", "healthy", "1 when the engine's /health and /metrics last answered."),
+    ("narwhal_engine_metrics_age_seconds", "metrics_age_s", "Age of the engine's last good scrape."),
+    ("narwhal_engine_inflight_requests", "inflight",
+     "Requests the router routed to the engine and has not seen end."),
+    ("narwhal_engine_running_requests", "running", "Requests the engine reported running (last scrape)."),
+    ("narwhal_engine_waiting_requests", "waiting", "Requests the engine reported waiting (last scrape)."),
+    ("narwhal_engine_kv_cache_usage_ratio", "kv_cache_usage", "KV-cache usage the engine reported, 0..1."),
+    ("narwhal_engine_pending_prefill_tokens", "pending_prefill_tokens",
+     "Prompt tokens routed to the engine and not yet past their first token."),
+    ("narwhal_engine_pending_prefill_requests", "pending_prefill_requests",
+     "Requests routed to the engine and not yet past their first token."),
+)
+
+
+@dataclass
+class TtftPair:
+    """One engine's predicted and measured TTFT, summed over the same requests."""
+
+    n: int = 0
+    predicted_s: float = 0.0
+    measured_s: float = 0.0
+
+
+@dataclass
+class Tally:
+    """What the scheduler counts besides the terminal classes: admissions, goodput (first token
+    within the request's TTFT target) and, per first-token engine, predicted vs measured TTFT."""
+
+    admitted: int = 0
+    goodput: int = 0
+    ttft_pairs: dict[str, TtftPair] = field(default_factory=dict)
+
+    def pair(self, engine: str) -> TtftPair:
+        return self.ttft_pairs.setdefault(engine, TtftPair())
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "admitted": self.admitted,
+            "goodput": self.goodput,
+            "ttft_by_engine": [
+                {"engine": k, "n": p.n, "predicted_s_sum": p.predicted_s, "measured_s_sum": p.measured_s}
+                for k, p in sorted(self.ttft_pairs.items())
+            ],
+        }
+
+
+def _num(v: object) -> str:
+    return str(int(v)) if isinstance(v, bool) else str(v)
 
 
 def render_metrics(snap: dict[str, Any], histograms: dict[str, Histogram]) -> str:
@@ -90,6 +146,37 @@ def render_metrics(snap: dict[str, Any], histograms: dict[str, Histogram]) -> st
     out.append("# TYPE narwhal_engine_drift_score gauge")
     for e in snap["engines"]:
         out.append(f'narwhal_engine_drift_score{{engine="{_esc(e["name"])}"}} {e.get("drift_score", 0.0)}')
+    for name, key, help_text in ENGINE_GAUGES:
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+        for e in snap["engines"]:
+            if e.get(key) is not None:
+                out.append(f'{name}{{engine="{_esc(e["name"])}"}} {_num(e[key])}')
+    out += _served(snap.get("served"))
     for key, (name, help_text) in HISTOGRAM_HELP.items():
-        out += histograms[key].render(name, help_text)
+        if key in histograms:
+            out += histograms[key].render(name, help_text)
     return "\n".join(out) + "\n"
+
+
+def _served(served: dict[str, Any] | None) -> list[str]:
+    """Admissions, goodput, and per-engine predicted vs measured TTFT (:meth:`Tally.view`)."""
+    served = served or Tally().view()
+    out = [
+        "# HELP narwhal_admitted_total Requests admitted (placed on an engine route), by the scheduler or a lease.",
+        "# TYPE narwhal_admitted_total counter",
+        f"narwhal_admitted_total {served['admitted']}",
+        ("# HELP narwhal_goodput_total Requests served with their first token within their TTFT target"
+         " (X-TTFT-Target, else admission.ttft_budget_s)."),
+        "# TYPE narwhal_goodput_total counter",
+        f"narwhal_goodput_total {served['goodput']}",
+    ]
+    rows = served["ttft_by_engine"]
+    for name, key, help_text in (
+        ("narwhal_engine_ttft_predictions_total", "n", "Requests with a predicted and a measured TTFT"),
+        ("narwhal_engine_ttft_predicted_seconds_total", "predicted_s_sum", "Sum of those requests' predicted TTFT"),
+        ("narwhal_engine_ttft_measured_seconds_total", "measured_s_sum", "Sum of those requests' measured TTFT"),
+    ):
+        out += [f"# HELP {name} {help_text}, by the engine predicted to give the first token.",
+                f"# TYPE {name} counter"]
+        out += [f'{name}{{engine="{_esc(r["engine"])}"}} {r[key]}' for r in rows]
+    return out

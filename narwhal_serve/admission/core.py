@@ -114,6 +114,7 @@ class Placement:
     slot_wait_s: float  # the queueing part of the prediction
     predicted_s: float | None
     r_ahead: int = 0  # requests waiting for prefill at that engine, ahead of this one
+    ttft_budget_s: float | None = None  # the request's TTFT target (goodput: first token within it)
 
     @property
     def engines(self) -> tuple[str, ...]:
@@ -145,7 +146,9 @@ def _project(
     return project_linear(e.ttft_a, e.ttft_b, x - prompt, prompt, wait, e.ttft_c, r), x, r, wait
 
 
-def rank(view: FleetView, prompt_tokens: int, now: float, rotation: int) -> tuple[Placement | None, Projection | None]:
+def rank(
+    view: FleetView, prompt_tokens: int, now: float, rotation: int, ttft_budget_s: float | None = None
+) -> tuple[Placement | None, Projection | None]:
     """Candidate routes, best first (projected TTFT in predictive mode, else load), with the
     placement record of the best; ``(None, None)`` when no engine is eligible."""
     routes = candidate_routes([e for e in view.engines if e.eligible(now)], rotation)
@@ -158,18 +161,18 @@ def rank(view: FleetView, prompt_tokens: int, now: float, rotation: int) -> tupl
     _, best, proj = scored[0]
     ordered = tuple(s[1] for s in scored)
     if proj is None:
-        return Placement(ordered, None, prompt_tokens, prompt_tokens, 0.0, None), None
+        return Placement(ordered, None, prompt_tokens, prompt_tokens, 0.0, None, 0, ttft_budget_s), None
     projection, x, r, wait = proj
     e = facts[_first_token_engine(best)]
     predicted = wait + linear_ttft(e.ttft_a, e.ttft_b, x, e.ttft_c, r)
-    return Placement(ordered, e.cfg.name, prompt_tokens, x, wait, predicted, r), projection
+    return Placement(ordered, e.cfg.name, prompt_tokens, x, wait, predicted, r, ttft_budget_s), projection
 
 
 def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | Refusal:
     """The seed's non-permit rows, in order; a :class:`Placement` when the request may go on."""
     if view.unavailable is not None:
         return Refusal(router_unavailable(view.unavailable), Outcome.REJECTED)
-    placement, projection = rank(view, ask.prompt_tokens, now, rotation)
+    placement, projection = rank(view, ask.prompt_tokens, now, rotation, ask.ttft_budget_s)
     if placement is None:
         return Refusal(backend_unavailable(), Outcome.REJECTED)
     if view.predictive and projection is not None:

@@ -1,6 +1,7 @@
 """``narwhal-bench overhead|goodput``: start the fleet and the targets, measure, print tables, write
 ``results.json``, ``requests.jsonl`` and PNG plots to ``--out/<mode>-<time>/``, stop everything.
-``assembly``, ``decision`` and ``transport`` (see their modules) write ``results.json`` only."""
+``assembly``, ``decision`` and ``transport`` (see their modules) write ``results.json`` only;
+``ramp`` (Serve autoscaling under a load ramp) is described in its module."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from narwhal_serve.bench import assembly, decision, transport, views
+from narwhal_serve.bench import assembly, decision, ramp, transport, views
 from narwhal_serve.bench.fleet import TARGETS, Fleet, FleetSpec, SimTiming
 from narwhal_serve.bench.goodput import GoodputArgs, run_goodput
 from narwhal_serve.bench.overhead import OverheadArgs, run_overhead
@@ -113,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--skip-checks", action="store_true", help="skip the correctness checks")
     t.add_argument("--model", default="narwhal-sim")
     t.add_argument("--out", type=Path, default=Path("bench-results"))
+    r = sub.add_parser("ramp", help="Serve autoscaling of Ingress and Assembler under a load ramp up and down")
+    ramp_parser(r)
     g = sub.add_parser("goodput", help="goodput and p99 TTFT over a rate sweep up to ~2x capacity")
     _common(g)
     g.add_argument("--slo-ttft-ms", type=float, default=2000.0)
@@ -136,6 +139,61 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = latency)")
     g.add_argument("--retry-samples", type=int, default=20, help="refusals retried after Retry-After, per run")
     return p
+
+
+def _min_max(s: str) -> tuple[int, int]:
+    lo, sep, hi = s.partition(",")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"want MIN,MAX, got {s!r}")
+    return int(lo), int(hi)
+
+
+def ramp_parser(r: argparse.ArgumentParser) -> None:
+    d, k = ramp.RampArgs(), ramp.default_knobs()
+    r.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (default %(default)s)")
+    r.add_argument("--peak", type=int, default=d.peak, help="clients at the top of the ramp (default %(default)s)")
+    r.add_argument("--ramp-up-s", type=float, default=d.ramp_up_s)
+    r.add_argument("--hold-s", type=float, default=d.hold_s)
+    r.add_argument("--ramp-down-s", type=float, default=d.ramp_down_s)
+    r.add_argument("--step-s", type=float, default=d.step_s, help="seconds between client-count changes")
+    r.add_argument("--baseline-s", type=float, default=d.baseline_s)
+    r.add_argument("--settle-timeout-s", type=float, default=d.settle_timeout_s,
+                   help="after the load: wait at most this long for the replicas to return to the minimum")
+    r.add_argument("--sample-interval-s", type=float, default=d.sample_interval_s)
+    r.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
+    r.add_argument("--output-tokens", type=int, default=d.output_tokens)
+    r.add_argument("--tpot-s", type=float, default=d.tpot_s, help="simulated seconds per output token")
+    r.add_argument("--engines", type=int, default=d.engines, help="embedded simulated engines (unified)")
+    r.add_argument("--admission", choices=["predictive", "open"], default=d.admission)
+    r.add_argument("--api", choices=["chat", "completions"], default=d.api)
+    a = r.add_argument_group("autoscaling (the config's deployment.* knobs)")
+    a.add_argument("--ingress-replicas", type=_min_max,
+                   default=(k["ingress_min_replicas"], k["ingress_max_replicas"]), help="MIN,MAX (default 1,3)")
+    a.add_argument("--assembler-replicas", type=_min_max,
+                   default=(k["assembler_min_replicas"], k["assembler_max_replicas"]), help="MIN,MAX (default 1,3)")
+    a.add_argument("--target-ongoing", type=float, default=k["ingress_target_ongoing_requests"],
+                   help="target_ongoing_requests of both deployments (default %(default)s)")
+    for name in ("upscale_delay_s", "downscale_delay_s", "look_back_period_s", "metrics_interval_s"):
+        a.add_argument("--" + name.replace("_", "-"), type=float, default=k[name], help="default %(default)s")
+    r.add_argument("--ray-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for `serve run` (repeatable), e.g. RAY_SERVE_ENABLE_HA_PROXY=0")
+    r.add_argument("--narwhal-start-timeout-s", type=float, default=d.start_timeout_s)
+
+
+def ramp_args(ns: argparse.Namespace) -> ramp.RampArgs:
+    knobs = {"ingress_min_replicas": ns.ingress_replicas[0], "ingress_max_replicas": ns.ingress_replicas[1],
+             "ingress_target_ongoing_requests": ns.target_ongoing,
+             "assembler_min_replicas": ns.assembler_replicas[0], "assembler_max_replicas": ns.assembler_replicas[1],
+             "assembler_target_ongoing_requests": ns.target_ongoing,
+             **{n: getattr(ns, n) for n in ("upscale_delay_s", "downscale_delay_s", "look_back_period_s",
+                                             "metrics_interval_s")}}
+    return ramp.RampArgs(peak=ns.peak, ramp_up_s=ns.ramp_up_s, hold_s=ns.hold_s, ramp_down_s=ns.ramp_down_s,
+                         step_s=ns.step_s, baseline_s=ns.baseline_s, settle_timeout_s=ns.settle_timeout_s,
+                         sample_interval_s=ns.sample_interval_s, prompt_tokens=ns.prompt_tokens,
+                         output_tokens=ns.output_tokens, tpot_s=ns.tpot_s, engines=ns.engines,
+                         admission=ns.admission, api=ns.api, knobs=knobs,
+                         ray_env=tuple(_key_value(kv) for kv in ns.ray_env),
+                         start_timeout_s=ns.narwhal_start_timeout_s)
 
 
 def fleet_spec(ns: argparse.Namespace, budget_s: float) -> FleetSpec:
@@ -189,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.mode == "assembly":
         assembly.run(run_dir(ns.out, "assembly"), ns.tokens)
         return 0
+    if ns.mode == "ramp":
+        return ramp.run(ramp_args(ns), run_dir(ns.out, "ramp"), run_async)[1]
     if ns.mode == "transport":
         bad = [v for v in ns.variants if v not in transport.VARIANTS]
         if bad:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -14,6 +14,10 @@ from narwhal_serve.engines.dialect import PATHS, Dialect
 from narwhal_serve.engines.openai import OPENAI
 from narwhal_serve.engines.sglang import SGLANG
 from narwhal_serve.engines.vllm import VLLM
+from narwhal_serve.observability import Tracing, leg_span
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.protocol.requests import ParsedRequest
 
@@ -29,28 +33,37 @@ def _url(engine: EngineConfig, req: ParsedRequest) -> str:
 
 
 async def open_route(
-    client: httpx.AsyncClient, route: RouteChoice, req: ParsedRequest, headers: dict[str, str]
+    client: httpx.AsyncClient,
+    route: RouteChoice,
+    req: ParsedRequest,
+    headers: dict[str, str],
+    tracing: Tracing | None = None,
+    parent: "Span | None" = None,
 ) -> AsyncGenerator[list[dict[str, Any]], None]:
-    """Yield the decode stream's chunk batches for ``route``; runs the prefill leg first for P/D."""
+    """Yield the decode stream's chunk batches for ``route``; runs the prefill leg first for P/D.
+    With ``tracing``, each leg runs in a span of its own, below ``parent``."""
     decode = route.decode
     dialect = dialect_of(decode)
     if route.prefill is None:
         body = dialect.decode_body(req)
-        async for batch in stream_chunks(client, decode.name, _url(decode, req), body, headers):
-            yield batch
+        with leg_span(tracing, parent, "narwhal.decode", decode.name, headers) as h:
+            async for batch in stream_chunks(client, decode.name, _url(decode, req), body, h):
+                yield batch
         return
     prefill = route.prefill
     if decode.dialect == "sglang":
-        async for batch in _sglang_pd(client, prefill, decode, req, headers):
+        async for batch in _sglang_pd(client, prefill, decode, req, headers, tracing, parent):
             yield batch
         return
     # vLLM two-step: prefill leg (non-streaming, max_tokens 1), then the decode leg carrying the
     # kv_transfer_params the prefill answer returned, verbatim.
-    pre = await post_json(client, prefill.name, _url(prefill, req), VLLM.prefill_body(req), headers)
+    with leg_span(tracing, parent, "narwhal.prefill", prefill.name, headers) as h:
+        pre = await post_json(client, prefill.name, _url(prefill, req), VLLM.prefill_body(req), h)
     kv = pre.get("kv_transfer_params")
     body = VLLM.decode_body(req, kv)
-    async for batch in stream_chunks(client, decode.name, _url(decode, req), body, headers):
-        yield batch
+    with leg_span(tracing, parent, "narwhal.decode", decode.name, headers) as h:
+        async for batch in stream_chunks(client, decode.name, _url(decode, req), body, h):
+            yield batch
 
 
 async def _sglang_pd(
@@ -59,15 +72,21 @@ async def _sglang_pd(
     decode: EngineConfig,
     req: ParsedRequest,
     headers: dict[str, str],
+    tracing: Tracing | None = None,
+    parent: "Span | None" = None,
 ) -> AsyncIterator[list[dict[str, Any]]]:
     boot = SGLANG.bootstrap_fields(prefill)
-    pre_task = asyncio.ensure_future(
-        post_json(client, prefill.name, _url(prefill, req), SGLANG.prefill_body(req, boot), headers)
-    )
+
+    async def prefill_leg() -> dict[str, Any]:
+        with leg_span(tracing, parent, "narwhal.prefill", prefill.name, headers) as h:
+            return await post_json(client, prefill.name, _url(prefill, req), SGLANG.prefill_body(req, boot), h)
+
+    pre_task = asyncio.ensure_future(prefill_leg())
     try:
         body = SGLANG.decode_body(req, boot)
-        async for batch in stream_chunks(client, decode.name, _url(decode, req), body, headers):
-            yield batch
+        with leg_span(tracing, parent, "narwhal.decode", decode.name, headers) as h:
+            async for batch in stream_chunks(client, decode.name, _url(decode, req), body, h):
+                yield batch
         await pre_task  # drain the prefill answer; its failure fails the attempt
     finally:
         if not pre_task.done():

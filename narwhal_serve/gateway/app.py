@@ -63,10 +63,9 @@ def build_api(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": cfg.model, "object": "model", "created": created, "owned_by": "narwhal"}],
-        }
+        # `root` as vLLM sends it: `vllm bench serve` without --model reads data[0]["root"]
+        card = {"id": cfg.model, "object": "model", "created": created, "owned_by": "narwhal", "root": cfg.model}
+        return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health() -> Response:

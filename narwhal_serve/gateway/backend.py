@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from narwhal_serve.observability import Tracing
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.relay.pipeline import Relay
@@ -38,7 +39,9 @@ class Backend(Protocol):
 class LocalBackend(SchedulerApi):
     def __init__(self, svc: SchedulerService, client: httpx.AsyncClient) -> None:
         self.svc = svc
-        self.relay_ = Relay(client, idle_timeout_s=svc.cfg.serving.engine_idle_timeout_s)
+        self.relay_ = Relay(
+            client, idle_timeout_s=svc.cfg.serving.engine_idle_timeout_s, tracing=Tracing(svc.cfg.observability)
+        )
 
     def relay(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         return self.relay_.run(placed)

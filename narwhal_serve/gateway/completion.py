@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import re
 import secrets
 import time
@@ -28,6 +29,7 @@ from narwhal_serve.gateway.body import BodyIncomplete, read_body
 from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.gateway.responses import error_response
 from narwhal_serve.gateway.streaming import Flow, RelayStreamResponse, close_detached, internal_error, outcome_of
+from narwhal_serve.observability import Observability, RequestTrail
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.protocol.requests import ParsedRequest, Route, parse_request
 from narwhal_serve.relay.messages import RelayMessage, RelayStats
@@ -74,6 +76,7 @@ class CompletionHandler:
         self.reporter = reporter
         self.clock = clock
         self.api_keys = frozenset(cfg.serving.api_keys)
+        self.obs = Observability(cfg.observability, clock)
 
     def _auth(self, request: Request) -> None:
         if not self.api_keys:
@@ -104,6 +107,7 @@ class CompletionHandler:
         rid = given if given and _REQUEST_ID.fullmatch(given) else f"nw-{secrets.token_hex(12)}"
         echo = rid if self.echo_request_id else None
         self.reporter.offered()
+        trail = self.obs.trail(rid, request.url.path, arrived, request.headers)
         try:
             if given is not None and given != rid:  # it goes to every engine leg as a header: keep it plain
                 raise InvalidRequest("header X-Request-Id must be 1-128 printable ASCII characters", param="x-request-id")
@@ -113,6 +117,7 @@ class CompletionHandler:
             except asyncio.CancelledError:  # Serve cancels the handler when the client leaves mid-body
                 self.reporter.unsized()
                 self.reporter.outcome(Outcome.CANCELLED, "body_incomplete")
+                trail.end(Outcome.CANCELLED, "body_incomplete", 499)
                 raise
             parsed = parse_request(route, raw, model=self.cfg.model)
             deadline = self._deadline(request, arrived)
@@ -120,38 +125,51 @@ class CompletionHandler:
         except BodyIncomplete:
             self.reporter.unsized()
             self.reporter.outcome(Outcome.CANCELLED, "body_incomplete")
+            trail.end(Outcome.CANCELLED, "body_incomplete", 400)
             return Response(status_code=400)
         except NarwhalError as err:
             if isinstance(err, BodyTimeout):
                 self.reporter.unsized()  # the body never ended: it was never sized
-            self.reporter.outcome(Outcome.INVALID, err.code)
-            return error_response(err.info(), echo)
+            return self._refused(trail, Outcome.INVALID, err.info(), echo)
+        trail.parsed(parsed.stream, parsed.prompt_tokens, _prompt_text(parsed))
         task = asyncio.current_task()
         gone = asyncio.Event()
         watch = asyncio.get_running_loop().create_task(_watch_disconnect(request, task, gone))
         try:
-            return await self._admitted(rid, echo, parsed, deadline, budget, arrived)
+            return await self._admitted(trail, echo, parsed, deadline, budget)
         except asyncio.CancelledError:
+            trail.end(Outcome.CANCELLED, "client_disconnected", 499)  # no-op when the flow has ended it
             if gone.is_set() and task is not None and task.uncancel() == 0:
                 return Response(status_code=499)  # nobody is listening any more
             raise
         finally:
             watch.cancel()
 
-    async def _admitted(
-        self, rid: str, echo: str | None, parsed: ParsedRequest, deadline: float, budget: float, arrived: float
+    def _refused(
+        self, trail: RequestTrail, outcome: Outcome, err: ErrorInfo, echo: str | None, *, counted: bool = False
     ) -> Response:
+        """A refusal before response headers: counted (unless the scheduler did), logged, answered."""
+        if not counted:
+            self.reporter.outcome(outcome, err.code)
+        trail.end(outcome, err.code, err.status)
+        return error_response(err, echo)
+
+    async def _admitted(
+        self, trail: RequestTrail, echo: str | None, parsed: ParsedRequest, deadline: float, budget: float
+    ) -> Response:
+        rid = trail.request_id
         ticket = f"{rid}/{secrets.token_hex(4)}"
         lease = self.reporter.lease
         if lease is not None:  # admission under the lease: no scheduler call
             verdict = lease.try_admit(ticket, Ask(parsed.prompt_tokens, budget), deadline, self.clock(), self.mono())
             if isinstance(verdict, Refusal):
-                self.reporter.outcome(verdict.outcome, verdict.reason)
-                return error_response(verdict.error, echo)
+                return self._refused(trail, verdict.outcome, verdict.error, echo)
             if verdict is not None:
-                self.reporter.admission_wait(self.clock() - arrived)
-                placed = PlacedRequest(rid, self.cfg.model, parsed, verdict.routes, deadline)
-                return await self._respond(placed, ticket, parsed, echo)
+                wait = self.clock() - trail.arrived
+                self.reporter.admission_wait(wait)
+                trail.admitted("lease", wait, verdict.predicted_s, verdict.engines)
+                placed = PlacedRequest(rid, self.cfg.model, parsed, verdict.routes, deadline, trail.traceparent())
+                return await self._respond(placed, ticket, parsed, echo, trail)
         admit_req = AdmitRequest(
             ticket, deadline, parsed.prompt_tokens, parsed.max_output_tokens, budget,
             lease_id=lease.lease_id if lease is not None else None,
@@ -161,13 +179,14 @@ class CompletionHandler:
         try:
             result = await self._admit(admit_req)
         except Exception as exc:  # the scheduler could not be reached
-            self.reporter.outcome(Outcome.FAILED, "internal_error")
-            return error_response(internal_error(f"admission failed: {type(exc).__name__}"), echo)
-        if result.error is not None:
-            return error_response(result.error, echo)  # the scheduler counted it
-        self.reporter.admission_wait(self.clock() - arrived)
-        placed = PlacedRequest(rid, self.cfg.model, parsed, result.candidates, deadline)
-        return await self._respond(placed, ticket, parsed, echo)
+            return self._refused(trail, Outcome.FAILED, internal_error(f"admission failed: {type(exc).__name__}"), echo)
+        if result.error is not None:  # the scheduler counted it
+            return self._refused(trail, result.outcome or Outcome.REJECTED, result.error, echo, counted=True)
+        wait = self.clock() - trail.arrived
+        self.reporter.admission_wait(wait)
+        trail.admitted("scheduler", wait, result.predicted_ttft_s, result.candidates[0].engines if result.candidates else ())
+        placed = PlacedRequest(rid, self.cfg.model, parsed, result.candidates, deadline, trail.traceparent())
+        return await self._respond(placed, ticket, parsed, echo, trail)
 
     async def _admit(self, req: AdmitRequest) -> AdmitResult:
         task = asyncio.get_running_loop().create_task(self.backend.admit(req), context=contextvars.Context())
@@ -194,23 +213,24 @@ class CompletionHandler:
         task.add_done_callback(on_done)
 
     async def _respond(
-        self, placed: PlacedRequest, ticket: str, parsed: ParsedRequest, rid: str | None
+        self, placed: PlacedRequest, ticket: str, parsed: ParsedRequest, rid: str | None, trail: RequestTrail
     ) -> Response:
         gen = self.backend.relay(placed)
-        flow = Flow(lambda msg: self._first_token(ticket, msg), lambda o, r, st: self._end(ticket, o, r, st))
+        flow = Flow(lambda msg: self._first_token(ticket, msg), lambda o, r, st, code: self._end(ticket, trail, o, r, st, code))
         rid_header = {"X-Request-Id": rid} if rid else {}
         try:
             first = await self._first_data(gen, placed.deadline, flow)
         except asyncio.CancelledError:
-            flow.end(Outcome.CANCELLED, "client_disconnected")
+            flow.end(Outcome.CANCELLED, "client_disconnected", status=499)
             close_detached(gen)
             raise
         except Exception as exc:
-            flow.end(Outcome.FAILED, "internal_error")
+            err = internal_error(f"relay failed: {type(exc).__name__}")
+            flow.end(Outcome.FAILED, "internal_error", status=err.status)
             close_detached(gen)
-            return error_response(internal_error(f"relay failed: {type(exc).__name__}"), rid)
+            return error_response(err, rid)
         if first.error is not None and not first.data:
-            flow.end(outcome_of(first.error), first.error.code)
+            flow.end(outcome_of(first.error), first.error.code, first.stats, first.error.status)
             close_detached(gen)
             return error_response(first.error, rid)
         if not parsed.stream:
@@ -224,10 +244,13 @@ class CompletionHandler:
             self.reporter.lease.first_token(ticket, msg.engines)
         self.reporter.decode_started(ticket, msg.engines)
 
-    def _end(self, ticket: str, outcome: Outcome, reason: str, stats: RelayStats | None) -> None:
+    def _end(
+        self, ticket: str, trail: RequestTrail, outcome: Outcome, reason: str, stats: RelayStats | None, status: int
+    ) -> None:
         if self.reporter.lease is not None:
             self.reporter.lease.release(ticket)
         self.reporter.release(ticket, outcome, reason, stats)
+        trail.end(outcome, reason, status, stats)
 
     async def _first_data(
         self, gen: AsyncIterator[RelayMessage], deadline: float, flow: Flow
@@ -242,6 +265,13 @@ class CompletionHandler:
         except TimeoutError:
             return RelayMessage(error=deadline_expired(), final=True)
         return RelayMessage(error=internal_error("the assembler ended without an answer"), final=True)
+
+
+def _prompt_text(parsed: ParsedRequest) -> str | None:
+    """The prompt as sent (messages or prompt, JSON): only ever logged when the operator asks."""
+    key = "messages" if parsed.route == "chat" else "prompt"
+    v = parsed.body.get(key)
+    return None if v is None else json.dumps(v, ensure_ascii=False)
 
 
 async def _watch_disconnect(request: Request, task: "asyncio.Task[object] | None", gone: asyncio.Event) -> None:

@@ -90,7 +90,7 @@ class Reporter:
 
     def release(self, ticket_id: str, outcome: Outcome, reason: str, stats: RelayStats | None) -> None:
         self._pending.counters.add(outcome, reason)
-        self._pending.released.append((ticket_id, stats))
+        self._pending.released.append((ticket_id, stats, outcome is Outcome.COMPLETED))
         self._queue()
 
     async def flush(self, timeout_s: float = 2.0) -> None:

@@ -55,7 +55,7 @@ class Flow:
     def __init__(
         self,
         on_first_token: Callable[[RelayMessage], None],
-        on_end: Callable[[Outcome, str, RelayStats | None], None],
+        on_end: Callable[[Outcome, str, RelayStats | None, int], None],
     ) -> None:
         self.on_first_token = on_first_token
         self.on_end = on_end
@@ -67,10 +67,11 @@ class Flow:
             self.decoding = True
             self.on_first_token(msg)
 
-    def end(self, outcome: Outcome, reason: str, stats: RelayStats | None = None) -> None:
+    def end(self, outcome: Outcome, reason: str, stats: RelayStats | None = None, status: int = 200) -> None:
+        """``status``: the HTTP status the client got (200 once stream headers are out)."""
         if not self.ended:
             self.ended = True
-            self.on_end(outcome, reason, stats)
+            self.on_end(outcome, reason, stats, status)
 
 
 async def close_relay(gen: AsyncIterator[RelayMessage], pending: "asyncio.Future[RelayMessage] | None") -> None:

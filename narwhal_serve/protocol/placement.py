@@ -29,3 +29,4 @@ class PlacedRequest:
     request: ParsedRequest
     candidates: tuple[RouteChoice, ...]
     deadline: float  # wall-clock seconds (time.time()), shared across processes
+    traceparent: str | None = None  # W3C trace context of the ingress's request span (tracing on)

@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -23,10 +23,14 @@ from narwhal_serve.assembly.usage import computed_usage
 from narwhal_serve.engines.errors import EngineFailure
 from narwhal_serve.engines.legs import dialect_of, open_route
 from narwhal_serve.errors import BadEngineResponse, ErrorInfo, InvalidRequest, TerminalExpiry
+from narwhal_serve.observability import Tracing, end_span
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
 from narwhal_serve.protocol.requests import Route
 from narwhal_serve.relay.coalesce import coalesce
 from narwhal_serve.relay.messages import RelayMessage, RelayStats
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -120,11 +124,17 @@ class Relay:
     event ``deadline_expired`` and ``[DONE]`` after."""
 
     def __init__(
-        self, client: httpx.AsyncClient, clock: Callable[[], float] = time.time, *, idle_timeout_s: float = 60.0
+        self,
+        client: httpx.AsyncClient,
+        clock: Callable[[], float] = time.time,
+        *,
+        idle_timeout_s: float = 60.0,
+        tracing: Tracing | None = None,
     ) -> None:
         self.client = client
         self.clock = clock
         self.idle_timeout_s = idle_timeout_s
+        self.tracing = tracing if tracing is not None and tracing.on else None
 
     async def _batches(
         self, stream: AsyncIterator[list[dict[str, Any]]], placed: PlacedRequest, route: RouteChoice
@@ -154,12 +164,17 @@ class Relay:
             if self.clock() >= placed.deadline:
                 break
             meter = _Meter(self.clock(), dialect_of(route.decode).supports_token_ids, req.route)
+            span = self._attempt_span(placed, route, attempt)
+            failed: str | None = None
             try:
                 work = self._stream if req.stream else self._assemble
-                async for msg in work(placed, route, headers, meter, attempt):
+                async for msg in work(placed, route, headers, meter, attempt, span):
+                    if msg.error is not None:
+                        failed = msg.error.code
                     yield msg
                 return
             except EngineFailure as exc:
+                failed = str(exc)
                 if exc.client_error:  # the engine blames the request: no other engine will differ
                     why = exc.upstream_message or exc.message
                     rejected = InvalidRequest(f"The engine rejected the request: {why}", param=exc.param)
@@ -167,10 +182,14 @@ class Relay:
                     return
                 failures.append(str(exc))
             except BadEngineResponse as exc:
+                failed = str(exc)
                 failures.append(str(exc))
             except _DeadlinePassed:
+                failed = "deadline_expired"
                 expired = True
                 break
+            finally:
+                end_span(span, failed, **{"narwhal.output_tokens": meter.tokens})
         if expired or self.clock() >= placed.deadline:
             err = TerminalExpiry(
                 "terminal expiry: the request deadline passed before response headers", code="deadline_expired"
@@ -180,6 +199,14 @@ class Relay:
                 "no engine produced a usable answer: " + "; ".join(failures or ["no candidate route"])
             ).info()
         yield RelayMessage(error=err, final=True, stats=None)
+
+    def _attempt_span(self, placed: PlacedRequest, route: RouteChoice, attempt: int) -> "Span | None":
+        if self.tracing is None:
+            return None
+        return self.tracing.start("narwhal.attempt", parent=placed.traceparent, attributes={
+            "narwhal.request_id": placed.request_id, "narwhal.attempt": attempt,
+            "narwhal.route_kind": route.kind, "narwhal.engines": route.engines,
+        })
 
     def _stats(self, route: RouteChoice, meter: _Meter, attempts: int) -> RelayStats:
         ttft = None if meter.first is None else meter.first - meter.start
@@ -193,12 +220,13 @@ class Relay:
         headers: dict[str, str],
         meter: _Meter,
         attempt: int,
+        span: "Span | None",
     ) -> AsyncIterator[RelayMessage]:
         req = placed.request
         committed = False
         held: list[bytes] = []  # chunks before the first generated token (e.g. the role chunk)
         usage = _UsageWatch(req.prompt_tokens)
-        stream = coalesce(open_route(self.client, route, req, headers))
+        stream = coalesce(open_route(self.client, route, req, headers, self.tracing, span))
         try:
             async for batch in self._batches(stream, placed, route):
                 now = self.clock()
@@ -247,10 +275,11 @@ class Relay:
         headers: dict[str, str],
         meter: _Meter,
         attempt: int,
+        span: "Span | None",
     ) -> AsyncIterator[RelayMessage]:
         req = placed.request
         asm = Assembler(req.route, return_token_ids=req.return_token_ids)
-        stream = open_route(self.client, route, req, headers)
+        stream = open_route(self.client, route, req, headers, self.tracing, span)
         try:
             async for batch in self._batches(stream, placed, route):
                 now = self.clock()

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from narwhal_serve.admission.controller import NONE, Permits
 from narwhal_serve.admission.core import FleetView, Placement
 from narwhal_serve.admission.counters import CounterDelta
+from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.errors import ErrorInfo
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.relay.messages import RelayStats
@@ -30,6 +31,8 @@ class AdmitResult:
 
     candidates: tuple[RouteChoice, ...] = ()
     error: ErrorInfo | None = None
+    outcome: Outcome | None = None  # with ``error``: the terminal class the scheduler counted
+    predicted_ttft_s: float | None = None  # with ``candidates``, in predictive mode
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class Report:
 
     counters: CounterDelta = field(default_factory=CounterDelta)
     decode_started: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # ticket, engines served
-    released: list[tuple[str, RelayStats | None]] = field(default_factory=list)
+    released: list[tuple[str, RelayStats | None, bool]] = field(default_factory=list)  # (ticket, stats, completed)
     admission_waits: list[float] = field(default_factory=list)
     lease: LeasePart | None = None
 

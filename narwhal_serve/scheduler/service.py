@@ -30,7 +30,7 @@ from narwhal_serve.scheduler.leases import LEASE_TTL_S, LeaseLedger
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, LocalPlacement, Report
 from narwhal_serve.scheduler.learning import learn_from
 from narwhal_serve.scheduler.monitor import scrape_all
-from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, render_metrics
+from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, Tally, render_metrics
 
 REAP_GRACE_S = 5.0  # a ticket past its request deadline by this much is forgotten (permits freed)
 
@@ -62,7 +62,9 @@ class SchedulerService:
             "tpot": Histogram(TPOT_BUCKETS),
             "admission_wait": Histogram(),
             "ttft_prediction_error": Histogram(),
+            "ttft_predicted": Histogram(),
         }
+        self.tally = Tally()  # admitted, goodput, predicted vs measured TTFT per engine (/metrics)
         self._waiters: dict[str, asyncio.Future[AdmitResult]] = {}
         self._waiting: dict[str, AdmitRequest] = {}  # queued tickets' requests
         self._tickets: dict[str, _Ticket] = {}  # admitted and not yet released
@@ -138,13 +140,14 @@ class SchedulerService:
     # -- admission ---------------------------------------------------------------------------
     def _refuse(self, refusal: Refusal) -> AdmitResult:
         self.counters.add(refusal.outcome, refusal.reason)
-        return AdmitResult(error=refusal.error)
+        return AdmitResult(error=refusal.error, outcome=refusal.outcome)
 
     def _refuse_info(self, err: ErrorInfo, outcome: Outcome) -> AdmitResult:
         self.counters.add(outcome, err.code)
-        return AdmitResult(error=err)
+        return AdmitResult(error=err, outcome=outcome)
 
     def _charge(self, tid: str, placement: Placement, deadline: float, lease: str | None) -> None:
+        self.tally.admitted += 1
         for name in placement.engines:
             if name in self.engines:
                 self.engines[name].inflight += 1
@@ -156,7 +159,7 @@ class SchedulerService:
 
     def _placed(self, tid: str, placement: Placement, deadline: float) -> AdmitResult:
         self._charge(tid, placement, deadline, None)
-        return AdmitResult(candidates=placement.routes)
+        return AdmitResult(candidates=placement.routes, predicted_ttft_s=placement.predicted_s)
 
     def _prefill_done(self, t: _Ticket) -> None:
         if not t.prefill_done:
@@ -222,7 +225,9 @@ class SchedulerService:
                 continue
             # ranked again now (it waited); nothing queued is ahead of it any more
             self._rotation += 1
-            placement, _ = rank(self.view(now, queued_tokens=0), req.prompt_tokens, now, self._rotation)
+            placement, _ = rank(
+                self.view(now, queued_tokens=0), req.prompt_tokens, now, self._rotation, req.ttft_budget_s
+            )
             if placement is None:
                 self.admission.release(t.id)
                 fut.set_result(self._refuse_info(backend_unavailable(), Outcome.REJECTED))
@@ -276,8 +281,8 @@ class SchedulerService:
             if t is not None:
                 self._move(t, engines)
                 self._prefill_done(t)
-        for tid, stats in rep.released:
-            self._release(tid, stats)
+        for tid, stats, completed in rep.released:
+            self._release(tid, stats, completed)
         for w in rep.admission_waits:
             self.histograms["admission_wait"].observe(w)
         self._pump()
@@ -306,7 +311,7 @@ class SchedulerService:
                 self.engines[name].inflight += 1
         t.engines = engines
 
-    def _release(self, tid: str, stats: RelayStats | None) -> None:
+    def _release(self, tid: str, stats: RelayStats | None, completed: bool = False) -> None:
         """Idempotent: permits, in-flight and pending-prefill counts of one ticket."""
         self.admission.release(tid)
         t = self._tickets.pop(tid, None)
@@ -319,7 +324,7 @@ class SchedulerService:
             if name in self.engines:
                 self.engines[name].inflight -= 1
         if stats is not None:
-            learn_from(stats, t.placement, self.engines, self.histograms)
+            learn_from(stats, t.placement, self.engines, self.histograms, self.tally, completed)
 
     def metrics_text(self) -> str:
         return render_metrics(self.snapshot(), self.histograms)
@@ -371,6 +376,7 @@ class SchedulerService:
                 {"outcome": o, "reason": r, "count": n} for (o, r), n in sorted(self.counters.by_outcome.items())
             ],
             "gauges": self.admission.gauges(),
+            "served": self.tally.view(),
             "scheduler_calls": dict(self.calls),
             "admission_leases": [
                 {"lease": k, "reserved": asdict(r.reserved), "in_use": asdict(r.in_use),

@@ -122,9 +122,11 @@ class Engine:
         self.cfg = cfg
         self.scheduler.wake()
 
-    def record(self, path: str, request_id: str | None, body: Any) -> None:
+    def record(self, path: str, request_id: str | None, body: Any, traceparent: str | None = None) -> None:
         self.total_requests += 1
-        self.recent.append({"path": path, "request_id": request_id, "body": body, "received_at": time.time()})
+        self.recent.append(
+            {"path": path, "request_id": request_id, "body": body, "received_at": time.time(), "traceparent": traceparent}
+        )
 
     def kv_usage(self) -> float:
         bs, cap = self.cfg.kv_block_size, self.cfg.num_gpu_blocks

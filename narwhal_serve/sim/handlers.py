@@ -176,9 +176,9 @@ async def handle_generate(engine: Engine, request: Request, kind: Kind) -> Respo
     try:
         raw = await read_json(request)
     except SimError as exc:
-        engine.record(request.url.path, x_request_id, None)
+        engine.record(request.url.path, x_request_id, None, request.headers.get("traceparent"))
         return exc.response()
-    engine.record(request.url.path, x_request_id, raw)
+    engine.record(request.url.path, x_request_id, raw, request.headers.get("traceparent"))
     logger.debug("%s %s X-Request-Id=%s", engine.cfg.name, request.url.path, x_request_id)
     try:
         prep = prepare(engine, raw, kind, x_request_id)

@@ -75,7 +75,7 @@ async def test_local_admission_needs_no_scheduler_call_and_is_charged_on_report(
         h.lease.release(f"t{i}")
     h.sync()
     assert svc.admission.gauges() == {"retained": 0, "queued": 0, "prefill_inflight": 0, "decode_inflight": 0}
-    svc.report(Report(released=[("t0", None), ("t1", None)]))
+    svc.report(Report(released=[("t0", None, False), ("t1", None, False)]))
     assert all(e.inflight == 0 and e.pending_prefill_tokens == 0 and e.pending_prefill_requests == 0 for e in svc.engines.values())
 
 
@@ -239,7 +239,7 @@ async def test_charges_move_to_the_route_that_served() -> None:
     svc.report(Report(decode_started=[("a", other)]))
     assert all(svc.engines[n].inflight == 1 for n in other)
     assert all(svc.engines[n].inflight == 0 for n in charged if n not in other)
-    svc.report(Report(released=[("a", None)]))
+    svc.report(Report(released=[("a", None, False)]))
     assert all(e.inflight == 0 and e.pending_prefill_tokens == 0 and e.pending_prefill_requests == 0 for e in svc.engines.values())
 
 

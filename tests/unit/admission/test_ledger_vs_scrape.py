@@ -25,7 +25,7 @@ async def test_a_stale_scrape_does_not_override_a_drained_ledger() -> None:
     # the scrape arrives while "a" runs: the engine reports it, and so does the ledger
     u.load, u.inflight_at_scrape = EngineLoad(running=1), u.inflight
     assert u.external() == 0 and u.in_flight() == 1
-    svc.report(Report(released=[("a", None)]))  # type: ignore[attr-defined]
+    svc.report(Report(released=[("a", None, False)]))  # type: ignore[attr-defined]
     assert u.in_flight() == 0  # the scrape (still "running 1") is older than the release
     again = await svc.admit(AdmitRequest("b", clock.t + 60, 1, 4, 2.0))  # type: ignore[attr-defined]
     assert again.error is None, again.error

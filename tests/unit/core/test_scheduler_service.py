@@ -28,7 +28,7 @@ async def test_grant_queue_release_and_counters() -> None:
     svc.report(Report(decode_started=[("a", ())]))  # a's prefill permit frees: b is granted
     b = await waiter
     assert b.error is None
-    svc.report(Report(released=[("a", None), ("b", None)]))
+    svc.report(Report(released=[("a", None, False), ("b", None, False)]))
     assert svc.admission.gauges() == {"retained": 0, "queued": 0, "prefill_inflight": 0, "decode_inflight": 0}
     assert all(e.inflight == 0 and e.pending_prefill_tokens == 0 and e.pending_prefill_requests == 0 for e in svc.engines.values())
 
@@ -70,7 +70,7 @@ async def test_predictive_learns_and_refuses_with_pending_work() -> None:
         res = await svc.admit(req(tid, prompt=100 * (i % 10 + 1), budget=60))
         route = res.candidates[0]
         ttft = 0.002 + 0.00001 * 100 * (i % 10 + 1)
-        svc.report(Report(released=[(tid, RelayStats(route.kind, route.engines, ttft, 5, 0.01, 1))]))
+        svc.report(Report(released=[(tid, RelayStats(route.kind, route.engines, ttft, 5, 0.01, 1), True)]))
     big = await svc.admit(req("big", prompt=150_000, budget=60))  # holds ~1.5 s of prefill
     assert big.error is None
     first = big.candidates[0].prefill or big.candidates[0].decode
@@ -78,7 +78,7 @@ async def test_predictive_learns_and_refuses_with_pending_work() -> None:
     other = await svc.admit(req("short", prompt=10, budget=0.5))
     assert other.error is None
     assert (other.candidates[0].prefill or other.candidates[0].decode).name != first.name
-    svc.report(Report(released=[("short", None)]))
+    svc.report(Report(released=[("short", None, False)]))
     svc.engines["u" if first.name == "p" else "p"].pending_prefill_tokens = 150_000  # load the other too
     refused = await svc.admit(req("late", prompt=10, budget=0.5))
     assert refused.error is not None and refused.error.code == "ttft_budget_exceeded"

@@ -17,7 +17,7 @@ async def test_events_are_batched_and_flush_waits_for_delivery() -> None:
     r.release("t1", Outcome.COMPLETED, "", None)
     await r.flush()
     assert sum(x.counters.offered for x in got) == 1
-    assert [t for x in got for t, _ in x.released] == ["t1"]
+    assert [t for x in got for t, _, _ in x.released] == ["t1"]
     assert len(got) == 1  # one call carried the request's three events
 
 
