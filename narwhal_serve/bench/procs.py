@@ -30,6 +30,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_run(n: int, start: int = 20000, stop: int = 60000) -> int:
+    """The first port p such that p..p+n-1 are all free on 127.0.0.1 (a simulated fleet's ports)."""
+    p = start
+    while p + n < stop:
+        socks: list[socket.socket] = []
+        try:
+            for i in range(n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", p + i))
+            return p
+        except OSError:
+            p += n
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port run")
+
+
 def _proc_stat(pid: int) -> tuple[int, float, str] | None:
     """(ppid, cpu seconds user+system, comm) of a live process, or None."""
     try:

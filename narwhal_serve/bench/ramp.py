@@ -26,7 +26,6 @@ import asyncio
 import json
 import math
 import signal
-import socket
 import sys
 import time
 from collections import Counter
@@ -120,25 +119,6 @@ def ramp_serve_config(port: int, sim_base: int, a: RampArgs) -> dict[str, Any]:
     return {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1", "port": port},
             "applications": [{"name": APP, "route_prefix": "/", "import_path": "deployments.app:build_app",
                               "args": args}]}
-
-
-def free_port_run(n: int, start: int = 21000, stop: int = 60000) -> int:
-    """The first port p such that p..p+n-1 are all free on 127.0.0.1 (the embedded engines)."""
-    p = start
-    while p + n < stop:
-        socks: list[socket.socket] = []
-        try:
-            for i in range(n):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("127.0.0.1", p + i))
-            return p
-        except OSError:
-            p += n
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port run")
 
 
 # --- samples of serve.status() -------------------------------------------------------------------
@@ -396,7 +376,7 @@ def run(a: RampArgs, out: Path,
         raise SystemExit(f"{SAMPLER} not found under {root}: run narwhal-bench ramp from the repository checkout")
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    port, gcs_port, sim_base = procs.free_port(), procs.free_port(), free_port_run(a.engines)
+    port, gcs_port, sim_base = procs.free_port(), procs.free_port(), procs.free_port_run(a.engines, 21000)
     cfg_path = log_dir / "narwhal-serve-config.yaml"  # JSON is YAML
     cfg = ramp_serve_config(port, sim_base, a)
     cfg_path.write_text(json.dumps(cfg, indent=1))
