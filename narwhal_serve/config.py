@@ -25,6 +25,20 @@ class ServingConfig(_Strict):
     # error event and [DONE] after
     engine_idle_timeout_s: float = Field(60.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)  # the whole request body must arrive within this → 408
+    # Before response headers, an attempt with no first token this long moves to the next
+    # candidate route (when there is one) and counts against the engine it waited on.
+    # None: max(2 s, 3 × the request's TTFT budget).
+    first_token_timeout_s: float | None = Field(None, gt=0)
+    # Slow readers (direct-ingress mode): a stream whose unsent data at the ingress passes
+    # stream_buffer_bytes, or one write that blocks longer than slow_reader_timeout_s, is cut
+    # (engine request aborted, outcome failed/slow_reader) instead of being buffered.
+    stream_buffer_bytes: int = Field(1_048_576, gt=0)
+    slow_reader_timeout_s: float = Field(30.0, gt=0)
+
+    def first_token_limit(self, ttft_budget_s: float) -> float:
+        if self.first_token_timeout_s is not None:
+            return self.first_token_timeout_s
+        return max(2.0, 3.0 * ttft_budget_s)
 
 
 class PhaseConcurrency(_Strict):
@@ -68,6 +82,15 @@ class MonitoringConfig(_Strict):
     scrape_interval_s: float = Field(1.0, gt=0)
     stale_after_s: float = Field(5.0, gt=0)
     scrape_timeout_s: float = Field(2.0, gt=0)
+    # Passive health: this many consecutive failed attempts (errors, broken or malformed streams,
+    # first-token timeouts) open an engine's circuit breaker: no new work for breaker_open_s
+    # (doubling on each reopen, at most breaker_max_open_s), then a one-token probe closes it.
+    breaker_failures: int = Field(2, ge=1)
+    breaker_open_s: float = Field(2.0, gt=0)
+    breaker_max_open_s: float = Field(60.0, gt=0)
+    # An engine's 429/503 is backpressure, not a failure: no new work for its Retry-After, or
+    # backpressure_s without one (at most 10 s).
+    backpressure_s: float = Field(1.0, gt=0)
 
 
 class LeaseConfig(_Strict):

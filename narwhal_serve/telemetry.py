@@ -71,6 +71,20 @@ ENGINE_GAUGES = (
      "Prompt tokens routed to the engine and not yet past their first token."),
     ("narwhal_engine_pending_prefill_requests", "pending_prefill_requests",
      "Requests routed to the engine and not yet past their first token."),
+    ("narwhal_engine_breaker_open", "breaker_open",
+     "1 while the engine's circuit breaker is open or probing (no new work after failed attempts)."),
+    ("narwhal_engine_consecutive_failures", "consecutive_failures",
+     "Failed attempts on the engine since its last good first token."),
+    ("narwhal_engine_backpressure_seconds", "backpressure_for_s",
+     "Seconds left in the engine's backpressure window (after its 429/503), when one is open."),
+)
+
+# Per-engine counters kept as {label value: count} in the engine view: (metric, view key, label, help)
+ENGINE_COUNTERS = (
+    ("narwhal_engine_attempt_faults_total", "faults_total", "kind",
+     "Failed attempts on the engine, by kind: error, timeout (silent), backpressure (429/503)."),
+    ("narwhal_engine_probes_total", "probes_total", "result",
+     "Probe requests the scheduler sent the engine while its breaker was open, by result."),
 )
 
 
@@ -151,6 +165,11 @@ def render_metrics(snap: dict[str, Any], histograms: dict[str, Histogram]) -> st
         for e in snap["engines"]:
             if e.get(key) is not None:
                 out.append(f'{name}{{engine="{_esc(e["name"])}"}} {_num(e[key])}')
+    for name, key, label, help_text in ENGINE_COUNTERS:
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+        for e in snap["engines"]:
+            for value, n in sorted((e.get(key) or {}).items()):
+                out.append(f'{name}{{engine="{_esc(e["name"])}",{label}="{_esc(value)}"}} {n}')
     out += _served(snap.get("served"))
     for key, (name, help_text) in HISTOGRAM_HELP.items():
         if key in histograms:

@@ -44,7 +44,19 @@ from narwhal_serve.engines.sse import SSEDecoder
 _DONE = b"[DONE]"
 
 
-def _http_failure(engine: str, resp_body: bytes, status: int) -> EngineFailure:
+def _retry_after(headers: httpx.Headers) -> float | None:
+    """An engine's ``Retry-After`` in seconds (the delta form; an HTTP date is ignored)."""
+    raw = headers.get("retry-after")
+    if raw is None:
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        return None
+    return v if 0 <= v < 86400 else None
+
+
+def _http_failure(engine: str, resp_body: bytes, status: int, headers: httpx.Headers | None = None) -> EngineFailure:
     """An EngineFailure carrying the engine's own error message and param, when it sent them."""
     msg: str | None = None
     param: str | None = None
@@ -56,7 +68,8 @@ def _http_failure(engine: str, resp_body: bytes, status: int) -> EngineFailure:
     except (ValueError, AttributeError):
         pass
     return EngineFailure(
-        engine, f"HTTP {status}" + (f": {msg}" if msg else ""), status=status, upstream_message=msg, param=param
+        engine, f"HTTP {status}" + (f": {msg}" if msg else ""), status=status, upstream_message=msg, param=param,
+        retry_after_s=None if headers is None else _retry_after(headers),
     )
 
 
@@ -83,7 +96,7 @@ async def stream_chunks(
                 raw = await resp.aread()
             except TRANSPORT_ERRORS as exc:
                 raise EngineFailure(engine, f"HTTP {resp.status_code}, body broken: {type(exc).__name__}") from None
-            raise _http_failure(engine, raw, resp.status_code)
+            raise _http_failure(engine, raw, resp.status_code, resp.headers)
         dec = SSEDecoder()
         done = False
         try:
@@ -141,7 +154,7 @@ async def post_json(
     except TRANSPORT_ERRORS as exc:
         raise EngineFailure(engine, f"request failed: {type(exc).__name__}: {exc}") from None
     if resp.status_code != 200:
-        raise _http_failure(engine, resp.content, resp.status_code)
+        raise _http_failure(engine, resp.content, resp.status_code, resp.headers)
     try:
         obj = resp.json()
     except ValueError:

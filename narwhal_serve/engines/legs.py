@@ -28,6 +28,16 @@ def dialect_of(engine: EngineConfig) -> Dialect:
     return DIALECTS[engine.dialect]
 
 
+class LegCursor:
+    """Which engine an open route is waiting on now (the prefill engine during a vLLM prefill
+    leg, else the decode engine): a silent attempt is blamed on that one."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, route: RouteChoice) -> None:
+        self.engine = route.decode.name
+
+
 def _url(engine: EngineConfig, req: ParsedRequest) -> str:
     return engine.base_url + PATHS[req.route]
 
@@ -39,9 +49,11 @@ async def open_route(
     headers: dict[str, str],
     tracing: Tracing | None = None,
     parent: "Span | None" = None,
+    cursor: LegCursor | None = None,
 ) -> AsyncGenerator[list[dict[str, Any]], None]:
     """Yield the decode stream's chunk batches for ``route``; runs the prefill leg first for P/D.
-    With ``tracing``, each leg runs in a span of its own, below ``parent``."""
+    With ``tracing``, each leg runs in a span of its own, below ``parent``; ``cursor`` follows
+    the leg being waited on."""
     decode = route.decode
     dialect = dialect_of(decode)
     if route.prefill is None:
@@ -57,8 +69,12 @@ async def open_route(
         return
     # vLLM two-step: prefill leg (non-streaming, max_tokens 1), then the decode leg carrying the
     # kv_transfer_params the prefill answer returned, verbatim.
+    if cursor is not None:
+        cursor.engine = prefill.name
     with leg_span(tracing, parent, "narwhal.prefill", prefill.name, headers) as h:
         pre = await post_json(client, prefill.name, _url(prefill, req), VLLM.prefill_body(req), h)
+    if cursor is not None:
+        cursor.engine = decode.name
     kv = pre.get("kv_transfer_params")
     body = VLLM.decode_body(req, kv)
     with leg_span(tracing, parent, "narwhal.decode", decode.name, headers) as h:

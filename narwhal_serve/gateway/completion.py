@@ -168,7 +168,8 @@ class CompletionHandler:
                 wait = self.clock() - trail.arrived
                 self.reporter.admission_wait(wait)
                 trail.admitted("lease", wait, verdict.predicted_s, verdict.engines)
-                placed = PlacedRequest(rid, self.cfg.model, parsed, verdict.routes, deadline, trail.traceparent())
+                placed = PlacedRequest(rid, self.cfg.model, parsed, verdict.routes, deadline, trail.traceparent(),
+                                       self._first_token_s(budget, verdict.predicted_s))
                 return await self._respond(placed, ticket, parsed, echo, trail)
         admit_req = AdmitRequest(
             ticket, deadline, parsed.prompt_tokens, parsed.max_output_tokens, budget,
@@ -185,8 +186,14 @@ class CompletionHandler:
         wait = self.clock() - trail.arrived
         self.reporter.admission_wait(wait)
         trail.admitted("scheduler", wait, result.predicted_ttft_s, result.candidates[0].engines if result.candidates else ())
-        placed = PlacedRequest(rid, self.cfg.model, parsed, result.candidates, deadline, trail.traceparent())
+        placed = PlacedRequest(rid, self.cfg.model, parsed, result.candidates, deadline, trail.traceparent(),
+                               self._first_token_s(budget, result.predicted_ttft_s))
         return await self._respond(placed, ticket, parsed, echo, trail)
+
+    def _first_token_s(self, budget: float, predicted: float | None) -> float:
+        """Before headers, how long an attempt may wait for its first token while another route is
+        left: configured, else 3× the larger of the TTFT budget and the prediction (at least 2 s)."""
+        return self.cfg.serving.first_token_limit(max(budget, predicted or 0.0))
 
     async def _admit(self, req: AdmitRequest) -> AdmitResult:
         task = asyncio.get_running_loop().create_task(self.backend.admit(req), context=contextvars.Context())
@@ -216,7 +223,8 @@ class CompletionHandler:
         self, placed: PlacedRequest, ticket: str, parsed: ParsedRequest, rid: str | None, trail: RequestTrail
     ) -> Response:
         gen = self.backend.relay(placed)
-        flow = Flow(lambda msg: self._first_token(ticket, msg), lambda o, r, st, code: self._end(ticket, trail, o, r, st, code))
+        flow = Flow(lambda msg: self._first_token(ticket, msg), lambda o, r, st, code: self._end(ticket, trail, o, r, st, code),
+                    self.reporter.engine_faults)
         rid_header = {"X-Request-Id": rid} if rid else {}
         try:
             first = await self._first_data(gen, placed.deadline, flow)
@@ -237,7 +245,9 @@ class CompletionHandler:
             flow.end(Outcome.COMPLETED, "", first.stats)
             close_detached(gen)
             return Response(first.data, media_type="application/json", headers=rid_header)
-        return RelayStreamResponse(first, gen, flow, self.cfg.serving.stream_keepalive_s, {**SSE_HEADERS, **rid_header})
+        sv = self.cfg.serving
+        return RelayStreamResponse(first, gen, flow, sv.stream_keepalive_s, {**SSE_HEADERS, **rid_header},
+                                   buffer_bytes=sv.stream_buffer_bytes, write_timeout_s=sv.slow_reader_timeout_s)
 
     def _first_token(self, ticket: str, msg: RelayMessage) -> None:
         if self.reporter.lease is not None:

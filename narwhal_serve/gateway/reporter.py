@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 from narwhal_serve.admission.lease import AdmissionLease
 from narwhal_serve.admission.outcomes import Outcome
-from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.relay.messages import EngineFault, RelayStats
 from narwhal_serve.scheduler.messages import LeaseGrant, Report
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,12 @@ class Reporter:
 
     def decode_started(self, ticket_id: str, engines: tuple[str, ...] = ()) -> None:
         self._pending.decode_started.append((ticket_id, engines))
+        self._queue()
+
+    def engine_faults(self, faults: tuple[EngineFault, ...]) -> None:
+        """Failed attempts, for the engines' breakers: sent at once (they change placement)."""
+        self._pending.faults.extend(faults)
+        self._urgent = True
         self._queue()
 
     def start(self) -> None:

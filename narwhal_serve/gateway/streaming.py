@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import contextvars
 import json
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import Response
@@ -25,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.errors import ErrorInfo, NarwhalError
-from narwhal_serve.relay.messages import RelayMessage, RelayStats
+from narwhal_serve.relay.messages import EngineFault, RelayMessage, RelayStats
 
 KEEPALIVE = b": keep-alive\n\n"
 
@@ -50,19 +51,23 @@ def error_event(err: ErrorInfo) -> bytes:
 class Flow:
     """One admitted request's phase; reports its first token and its end exactly once."""
 
-    __slots__ = ("on_first_token", "on_end", "decoding", "ended")
+    __slots__ = ("on_first_token", "on_end", "on_faults", "decoding", "ended")
 
     def __init__(
         self,
         on_first_token: Callable[[RelayMessage], None],
         on_end: Callable[[Outcome, str, RelayStats | None, int], None],
+        on_faults: Callable[[tuple[EngineFault, ...]], None] | None = None,
     ) -> None:
         self.on_first_token = on_first_token
         self.on_end = on_end
+        self.on_faults = on_faults
         self.decoding = False
         self.ended = False
 
     def observe(self, msg: RelayMessage) -> None:
+        if msg.faults and self.on_faults is not None:
+            self.on_faults(msg.faults)
         if msg.first_token and not self.decoding and not msg.final:
             self.decoding = True
             self.on_first_token(msg)
@@ -95,7 +100,21 @@ def close_detached(gen: AsyncIterator[RelayMessage], pending: "asyncio.Future[Re
     loop.create_task(close_relay(gen, pending), context=contextvars.Context())
 
 
+class _SlowReader(Exception):
+    """The client reads too slowly: its unsent data passed the cap, or a write blocked too long."""
+
+
 class RelayStreamResponse(Response):
+    """Writes the relay's messages as they come, and bounds what a slow client can cost.
+
+    A reader task pulls relay messages ahead of the client into a buffer of at most
+    ``buffer_bytes``; the writer sends them, each write within ``write_timeout_s``.  A client that
+    reads too slowly for either limit is cut (one last error event is tried, briefly), the relay
+    is closed (the engine request is aborted) and the request ends ``failed``/``slow_reader``: a
+    slow reader is never buffered without limit.  (Behind Serve's proxy actor the actor itself
+    buffers and the ingress cannot see the client's pace; direct ingress is the run mode.)
+    """
+
     media_type = "text/event-stream"
 
     def __init__(
@@ -105,50 +124,103 @@ class RelayStreamResponse(Response):
         flow: Flow,
         keepalive_s: float,
         headers: dict[str, str],
+        *,
+        buffer_bytes: int = 1 << 20,
+        write_timeout_s: float = 30.0,
     ) -> None:
         self.first = first
         self.gen = gen
         self.flow = flow
         self.keepalive_s = keepalive_s
+        self.buffer_bytes = buffer_bytes
+        self.write_timeout_s = write_timeout_s
         self.status_code = 200
         self.background = None
         self.init_headers(headers)
+        self._buf: deque[RelayMessage] = deque([first])
+        self._size = len(first.data)
+        self._more = asyncio.Event()
+        self._over: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # buffer past its cap
+        self._pending: asyncio.Future[RelayMessage] | None = None  # the relay read in flight
+
+    async def _read(self) -> None:
+        """Pull relay messages ahead of the client, up to the final one or the buffer cap."""
+        while True:
+            self._pending = asyncio.ensure_future(self.gen.__anext__())
+            try:
+                msg = await self._pending
+            except StopAsyncIteration:
+                msg = _failure("the assembler stream ended early")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                msg = _failure(f"relay failed: {type(exc).__name__}")
+            self._pending = None
+            self.flow.observe(msg)
+            self._buf.append(msg)
+            self._size += len(msg.data)
+            self._more.set()
+            if msg.final:
+                return
+            if self._size > self.buffer_bytes:
+                if not self._over.done():
+                    self._over.set_result(None)
+                return
+
+    async def _write(self, send: Send, body: bytes, more_body: bool = True) -> None:
+        """One write, within ``write_timeout_s``, given up at once if the buffer passed its cap."""
+        task = asyncio.ensure_future(send({"type": "http.response.body", "body": body, "more_body": more_body}))
+        try:
+            done, _ = await asyncio.wait({task, self._over}, timeout=self.write_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if task not in done:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise _SlowReader()
+        task.result()  # a failed write (the client left) raises here
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         end: tuple[Outcome, str, RelayStats | None] = (Outcome.CANCELLED, "client_disconnected", None)
-        pending: asyncio.Future[RelayMessage] | None = None
+        reader: asyncio.Task[None] | None = None
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            msg = self.first
+            if not self.first.final:
+                reader = asyncio.ensure_future(self._read())
             while True:
+                while not self._buf:
+                    self._more.clear()
+                    try:
+                        async with asyncio.timeout(self.keepalive_s):
+                            await self._more.wait()
+                    except TimeoutError:
+                        await self._write(send, KEEPALIVE)
+                msg = self._buf.popleft()
+                self._size -= len(msg.data)
                 if msg.data:
-                    await send({"type": "http.response.body", "body": msg.data, "more_body": True})
+                    await self._write(send, msg.data)
                 if msg.final:
                     if msg.error is not None:
                         end = (outcome_of(msg.error), msg.error.code, msg.stats)
                     else:
                         end = (Outcome.COMPLETED, "", msg.stats)
                     break
-                pending = asyncio.ensure_future(self.gen.__anext__())
-                while True:
-                    done, _ = await asyncio.wait({pending}, timeout=self.keepalive_s)
-                    if done:
-                        break
-                    await send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
-                fut, pending = pending, None
-                try:
-                    msg = fut.result()
-                except StopAsyncIteration:
-                    msg = _failure("the assembler stream ended early")
-                except Exception as exc:
-                    msg = _failure(f"relay failed: {type(exc).__name__}")
-                self.flow.observe(msg)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self._write(send, b"", more_body=False)
+        except _SlowReader:
+            end = (Outcome.FAILED, "slow_reader", None)
+            err = NarwhalError("the client did not read the stream fast enough; it was cut", code="slow_reader")
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                async with asyncio.timeout(1.0):  # best effort: the client is not reading
+                    await send({"type": "http.response.body", "body": error_event(err.info()), "more_body": False})
         except OSError:
             pass  # the client went away (ASGI 2.4 servers raise on a failed write): counted as cancelled
         finally:
+            if reader is not None:
+                reader.cancel()
             self.flow.end(*end)
-            close_detached(self.gen, pending)
+            close_detached(self.gen, self._pending)
 
 
 def _failure(message: str) -> RelayMessage:

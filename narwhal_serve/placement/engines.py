@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
+from narwhal_serve.placement.health import Breaker
 from narwhal_serve.prediction.ttft import PRIOR_A, PRIOR_B, PrefillModel
 
 
@@ -25,6 +26,7 @@ class EngineState:
     service_s: float | None = None  # measured request duration, first byte to last token (EWMA)
     max_running_seen: int = 0
     ttft_model: PrefillModel = field(default_factory=PrefillModel)
+    breaker: Breaker = field(default_factory=Breaker)  # passive health (real attempts' outcomes)
 
     def __post_init__(self) -> None:
         self.ttft_model = PrefillModel(
@@ -36,8 +38,10 @@ class EngineState:
         return self.last_ok is not None and now - self.last_ok <= stale_after_s
 
     def eligible(self, now: float, stale_after_s: float, maintenance: frozenset[str]) -> bool:
-        """Healthy, with fresh metrics (stale counts as unusable), and not in a maintenance wave."""
-        return self.healthy and self.fresh(now, stale_after_s) and self.cfg.wave not in maintenance
+        """Healthy, with fresh metrics (stale counts as unusable), not in a maintenance wave, its
+        breaker closed and not pushing back."""
+        return (self.healthy and self.fresh(now, stale_after_s) and self.cfg.wave not in maintenance
+                and self.breaker.takes_work(now))
 
     def slots(self) -> int | None:
         """Concurrent sequences the engine runs: configured, or the most seen running while it queued."""
@@ -86,4 +90,5 @@ class EngineState:
                            "samples": len(self.ttft_model.samples), "prior_a_s": self.ttft_model.prior_a,
                            "prior_b_s_per_token": self.ttft_model.prior_b},
             "token_accounting": self.token_accounting(),
+            **self.breaker.view(now),
         }

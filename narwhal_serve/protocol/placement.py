@@ -30,3 +30,5 @@ class PlacedRequest:
     candidates: tuple[RouteChoice, ...]
     deadline: float  # wall-clock seconds (time.time()), shared across processes
     traceparent: str | None = None  # W3C trace context of the ingress's request span (tracing on)
+    # before headers, an attempt with no first token this long (seconds) moves to the next route
+    first_token_s: float | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from narwhal_serve.errors import ErrorInfo
 
@@ -15,6 +16,23 @@ class RelayStats:
     output_tokens: int
     decode_s: float  # time from the first to the last generated token
     attempts: int
+
+
+FaultKind = Literal["error", "timeout", "backpressure"]
+
+
+@dataclass(frozen=True)
+class EngineFault:
+    """One failed attempt, for the engine's passive health (the scheduler's breaker).
+
+    ``kind``: ``error`` (HTTP error, broken or malformed stream, bad token IDs), ``timeout`` (silent
+    past the idle or first-token limit) or ``backpressure`` (the engine's 429/503: busy, not broken).
+    """
+
+    engine: str
+    kind: FaultKind
+    why: str = ""
+    retry_after_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -34,3 +52,4 @@ class RelayMessage:
     final: bool = False
     stats: RelayStats | None = None
     engines: tuple[str, ...] = ()  # with ``first_token``: the route that produced it
+    faults: tuple[EngineFault, ...] = ()  # attempts that failed since the last message

@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -21,13 +22,13 @@ from narwhal_serve.assembly.fold import Assembler
 from narwhal_serve.assembly.tokens import check_token_ids
 from narwhal_serve.assembly.usage import computed_usage
 from narwhal_serve.engines.errors import EngineFailure
-from narwhal_serve.engines.legs import dialect_of, open_route
+from narwhal_serve.engines.legs import LegCursor, dialect_of, open_route
 from narwhal_serve.errors import BadEngineResponse, ErrorInfo, InvalidRequest, TerminalExpiry
 from narwhal_serve.observability import Tracing, end_span
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
 from narwhal_serve.protocol.requests import Route
 from narwhal_serve.relay.coalesce import coalesce
-from narwhal_serve.relay.messages import RelayMessage, RelayStats
+from narwhal_serve.relay.messages import EngineFault, FaultKind, RelayMessage, RelayStats
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -45,6 +46,14 @@ def error_events(err: ErrorInfo) -> bytes:
 
 class _DeadlinePassed(Exception):
     """The request's deadline passed while waiting for the engine."""
+
+
+def fault_of(exc: EngineFailure | BadEngineResponse, route: RouteChoice) -> EngineFault:
+    """What a failed attempt says about its engine's health."""
+    if isinstance(exc, BadEngineResponse):  # bad token IDs and other unusable answers
+        return EngineFault(route.decode.name, "error", str(exc))
+    kind: FaultKind = "backpressure" if exc.backpressure else "timeout" if exc.timed_out else "error"
+    return EngineFault(exc.engine, kind, exc.message, exc.retry_after_s)
 
 
 def _deadline_info() -> ErrorInfo:
@@ -115,13 +124,28 @@ def _content_events(chunk: dict[str, Any]) -> int:
     return n
 
 
+class _Attempt:
+    """One try of one route: its meter, the engine it waits on, its first-token limit."""
+
+    __slots__ = ("route", "attempt", "meter", "first_limit", "cursor")
+
+    def __init__(self, route: RouteChoice, attempt: int, meter: _Meter, first_limit: float | None) -> None:
+        self.route = route
+        self.attempt = attempt
+        self.meter = meter
+        self.first_limit = first_limit
+        self.cursor = LegCursor(route)
+
+
 class Relay:
     """Runs one placed request. ``clock`` is wall time (deadlines cross processes).
 
     Every read from an engine is bounded: by ``idle_timeout_s`` (an engine silent that long fails
-    the attempt — another route before headers, an error event after) and by the request's
+    the attempt — another route before headers, an error event after), before the first token by
+    the request's first-token limit when another route is left to try, and by the request's
     deadline, which holds for the whole request (SPEC §2): past it, 504 before headers, an error
-    event ``deadline_expired`` and ``[DONE]`` after."""
+    event ``deadline_expired`` and ``[DONE]`` after.  Failed attempts travel to the scheduler as
+    :class:`EngineFault`\ s on the next message (passive health)."""
 
     def __init__(
         self,
@@ -137,14 +161,21 @@ class Relay:
         self.tracing = tracing if tracing is not None and tracing.on else None
 
     async def _batches(
-        self, stream: AsyncIterator[list[dict[str, Any]]], placed: PlacedRequest, route: RouteChoice
+        self, stream: AsyncIterator[list[dict[str, Any]]], placed: PlacedRequest, at: _Attempt
     ) -> AsyncIterator[list[dict[str, Any]]]:
-        """``stream``'s batches, each awaited within the idle timeout and the deadline."""
+        """``stream``'s batches, each awaited within the idle timeout, the first-token limit (until
+        the first token) and the deadline."""
         while True:
-            left = placed.deadline - self.clock()
-            by_deadline = left <= self.idle_timeout_s  # which limit this wait runs under
+            now = self.clock()
+            left = placed.deadline - now
+            limit, why = self.idle_timeout_s, f"engine silent for {self.idle_timeout_s:g} s"
+            if at.first_limit is not None and at.meter.first is None:
+                first_left = at.meter.start + at.first_limit - now
+                if first_left < limit:
+                    limit, why = max(0.0, first_left), f"no first token within {at.first_limit:g} s"
+            by_deadline = left <= limit  # which limit this wait runs under
             try:
-                async with asyncio.timeout(max(0.0, min(self.idle_timeout_s, left))):
+                async with asyncio.timeout(max(0.0, min(limit, left))):
                     batch = await stream.__anext__()
             except StopAsyncIteration:
                 return
@@ -152,25 +183,33 @@ class Relay:
                 # (the loop's timer may fire a hair before the wall clock reaches the deadline)
                 if by_deadline or self.clock() >= placed.deadline:
                     raise _DeadlinePassed() from None
-                raise EngineFailure(route.decode.name, f"engine silent for {self.idle_timeout_s:g} s") from None
+                raise EngineFailure(at.cursor.engine, why, timed_out=True) from None
             yield batch
 
     async def run(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         failures: list[str] = []
+        faults: list[EngineFault] = []  # not yet sent to the ingress
         expired = False
         req = placed.request
         headers = {"X-Request-Id": placed.request_id}
+        last = len(placed.candidates)
         for attempt, route in enumerate(placed.candidates, start=1):
             if self.clock() >= placed.deadline:
                 break
-            meter = _Meter(self.clock(), dialect_of(route.decode).supports_token_ids, req.route)
+            at = _Attempt(
+                route, attempt, _Meter(self.clock(), dialect_of(route.decode).supports_token_ids, req.route),
+                placed.first_token_s if attempt < last else None,  # the last route waits to the deadline
+            )
             span = self._attempt_span(placed, route, attempt)
             failed: str | None = None
             try:
                 work = self._stream if req.stream else self._assemble
-                async for msg in work(placed, route, headers, meter, attempt, span):
+                async for msg in work(placed, at, headers, span):
                     if msg.error is not None:
                         failed = msg.error.code
+                    if faults and (msg.data or msg.first_token or msg.final):
+                        msg = replace(msg, faults=(*faults, *msg.faults))
+                        faults.clear()
                     yield msg
                 return
             except EngineFailure as exc:
@@ -178,18 +217,23 @@ class Relay:
                 if exc.client_error:  # the engine blames the request: no other engine will differ
                     why = exc.upstream_message or exc.message
                     rejected = InvalidRequest(f"The engine rejected the request: {why}", param=exc.param)
-                    yield RelayMessage(error=rejected.info(), final=True)
+                    yield RelayMessage(error=rejected.info(), final=True, faults=tuple(faults))
                     return
+                faults.append(fault_of(exc, route))
                 failures.append(str(exc))
             except BadEngineResponse as exc:
                 failed = str(exc)
+                faults.append(fault_of(exc, route))
                 failures.append(str(exc))
             except _DeadlinePassed:
                 failed = "deadline_expired"
                 expired = True
+                limit = placed.first_token_s
+                if at.meter.first is None and limit is not None and self.clock() - at.meter.start >= limit:
+                    faults.append(EngineFault(at.cursor.engine, "timeout", "no first token before the deadline"))
                 break
             finally:
-                end_span(span, failed, **{"narwhal.output_tokens": meter.tokens})
+                end_span(span, failed, **{"narwhal.output_tokens": at.meter.tokens})
         if expired or self.clock() >= placed.deadline:
             err = TerminalExpiry(
                 "terminal expiry: the request deadline passed before response headers", code="deadline_expired"
@@ -198,7 +242,7 @@ class Relay:
             err = BadEngineResponse(
                 "no engine produced a usable answer: " + "; ".join(failures or ["no candidate route"])
             ).info()
-        yield RelayMessage(error=err, final=True, stats=None)
+        yield RelayMessage(error=err, final=True, stats=None, faults=tuple(faults))
 
     def _attempt_span(self, placed: PlacedRequest, route: RouteChoice, attempt: int) -> "Span | None":
         if self.tracing is None:
@@ -214,21 +258,16 @@ class Relay:
         return RelayStats(route.kind, route.engines, ttft, meter.tokens, decode, attempts)
 
     async def _stream(
-        self,
-        placed: PlacedRequest,
-        route: RouteChoice,
-        headers: dict[str, str],
-        meter: _Meter,
-        attempt: int,
-        span: "Span | None",
+        self, placed: PlacedRequest, at: _Attempt, headers: dict[str, str], span: "Span | None"
     ) -> AsyncIterator[RelayMessage]:
         req = placed.request
+        route, meter, attempt = at.route, at.meter, at.attempt
         committed = False
         held: list[bytes] = []  # chunks before the first generated token (e.g. the role chunk)
         usage = _UsageWatch(req.prompt_tokens)
-        stream = coalesce(open_route(self.client, route, req, headers, self.tracing, span))
+        stream = coalesce(open_route(self.client, route, req, headers, self.tracing, span, at.cursor))
         try:
-            async for batch in self._batches(stream, placed, route):
+            async for batch in self._batches(stream, placed, at):
                 now = self.clock()
                 for chunk in batch:
                     meter.observe(chunk, now)  # raises BadEngineResponse on bad token IDs
@@ -250,11 +289,14 @@ class Relay:
         except (EngineFailure, BadEngineResponse, _DeadlinePassed) as exc:
             if not committed:
                 raise
+            faults: tuple[EngineFault, ...] = ()
             if isinstance(exc, _DeadlinePassed):
                 err = _deadline_info()
             else:
                 err = exc.info() if isinstance(exc, BadEngineResponse) else BadEngineResponse(str(exc)).info()
-            yield RelayMessage(data=error_events(err), error=err, final=True, stats=self._stats(route, meter, attempt))
+                faults = (fault_of(exc, route),)
+            yield RelayMessage(data=error_events(err), error=err, final=True, stats=self._stats(route, meter, attempt),
+                               faults=faults)
             return
         finally:
             await stream.aclose()
@@ -269,19 +311,14 @@ class Relay:
         )
 
     async def _assemble(
-        self,
-        placed: PlacedRequest,
-        route: RouteChoice,
-        headers: dict[str, str],
-        meter: _Meter,
-        attempt: int,
-        span: "Span | None",
+        self, placed: PlacedRequest, at: _Attempt, headers: dict[str, str], span: "Span | None"
     ) -> AsyncIterator[RelayMessage]:
         req = placed.request
+        route, meter, attempt = at.route, at.meter, at.attempt
         asm = Assembler(req.route, return_token_ids=req.return_token_ids)
-        stream = open_route(self.client, route, req, headers, self.tracing, span)
+        stream = open_route(self.client, route, req, headers, self.tracing, span, at.cursor)
         try:
-            async for batch in self._batches(stream, placed, route):
+            async for batch in self._batches(stream, placed, at):
                 now = self.clock()
                 had_first = meter.first is not None
                 for chunk in batch:

@@ -10,7 +10,7 @@ from narwhal_serve.admission.counters import CounterDelta
 from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.errors import ErrorInfo
 from narwhal_serve.protocol.placement import RouteChoice
-from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.relay.messages import EngineFault, RelayStats
 
 
 @dataclass(frozen=True)
@@ -81,11 +81,12 @@ class Report:
     decode_started: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # ticket, engines served
     released: list[tuple[str, RelayStats | None, bool]] = field(default_factory=list)  # (ticket, stats, completed)
     admission_waits: list[float] = field(default_factory=list)
+    faults: list[EngineFault] = field(default_factory=list)  # failed attempts (passive health)
     lease: LeasePart | None = None
 
     def empty(self) -> bool:
         return (self.counters.empty() and not self.decode_started and not self.released
-                and not self.admission_waits and self.lease is None)
+                and not self.admission_waits and not self.faults and self.lease is None)
 
     def absorb(self, later: "Report") -> None:
         """Append ``later``'s events to this report (order kept)."""
@@ -95,3 +96,4 @@ class Report:
         self.decode_started.extend(later.decode_started)
         self.released.extend(later.released)
         self.admission_waits.extend(later.admission_waits)
+        self.faults.extend(later.faults)

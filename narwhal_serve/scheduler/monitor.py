@@ -1,4 +1,5 @@
-"""Engine health and /metrics scraping: one pass over every engine, concurrently."""
+"""Engine health and /metrics scraping: one pass over every engine, concurrently; and the probe
+that closes an open circuit breaker."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import asyncio
 
 import httpx
 
+from narwhal_serve.engines.client import TRANSPORT_ERRORS
+from narwhal_serve.engines.dialect import PATHS
 from narwhal_serve.engines.metrics import parse_engine_metrics
 from narwhal_serve.placement.engines import EngineState
 
@@ -36,3 +39,31 @@ async def scrape_all(
     client: httpx.AsyncClient, engines: list[EngineState], now: float, timeout_s: float
 ) -> None:
     await asyncio.gather(*(scrape_one(client, e, now, timeout_s) for e in engines))
+
+
+async def probe_one(client: httpx.AsyncClient, e: EngineState, model: str, timeout_s: float) -> tuple[bool, str]:
+    """One small real request (a one-token completion): does the engine answer it properly?
+
+    For a vLLM engine the answer must carry one valid token ID (a probe whose ID list is bad
+    does not count as good, as for any other measurement)."""
+    body: dict[str, object] = {"model": model, "prompt": "ping", "max_tokens": 1, "stream": False}
+    token_ids = e.cfg.dialect == "vllm"
+    if token_ids:
+        body["return_token_ids"] = True
+    try:
+        resp = await client.post(e.cfg.base_url + PATHS["completion"], json=body, timeout=timeout_s,
+                                 headers={"X-Request-Id": f"narwhal-probe-{e.cfg.name}"})
+    except (*TRANSPORT_ERRORS, OSError) as exc:
+        return False, f"probe failed: {type(exc).__name__}"
+    if resp.status_code != 200:
+        return False, f"probe answered HTTP {resp.status_code}"
+    try:
+        choices = resp.json().get("choices")
+        choice = choices[0]
+        ids = choice.get("token_ids") if token_ids else [0]
+    except (ValueError, AttributeError, TypeError, IndexError, KeyError):
+        return False, "probe answer is not a completion"
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                       for i in ids):
+        return False, "probe answer has no valid token IDs"
+    return True, ""

@@ -29,7 +29,7 @@ from narwhal_serve.relay.messages import RelayStats
 from narwhal_serve.scheduler.leases import LEASE_TTL_S, LeaseLedger
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, LocalPlacement, Report
 from narwhal_serve.scheduler.learning import learn_from
-from narwhal_serve.scheduler.monitor import scrape_all
+from narwhal_serve.scheduler.monitor import probe_one, scrape_all
 from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, Tally, render_metrics
 
 REAP_GRACE_S = 5.0  # a ticket past its request deadline by this much is forgotten (permits freed)
@@ -74,6 +74,7 @@ class SchedulerService:
         self._client: httpx.AsyncClient | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._expiry: asyncio.TimerHandle | None = None
+        self._probes: set[asyncio.Task[None]] = set()
         self.calls = {"admit": 0, "report": 0}  # calls from ingress replicas (/status)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -83,6 +84,8 @@ class SchedulerService:
             self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
 
     async def stop(self) -> None:
+        for t in list(self._probes):
+            t.cancel()
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -94,7 +97,26 @@ class SchedulerService:
         while True:
             await self.scrape_once()
             self.reap()
+            self.start_probes()
             await asyncio.sleep(self.cfg.monitoring.scrape_interval_s)
+
+    def start_probes(self) -> None:
+        """A probe for each engine whose breaker has been open its full period."""
+        now = self.clock()
+        for e in self.engines.values():
+            if e.breaker.probe_due(now):
+                task = asyncio.get_running_loop().create_task(self._probe(e))
+                self._probes.add(task)
+                task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, e: EngineState) -> None:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.cfg.monitoring.scrape_timeout_s)
+        timeout = self.cfg.serving.first_token_limit(self.cfg.admission.ttft_budget_s)
+        ok, why = await probe_one(self._client, e, self.cfg.model, timeout)
+        e.breaker.on_probe(ok, self.clock(), self.cfg.monitoring, why)
+        if ok:
+            self._pump()  # queued requests may fit now
 
     async def scrape_once(self) -> None:
         if self._client is None:
@@ -275,7 +297,13 @@ class SchedulerService:
             for lp in part.placed:
                 self._local_placed(lp, part.lease_id)
             grant_for = (rec, fresh)
+        for f in rep.faults:
+            if (e := self.engines.get(f.engine)) is not None:
+                e.breaker.on_fault(f.kind, now, self.cfg.monitoring, f.retry_after_s, f.why)
         for tid, engines in rep.decode_started:
+            for name in engines:
+                if (e := self.engines.get(name)) is not None:
+                    e.breaker.on_success()
             self.admission.enter_decode(tid)
             t = self._tickets.get(tid)
             if t is not None:

@@ -196,3 +196,79 @@ async def test_a_stream_that_asked_for_usage_gets_it_computed_when_the_engine_om
                         placed(True, {"stream_options": {"include_usage": True}}))
     data = b"".join(m.data for m in msgs)
     assert data.count(b'"usage"') == 1 and b'"prompt_tokens": 7' in data.replace(b":7", b": 7")
+
+
+def _with(p: PlacedRequest, **kw: Any) -> PlacedRequest:
+    from dataclasses import replace
+
+    return replace(p, **kw)
+
+
+async def test_no_first_token_within_the_limit_fails_over_and_blames_the_engine() -> None:
+    stalls = Stalls(sse(ROLE, done=False))  # headers and a role chunk, then silence
+
+    def h(r: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=stalls if r.url.host == "e1" else httpx.ByteStream(GOOD))
+
+    t0 = time.monotonic()
+    msgs = await _relay(h, _with(placed(True), first_token_s=0.2), idle_s=60)  # the idle limit alone: 60 s
+    assert time.monotonic() - t0 < 5
+    assert msgs[-1].error is None and msgs[-1].stats is not None and msgs[-1].stats.engines == ("e2",)
+    faults = [f for m in msgs for f in m.faults]
+    assert [(f.engine, f.kind) for f in faults] == [("e1", "timeout")]
+    assert msgs[0].faults and msgs[0].first_token  # sent with the first message, not at the end
+
+
+async def test_the_last_route_waits_past_the_first_token_limit_for_its_deadline() -> None:
+    p = placed(True)
+    p = PlacedRequest(p.request_id, p.model, p.request, p.candidates[:1], time.time() + 0.6, first_token_s=0.1)
+    msgs = await _relay(lambda r: httpx.Response(200, stream=Stalls(sse(ROLE, done=False))), p, idle_s=60)
+    assert len(msgs) == 1 and msgs[0].error is not None and msgs[0].error.code == "deadline_expired"
+    assert [(f.engine, f.kind) for f in msgs[0].faults] == [("e1", "timeout")]
+
+
+async def test_engine_backpressure_moves_on_and_is_reported_as_such_with_retry_after() -> None:
+    def h(r: httpx.Request) -> httpx.Response:
+        if r.url.host == "e1":
+            return httpx.Response(429, json={"error": {"message": "busy"}}, headers={"Retry-After": "3"})
+        return httpx.Response(200, stream=httpx.ByteStream(GOOD))
+
+    msgs, seen = await run(h, placed(False))
+    assert seen == ["e1", "e2"] and msgs[-1].error is None
+    (f,) = [f for m in msgs for f in m.faults]
+    assert (f.engine, f.kind, f.retry_after_s) == ("e1", "backpressure", 3.0)
+
+
+async def test_a_failed_prefill_leg_is_blamed_on_the_prefill_engine() -> None:
+    pre, dec = EngineConfig(name="p1", url="http://p1", role="prefill"), EngineConfig(name="d1", url="http://d1", role="decode")
+
+    def h(r: httpx.Request) -> httpx.Response:
+        if r.url.host == "p1":
+            return httpx.Response(500, json={"error": {"message": "boom"}})
+        return httpx.Response(200, stream=httpx.ByteStream(GOOD))
+
+    p = placed(True)
+    p = _with(p, candidates=(RouteChoice(kind="pd", decode=dec, prefill=pre), RouteChoice(kind="single", decode=E2)))
+    msgs, seen = await run(h, p)
+    assert seen == ["p1", "e2"] and msgs[-1].error is None
+    assert [(f.engine, f.kind) for m in msgs for f in m.faults] == [("p1", "error")]
+    # silent prefill: the timeout is the prefill engine's too
+    stalls = Stalls(b"")
+
+    def h2(r: httpx.Request) -> httpx.Response:
+        if r.url.host == "p1":
+            return httpx.Response(200, stream=stalls)
+        return httpx.Response(200, stream=httpx.ByteStream(GOOD))
+
+    msgs = await _relay(h2, _with(p, first_token_s=0.2), idle_s=60)
+    assert msgs[-1].error is None and [(f.engine, f.kind) for m in msgs for f in m.faults] == [("p1", "timeout")]
+
+
+async def test_a_stream_broken_after_headers_reports_its_engine() -> None:
+    msgs, _ = await run(lambda r: httpx.Response(200, stream=httpx.ByteStream(sse(ROLE, tok("a", [1]), done=False))),
+                        placed(True))
+    assert msgs[-1].error is not None and [(f.engine, f.kind) for f in msgs[-1].faults] == [("e1", "error")]
+    # a client error (400) is the request's fault, not the engine's
+    err = {"error": {"message": "bad", "type": "BadRequestError", "param": "x", "code": 400}}
+    msgs, _ = await run(lambda r: httpx.Response(400, json=err), placed(True))
+    assert msgs[-1].error is not None and msgs[-1].error.status == 400 and not msgs[-1].faults

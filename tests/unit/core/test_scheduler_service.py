@@ -102,3 +102,58 @@ async def test_predictive_sees_requests_queueing_for_slots() -> None:
     # two routes with two slots each, then a wait under 1 s for at most one more per route
     assert 4 <= admitted <= 8
     assert svc.counters.seed_view()["refused"] == 12 - admitted
+
+
+async def test_failed_attempts_open_a_breaker_a_probe_closes_it() -> None:
+    import httpx
+
+    from narwhal_serve.relay.messages import EngineFault
+
+    svc, clock = service()
+    boom = EngineFault("u", "error", "HTTP 500")
+    svc.report(Report(faults=[boom, boom]))  # two in a row (breaker_failures defaults to 2)
+    u = svc.engines["u"]
+    assert u.breaker.state == "open" and not u.eligible(clock.t, 5.0, frozenset())
+    a = await svc.admit(req("a"))
+    assert a.error is None and all("u" not in r.engines for r in a.candidates)
+    assert svc.snapshot()["engines"][0]["breaker"] == "open"
+    assert 'narwhal_engine_breaker_open{engine="u"} 1' in svc.metrics_text()
+    assert 'narwhal_engine_attempt_faults_total{engine="u",kind="error"} 2' in svc.metrics_text()
+
+    answers = [httpx.Response(500), httpx.Response(200, json={"choices": [{"text": "x", "token_ids": [7]}]})]
+    bodies: list[bytes] = []
+
+    def engine(r: httpx.Request) -> httpx.Response:
+        bodies.append(r.content)
+        return answers.pop(0)
+
+    svc._client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+    svc.start_probes()
+    assert not svc._probes  # not before the open period is over
+    clock.t += 2.0
+    svc.start_probes()
+    await asyncio.gather(*svc._probes)
+    assert u.breaker.state == "open" and u.breaker.open_s == 4.0  # the probe failed: open again, longer
+    clock.t += 4.0
+    svc.start_probes()
+    await asyncio.gather(*svc._probes)
+    u.last_ok = clock.t  # (metrics fresh on the virtual clock)
+    assert u.breaker.state == "closed" and u.eligible(clock.t, 5.0, frozenset())
+    assert b'"max_tokens": 1' in bodies[0].replace(b":1", b": 1") and b"return_token_ids" in bodies[0]
+    await svc._client.aclose()
+
+
+async def test_backpressure_keeps_an_engine_out_briefly_and_a_first_token_resets_failures() -> None:
+    from narwhal_serve.relay.messages import EngineFault
+
+    svc, clock = service()
+    svc.report(Report(faults=[EngineFault("u", "backpressure", "HTTP 429", 2.0)]))
+    u = svc.engines["u"]
+    assert not u.eligible(clock.t, 5.0, frozenset()) and u.breaker.failures == 0
+    clock.t += 2.0
+    assert u.eligible(clock.t, 5.0, frozenset())
+    svc.report(Report(faults=[EngineFault("u", "timeout")]))
+    a = await svc.admit(req("a"))
+    assert a.error is None
+    svc.report(Report(decode_started=[("a", ("u",))]))
+    assert u.breaker.failures == 0
