@@ -18,3 +18,6 @@ class Scheduler(SchedulerApi):
             await sim_fleet.ready.remote()  # the embedded fleet answers before the first scrape
         await self.svc.scrape_once()
         self.svc.start()
+
+    async def __del__(self) -> None:
+        await self.svc.stop()  # a clean stop hands the router lease over at once

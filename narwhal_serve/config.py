@@ -91,13 +91,27 @@ class MonitoringConfig(_Strict):
     # An engine's 429/503 is backpressure, not a failure: no new work for its Retry-After, or
     # backpressure_s without one (at most 10 s).
     backpressure_s: float = Field(1.0, gt=0)
+    # Below this fraction of engines (outside maintenance) answering their scrapes, or with the
+    # monitor loop stalled, the router turns monitoring_degraded by itself (and back).
+    min_fresh_fraction: float = Field(0.5, ge=0, le=1)
 
 
 class LeaseConfig(_Strict):
-    backend: Literal["none", "ray", "redis"] = "none"
-    url: str | None = None
-    ttl_s: float = 10.0
-    renew_s: float = 3.0
+    """The router lease (README, "Running two routers"): ``none`` (one router) or ``redis``."""
+
+    backend: Literal["none", "redis"] = "none"
+    url: str | None = None  # redis://host:port/db (redis backend)
+    key: str = "narwhal:router"
+    ttl_s: float = Field(10.0, gt=0)
+    renew_s: float = Field(3.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "LeaseConfig":
+        if self.backend == "redis" and not self.url:
+            raise ValueError("ha.lease.url is required with backend: redis (for example redis://127.0.0.1:6379/0)")
+        if self.renew_s * 2 > self.ttl_s:
+            raise ValueError("ha.lease.renew_s must be at most half of ha.lease.ttl_s (two renewals per lease)")
+        return self
 
 
 class HAConfig(_Strict):

@@ -74,6 +74,7 @@ class FleetView:
     predictive: bool
     queued_tokens: int = 0  # prompt tokens waiting in the scheduler's queue
     queued: int = 0  # requests waiting in the scheduler's queue
+    epoch: int = 0  # the router lease's fencing token (0: no lease backend), sent to engines
 
     def adjusted(self, deltas: Mapping[str, EngineDelta]) -> "FleetView":
         """This view with a holder's own changes since it was taken."""

@@ -146,5 +146,6 @@ def _mode_arg(body: Any) -> str:
 def _check_admin(cfg: NarwhalConfig, request: Request) -> None:
     token = os.environ.get(cfg.admin.token_env, "")
     given = request.headers.get("authorization", "")
-    if not token or not secrets.compare_digest(given, f"Bearer {token}"):
+    # bytes: compare_digest refuses non-ASCII str (a hostile header must be a 401, not a 500)
+    if not token or not secrets.compare_digest(given.encode("latin-1", "replace"), f"Bearer {token}".encode()):
         raise InvalidApiKey("admin routes need 'Authorization: Bearer <admin token>'")

@@ -169,7 +169,8 @@ class CompletionHandler:
                 self.reporter.admission_wait(wait)
                 trail.admitted("lease", wait, verdict.predicted_s, verdict.engines)
                 placed = PlacedRequest(rid, self.cfg.model, parsed, verdict.routes, deadline, trail.traceparent(),
-                                       self._first_token_s(budget, verdict.predicted_s))
+                                       self._first_token_s(budget, verdict.predicted_s),
+                                       lease.view.epoch if lease.view is not None else 0)
                 return await self._respond(placed, ticket, parsed, echo, trail)
         admit_req = AdmitRequest(
             ticket, deadline, parsed.prompt_tokens, parsed.max_output_tokens, budget,
@@ -187,7 +188,7 @@ class CompletionHandler:
         self.reporter.admission_wait(wait)
         trail.admitted("scheduler", wait, result.predicted_ttft_s, result.candidates[0].engines if result.candidates else ())
         placed = PlacedRequest(rid, self.cfg.model, parsed, result.candidates, deadline, trail.traceparent(),
-                               self._first_token_s(budget, result.predicted_ttft_s))
+                               self._first_token_s(budget, result.predicted_ttft_s), result.epoch)
         return await self._respond(placed, ticket, parsed, echo, trail)
 
     def _first_token_s(self, budget: float, predicted: float | None) -> float:

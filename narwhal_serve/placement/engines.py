@@ -15,6 +15,7 @@ class EngineState:
     cfg: EngineConfig
     healthy: bool = False
     last_ok: float | None = None  # when /health and /metrics last both answered
+    last_answer: float | None = None  # when a scrape last got any definitive answer (refused, 503, 200)
     load: EngineLoad = field(default_factory=EngineLoad)
     inflight: int = 0  # requests the router has routed here and not yet seen end
     inflight_at_scrape: int = 0  # ``inflight`` when the last /metrics answer arrived
@@ -36,6 +37,11 @@ class EngineState:
 
     def fresh(self, now: float, stale_after_s: float) -> bool:
         return self.last_ok is not None and now - self.last_ok <= stale_after_s
+
+    def answered(self, now: float, stale_after_s: float) -> bool:
+        """The router knows this engine's state: fresh metrics, or a recent definite "down"
+        (refused connection, unhealthy) — not a scrape that hangs (monitoring-degraded counts these)."""
+        return self.fresh(now, stale_after_s) or (self.last_answer is not None and now - self.last_answer <= stale_after_s)
 
     def eligible(self, now: float, stale_after_s: float, maintenance: frozenset[str]) -> bool:
         """Healthy, with fresh metrics (stale counts as unusable), not in a maintenance wave, its
@@ -75,6 +81,8 @@ class EngineState:
             "healthy": self.healthy,
             "eligible": self.eligible(now, stale_after_s, maintenance),
             "metrics_age_s": None if self.last_ok is None else round(now - self.last_ok, 3),
+            "maintenance": self.cfg.wave in maintenance,
+            "draining": self.cfg.wave in maintenance and self.inflight > 0,
             "running": self.load.running,
             "waiting": self.load.waiting,
             "kv_cache_usage": self.load.kv_usage,

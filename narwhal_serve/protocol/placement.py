@@ -32,3 +32,4 @@ class PlacedRequest:
     traceparent: str | None = None  # W3C trace context of the ingress's request span (tracing on)
     # before headers, an attempt with no first token this long (seconds) moves to the next route
     first_token_s: float | None = None
+    epoch: int = 0  # the router lease's fencing token it was admitted under (0: no lease backend)

@@ -192,6 +192,8 @@ class Relay:
         expired = False
         req = placed.request
         headers = {"X-Request-Id": placed.request_id}
+        if placed.epoch:
+            headers["X-Narwhal-Epoch"] = str(placed.epoch)  # the fencing token (README, "Running two routers")
         last = len(placed.candidates)
         for attempt, route in enumerate(placed.candidates, start=1):
             if self.clock() >= placed.deadline:

@@ -33,6 +33,7 @@ class AdmitResult:
     error: ErrorInfo | None = None
     outcome: Outcome | None = None  # with ``error``: the terminal class the scheduler counted
     predicted_ttft_s: float | None = None  # with ``candidates``, in predictive mode
+    epoch: int = 0  # with ``candidates``: the router lease's epoch they were placed under
 
 
 @dataclass(frozen=True)

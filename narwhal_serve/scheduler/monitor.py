@@ -20,10 +20,13 @@ async def scrape_one(client: httpx.AsyncClient, e: EngineState, now: float, time
             client.get(base + "/health", timeout=timeout_s),
             client.get(base + "/metrics", timeout=timeout_s),
         )
-    except (httpx.HTTPError, OSError):
+    except (httpx.HTTPError, OSError) as exc:
         e.healthy = False
         e.failures += 1
+        if not isinstance(exc, httpx.TimeoutException):  # refused or reset: a definite "down"
+            e.last_answer = now
         return
+    e.last_answer = now
     e.healthy = health.status_code == 200
     if e.healthy and metrics.status_code == 200:
         e.load = parse_engine_metrics(metrics.text)

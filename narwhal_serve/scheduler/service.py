@@ -23,9 +23,10 @@ from narwhal_serve.admission.counters import Counters
 from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.config import EngineConfig, NarwhalConfig
 from narwhal_serve.errors import ErrorInfo, NarwhalError
-from narwhal_serve.ha.state import RouterState, backend_unavailable
+from narwhal_serve.ha.state import RouterState, backend_unavailable, router_unavailable
 from narwhal_serve.placement.engines import EngineState
 from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.scheduler.ha import RouterHA
 from narwhal_serve.scheduler.leases import LEASE_TTL_S, LeaseLedger
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, LocalPlacement, Report
 from narwhal_serve.scheduler.learning import learn_from
@@ -49,9 +50,12 @@ _TOMBSTONES = 4096
 
 
 class SchedulerService:
-    def __init__(self, cfg: NarwhalConfig, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, cfg: NarwhalConfig, *, clock: Callable[[], float] = time.time, mono: Callable[[], float] = time.monotonic
+    ) -> None:
         self.cfg = cfg
         self.clock = clock
+        self.ha = RouterHA(cfg, mono=mono)  # the router's lease and its monitoring's health
         self.admission = AdmissionController(cfg.admission, cfg.serving)
         self.leases = LeaseLedger(self.admission)
         self.engines: dict[str, EngineState] = {e.name: EngineState(e) for e in cfg.resolved_engines()}
@@ -75,6 +79,7 @@ class SchedulerService:
         self._monitor: asyncio.Task[None] | None = None
         self._expiry: asyncio.TimerHandle | None = None
         self._probes: set[asyncio.Task[None]] = set()
+        self._ha: asyncio.Task[None] | None = None
         self.calls = {"admit": 0, "report": 0}  # calls from ingress replicas (/status)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -82,10 +87,16 @@ class SchedulerService:
         if self._monitor is None:
             self._client = httpx.AsyncClient(timeout=self.cfg.monitoring.scrape_timeout_s)
             self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
+        if self._ha is None and self.ha.lease is not None:
+            self._ha = asyncio.get_running_loop().create_task(self.ha.run(self._pump))
 
     async def stop(self) -> None:
         for t in list(self._probes):
             t.cancel()
+        if self._ha is not None:
+            self._ha.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ha  # hands the lease over (release) on the way out
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -125,6 +136,7 @@ class SchedulerService:
             self._client, list(self.engines.values()), self.clock(), self.cfg.monitoring.scrape_timeout_s
         )
         self.router.started = True
+        self.ha.last_pass = self.clock()
         self._pump()  # engines may have become eligible for queued requests
 
     def reap(self) -> None:
@@ -153,11 +165,25 @@ class SchedulerService:
             ))
         return FleetView(
             engines=tuple(facts),
-            unavailable=self.router.unavailable_reason({e.cfg.wave for e in self.engines.values()}),
+            unavailable=self.unavailable(now),
+            epoch=self.ha.epoch(),
             predictive=self.cfg.admission.mode == "predictive",
             queued_tokens=self._queued_tokens if queued_tokens is None else queued_tokens,
             queued=len(self.admission.queue) if queued_tokens is None else 0,
         )
+
+    def unavailable(self, now: float) -> str | None:
+        """Why the router refuses everything now (SPEC §3 /ready reasons), or None: its lease
+        (standby, fenced), its admin mode, whole-wave maintenance, then its own monitoring."""
+        lease_mode = self.ha.lease_mode()
+        if lease_mode is not None and lease_mode != "active":
+            return lease_mode
+        reason = self.router.unavailable_reason({e.cfg.wave for e in self.engines.values()})
+        if reason is not None:
+            return reason
+        if self.router.started and self.ha.degraded(self.engines.values(), now, frozenset(self.router.maintenance)):
+            return "monitoring_degraded"
+        return None
 
     # -- admission ---------------------------------------------------------------------------
     def _refuse(self, refusal: Refusal) -> AdmitResult:
@@ -181,7 +207,7 @@ class SchedulerService:
 
     def _placed(self, tid: str, placement: Placement, deadline: float) -> AdmitResult:
         self._charge(tid, placement, deadline, None)
-        return AdmitResult(candidates=placement.routes, predicted_ttft_s=placement.predicted_s)
+        return AdmitResult(candidates=placement.routes, predicted_ttft_s=placement.predicted_s, epoch=self.ha.epoch())
 
     def _prefill_done(self, t: _Ticket) -> None:
         if not t.prefill_done:
@@ -244,6 +270,10 @@ class SchedulerService:
             fut = self._waiters.pop(t.id, None)
             if req is None or fut is None or fut.done():
                 self.admission.release(t.id)
+                continue
+            if (reason := self.unavailable(now)) is not None:  # fenced, standby...: nothing is admitted
+                self.admission.release(t.id)
+                fut.set_result(self._refuse_info(router_unavailable(reason), Outcome.REJECTED))
                 continue
             # ranked again now (it waited); nothing queued is ahead of it any more
             self._rotation += 1
@@ -318,8 +348,8 @@ class SchedulerService:
             return None
         rec, _ = grant_for
         granted, target = self.leases.grant(rec, bool(self.admission.queue))
-        return LeaseGrant(rep.lease.lease_id, rep.lease.generation, self.view(now), now, LEASE_TTL_S,
-                          granted, target, epoch=rec.epoch)
+        return LeaseGrant(rep.lease.lease_id, rep.lease.generation, self.view(now), now,
+                          self.ha.ingress_ttl(LEASE_TTL_S), granted, target, epoch=rec.epoch)
 
     def _local_placed(self, lp: LocalPlacement, lease_id: str) -> None:
         self._charge(lp.ticket_id, lp.placement, lp.deadline, lease_id)
@@ -361,9 +391,15 @@ class SchedulerService:
     def set_mode(self, mode: str) -> None:
         if mode not in ("active", "standby", "fenced", "monitoring_degraded"):
             raise ValueError(f"unknown router mode {mode!r}")
+        if self.ha.lease is not None:
+            raise ValueError("with ha.lease.backend: redis the lease decides the router's mode")
         self.router.mode = mode  # type: ignore[assignment]
 
     def maintenance(self, waves: list[str], on: bool) -> list[str]:
+        """Engines of these waves take no new work; in-flight requests finish (``draining``)."""
+        unknown = sorted(set(waves) - {e.cfg.wave for e in self.engines.values()})
+        if on and unknown:
+            raise ValueError(f"unknown wave(s) {unknown}; engines are in {sorted({e.cfg.wave for e in self.engines.values()})}")
         if on:
             self.router.maintenance.update(waves)
         else:
@@ -379,7 +415,7 @@ class SchedulerService:
         return self.engines.pop(name, None) is not None
 
     def readiness(self) -> tuple[bool, str]:
-        reason = self.router.unavailable_reason({e.cfg.wave for e in self.engines.values()})
+        reason = self.unavailable(self.clock())
         if reason is not None:
             return False, reason
         if not self.router.started:
@@ -397,6 +433,8 @@ class SchedulerService:
             "ready": ready,
             "state": reason,
             "router_mode": self.router.mode,
+            "epoch": self.ha.epoch() or None,
+            "ha": self.ha.view(),
             "maintenance_waves": sorted(maint),
             "admission_mode": self.cfg.admission.mode,
             "counters": self.counters.seed_view(),

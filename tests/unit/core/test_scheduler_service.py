@@ -157,3 +157,46 @@ async def test_backpressure_keeps_an_engine_out_briefly_and_a_first_token_resets
     assert a.error is None
     svc.report(Report(decode_started=[("a", ("u",))]))
     assert u.breaker.failures == 0
+
+
+async def test_monitoring_degraded_is_detected_and_recovers_by_itself() -> None:
+    svc, clock = service()
+    svc.ha.last_pass = clock.t
+    assert svc.readiness() == (True, "active")
+    clock.t += 6  # no engine answered for longer than stale_after_s: the router's view is dark
+    svc.ha.last_pass = clock.t
+    assert svc.readiness() == (False, "monitoring_degraded")
+    r = await svc.admit(req("x"))
+    assert r.error is not None and r.error.code == "router_unavailable" and r.error.reason == "monitoring_degraded"
+    assert "fresh data from 0 of 3" in str(svc.snapshot()["ha"]["monitoring_degraded"])
+    for e in svc.engines.values():  # they answer again: refused connections are a definite "down"
+        e.last_answer = clock.t
+    assert svc.readiness() == (False, "no_eligible_engines")  # down, not dark: backend_unavailable
+    r = await svc.admit(req("y"))
+    assert r.error is not None and r.error.code == "backend_unavailable"
+    for e in svc.engines.values():
+        e.last_ok = clock.t
+    assert svc.readiness() == (True, "active")
+    clock.t += 3.5  # the monitor loop has not completed a pass for max(3 × 1 s, 5 s)... not yet
+    assert svc.readiness() == (True, "active")
+    for e in svc.engines.values():
+        e.last_ok = clock.t
+    clock.t += 2
+    assert svc.readiness() == (False, "monitoring_degraded") and "stalled" in str(svc.ha.degraded_why)
+    svc.ha.last_pass = clock.t
+    assert svc.readiness() == (True, "active")
+
+
+async def test_maintenance_drains_and_the_lease_decides_the_mode() -> None:
+    svc, clock = service()
+    a = await svc.admit(req("a"))
+    assert a.error is None
+    served = a.candidates[0].engines
+    waves = svc.maintenance(["a"], True)  # every engine is in wave a
+    assert waves == ["a"] and svc.readiness() == (False, "maintenance")
+    views = {e["name"]: e for e in svc.snapshot()["engines"]}
+    assert all(views[n]["draining"] for n in served) and all(v["maintenance"] for v in views.values())
+    svc.report(Report(released=[("a", None, True)]))
+    assert not any(e["draining"] for e in svc.snapshot()["engines"])
+    svc.maintenance(["a"], False)
+    assert svc.readiness() == (True, "active")

@@ -1,0 +1,146 @@
+"""What makes the router refuse everything by itself: its lease (standby, fenced) and its own
+monitoring (monitoring_degraded).  The scheduler owns one :class:`RouterHA`.
+
+* Lease (``ha.lease.backend: redis``): a loop calls the backend's acquire-or-renew every
+  ``renew_s``; :class:`~narwhal_serve.ha.lease.RouterLease` turns the answers into the mode.  A
+  ``standby`` role hint waits one renewal before its first try, so a pair started together gives
+  the lease to the router meant to be active.
+* Monitoring-degraded: the router cannot trust its projections when too few engines have fresh
+  data — fewer than ``monitoring.min_fresh_fraction`` of the engines outside maintenance have
+  answered their last scrape within ``stale_after_s`` (an engine that refuses connections or says
+  it is unhealthy *has* answered: that is a down engine, 503 ``backend_unavailable``, not a dark
+  one) — or when the monitor loop itself has not completed a pass for ``max(3 × scrape_interval_s,
+  stale_after_s)``.  Both recover by themselves when data is fresh again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from narwhal_serve.config import NarwhalConfig
+from narwhal_serve.ha.lease import LeaseMode, RouterLease
+from narwhal_serve.ha.redis_lease import RedisLease
+from narwhal_serve.placement.engines import EngineState
+
+log = logging.getLogger("narwhal.ha")
+
+
+def holder_id() -> str:
+    """Unique per router process start: host, pid and a random tag."""
+    return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
+
+
+class RouterHA:
+    def __init__(self, cfg: NarwhalConfig, *, mono: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.mono = mono
+        lc = cfg.ha.lease
+        self.lease = RouterLease(holder_id(), lc.ttl_s) if lc.backend == "redis" else None
+        self.backend: RedisLease | None = None
+        self.last_pass: float | None = None  # wall clock: the monitor loop's last completed pass
+        self.degraded_why: str | None = None
+        self._last_mode: str | None = None
+
+    # -- lease --------------------------------------------------------------------------------
+    def lease_mode(self) -> LeaseMode | None:
+        """``None`` without a lease backend (one router: ``ha.role`` and the admin route decide)."""
+        if self.lease is None:
+            return None
+        mode = self.lease.mode(self.mono())
+        if mode != self._last_mode:
+            self._last_mode = mode
+            log.warning("router lease: %s (epoch %s, holder %s%s)", mode, self.lease.epoch or self.lease.fenced_epoch,
+                        self.lease.holder, f", {self.lease.last_error}" if self.lease.last_error else "")
+        return mode
+
+    def epoch(self) -> int:
+        """The fencing token requests are placed under (0 without a lease backend)."""
+        return self.lease.epoch if self.lease is not None and self.lease_mode() == "active" else 0
+
+    def ingress_ttl(self, cap: float) -> float:
+        """How long an ingress lease granted now may admit: never past the router's own lease."""
+        if self.lease is None:
+            return cap
+        return min(cap, self.lease.remaining(self.mono()))
+
+    async def run(self, on_change: Callable[[], None]) -> None:
+        """Acquire or renew every ``renew_s`` until cancelled."""
+        if self.lease is None:
+            return
+        lc = self.cfg.ha.lease
+        if self.backend is None:
+            self.backend = RedisLease(lc.url or "", lc.key, timeout_s=lc.renew_s)
+        if self.cfg.ha.role == "standby":
+            await asyncio.sleep(lc.renew_s)
+        try:
+            while True:
+                await self.renew_once()
+                on_change()
+                await asyncio.sleep(lc.renew_s)
+        finally:
+            await self.release()
+
+    async def renew_once(self) -> None:
+        if self.lease is None or self.backend is None:
+            return
+        lc = self.cfg.ha.lease
+        sent = self.mono()
+        try:
+            async with asyncio.timeout(lc.renew_s):
+                ans = await self.backend.acquire_or_renew(self.lease.holder_id, lc.ttl_s, self.lease.seen_epoch)
+        except Exception as exc:  # Redis unreachable, slow, or failing: keep the lease until it lapses
+            self.lease.on_error(f"{type(exc).__name__}: {exc}"[:200])
+        else:
+            self.lease.on_answer(ans.won, ans.epoch, ans.holder, sent)
+        self.lease_mode()  # log a transition
+
+    async def release(self) -> None:
+        """Hand the lease over at once on a clean stop (best effort)."""
+        if self.lease is None or self.backend is None:
+            return
+        try:
+            if self.lease.mode(self.mono()) == "active":
+                async with asyncio.timeout(self.cfg.ha.lease.renew_s):
+                    await self.backend.release(self.lease.holder_id, self.lease.epoch)
+        except Exception:
+            log.warning("could not release the router lease; it lapses after ha.lease.ttl_s")
+        finally:
+            await self.backend.close()
+            self.backend = None
+
+    # -- monitoring ---------------------------------------------------------------------------
+    def degraded(self, engines: Iterable[EngineState], now: float, maintenance: frozenset[str]) -> str | None:
+        """Why the router's view cannot be trusted now, or None."""
+        mon = self.cfg.monitoring
+        stalled_after = max(3 * mon.scrape_interval_s, mon.stale_after_s)
+        why: str | None = None
+        if self.last_pass is not None and now - self.last_pass > stalled_after:
+            why = f"monitor loop stalled for {now - self.last_pass:.1f} s"
+        else:
+            watched = [e for e in engines if e.cfg.wave not in maintenance]
+            if watched and self.last_pass is not None:
+                seen = sum(1 for e in watched if e.answered(now, mon.stale_after_s))
+                if seen / len(watched) < mon.min_fresh_fraction:
+                    why = f"fresh data from {seen} of {len(watched)} engines"
+        if why != self.degraded_why:
+            if why is not None:
+                log.warning("monitoring degraded: %s", why)
+            elif self.degraded_why is not None:
+                log.warning("monitoring recovered")
+            self.degraded_why = why
+        return why
+
+    def view(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"backend": self.cfg.ha.lease.backend, "role_hint": self.cfg.ha.role,
+                               "monitoring_degraded": self.degraded_why}
+        if self.lease is not None:
+            out.update(self.lease.view(self.mono()), key=self.cfg.ha.lease.key, ttl_s=self.cfg.ha.lease.ttl_s,
+                       renew_s=self.cfg.ha.lease.renew_s)
+        return out
