@@ -59,7 +59,9 @@ class SchedulerService:
         self.admission = AdmissionController(cfg.admission, cfg.serving)
         self.leases = LeaseLedger(self.admission)
         self.engines: dict[str, EngineState] = {e.name: EngineState(e) for e in cfg.resolved_engines()}
-        self.router = RouterState(mode="standby" if cfg.ha.role == "standby" else "active")
+        # ha.role is the mode of a lone router; with a lease backend the lease decides (role: a hint)
+        lone_standby = cfg.ha.role == "standby" and cfg.ha.lease.backend == "none"
+        self.router = RouterState(mode="standby" if lone_standby else "active")
         self.counters = Counters()
         self.histograms = {
             "ttft": Histogram(),

@@ -272,3 +272,15 @@ async def test_a_stream_broken_after_headers_reports_its_engine() -> None:
     err = {"error": {"message": "bad", "type": "BadRequestError", "param": "x", "code": 400}}
     msgs, _ = await run(lambda r: httpx.Response(400, json=err), placed(True))
     assert msgs[-1].error is not None and msgs[-1].error.status == 400 and not msgs[-1].faults
+
+
+async def test_the_router_epoch_goes_to_the_engine() -> None:
+    seen: list[str | None] = []
+
+    def h(r: httpx.Request) -> httpx.Response:
+        seen.append(r.headers.get("x-narwhal-epoch"))
+        return httpx.Response(200, stream=httpx.ByteStream(GOOD))
+
+    await _relay(h, _with(placed(True), epoch=42), idle_s=60)
+    await _relay(h, placed(True), idle_s=60)  # no lease backend: no header
+    assert seen == ["42", None]
