@@ -191,6 +191,11 @@ class RelayStreamResponse(Response):
                 reader = asyncio.ensure_future(self._read())
             while True:
                 while not self._buf:
+                    if reader is not None and reader.done():  # it stopped before the final message
+                        if self._over.done():
+                            raise _SlowReader()  # at the cap (the client caught up too late)
+                        self._buf.append(_failure("the relay reader stopped"))
+                        break
                     self._more.clear()
                     try:
                         async with asyncio.timeout(self.keepalive_s):
