@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from narwhal_serve.managed.slot import slot_names
+from narwhal_serve.managed.spec import LaunchSpec
 from narwhal_serve.sim.config import SimEngineConfig
 
 
@@ -60,7 +62,10 @@ class AdmissionConfig(_Strict):
 
 class EngineConfig(_Strict):
     name: str
-    url: str
+    # an engine you run; or, instead, `launch`: Narwhal starts it (README, "Managed engines"), and the
+    # scheduler fills in the URL its replica reports ("" until then)
+    url: str = ""
+    launch: LaunchSpec | None = None
     role: Literal["prefill", "decode", "unified"] = "unified"
     dialect: Literal["vllm", "sglang", "openai"] = "vllm"
     wave: str = "a"
@@ -73,9 +78,23 @@ class EngineConfig(_Strict):
     ttft_prior_a_s: float | None = Field(None, ge=0)
     ttft_prior_b_s_per_token: float | None = Field(None, gt=0)
 
+    @model_validator(mode="after")
+    def _url_or_launch(self) -> "EngineConfig":
+        if bool(self.url) == (self.launch is not None):
+            raise ValueError(f"engine {self.name!r}: give exactly one of `url` (an engine you run) or "
+                             f"`launch` (Narwhal starts it as a Ray deployment), not "
+                             f"{'both' if self.url else 'neither'}")
+        return self
+
     @property
     def base_url(self) -> str:
+        if not self.url:  # a managed engine before its replica registered: not routable
+            raise ValueError(f"engine {self.name!r} has no URL yet (a managed engine still starting)")
         return self.url.rstrip("/")
+
+    def names(self) -> list[str]:
+        """The names this entry puts in the fleet (several for a managed engine with replicas)."""
+        return [self.name] if self.launch is None else slot_names(self.name, self.launch.replicas)
 
 
 class MonitoringConfig(_Strict):
@@ -85,9 +104,13 @@ class MonitoringConfig(_Strict):
     # Passive health: this many consecutive failed attempts (errors, broken or malformed streams,
     # first-token timeouts) open an engine's circuit breaker: no new work for breaker_open_s
     # (doubling on each reopen, at most breaker_max_open_s), then a one-token probe closes it.
-    breaker_failures: int = Field(2, ge=1)
+    breaker_failures: int = Field(3, ge=1)
     breaker_open_s: float = Field(2.0, gt=0)
     breaker_max_open_s: float = Field(60.0, gt=0)
+    # At most this fraction of the engines (at least one, never all) have an open breaker at once:
+    # failures the router cannot pin on an engine must not take the whole fleet out (Envoy's
+    # max_ejection_percent). A sole engine's breaker never opens.
+    breaker_max_open_fraction: float = Field(0.5, gt=0, le=1)
     # An engine's 429/503 is backpressure, not a failure: no new work for its Retry-After, or
     # backpressure_s without one (at most 10 s).
     backpressure_s: float = Field(1.0, gt=0)
@@ -205,9 +228,11 @@ class NarwhalConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "NarwhalConfig":
-        names = [e.name for e in self.engines]
+        names = [n for e in self.engines for n in e.names()]
         if len(set(names)) != len(names):
-            raise ValueError("engines: names must be unique")
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"engines: names must be unique (a managed engine with launch.replicas > 1 "
+                             f"is <name>-0, <name>-1, …); repeated: {dup}")
         if self.admission.ttft_budget_s > self.admission.max_ttft_budget_s:
             raise ValueError("admission.ttft_budget_s must not exceed admission.max_ttft_budget_s")
         return self

@@ -42,6 +42,55 @@ from narwhal_serve.engines.errors import EngineFailure
 from narwhal_serve.engines.sse import SSEDecoder
 
 _DONE = b"[DONE]"
+MAX_DEPTH = 128  # containers inside containers in one engine payload; deeper is malformed
+
+
+def _finite(text: str) -> float:
+    f = float(text)
+    if f - f != 0.0:  # inf (an overflowing literal such as 1e999) or nan
+        raise ValueError(f"number {text[:40]} is out of range")
+    return f
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+_STRICT = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant)
+
+
+def _deeper_than(obj: Any, limit: int) -> bool:
+    stack: list[tuple[Any, int]] = [(obj, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict):
+            kids: Any = v.values()
+        elif isinstance(v, list):
+            kids = v
+        else:
+            continue
+        if depth >= limit:
+            return True
+        stack.extend((k, depth + 1) for k in kids)
+    return False
+
+
+def loads_strict(data: bytes) -> Any:
+    """JSON from an engine, only as the router can pass it on: valid UTF-8 and strict JSON (no NaN
+    or Infinity, no number that overflows to infinity, no lone surrogate, raw or escaped), at most
+    :data:`MAX_DEPTH` containers deep.  Anything else raises :class:`ValueError`.
+
+    The checks cost next to nothing on ordinary chunks: the depth walk runs only when the payload
+    has more than MAX_DEPTH brackets, the surrogate check only when it has a ``\\ud`` escape."""
+    try:
+        obj = _STRICT.decode(data.decode("utf-8"))  # strict UTF-8: a raw surrogate is an error
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and _deeper_than(obj, MAX_DEPTH):
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+    if b"\\ud" in data or b"\\uD" in data:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")  # UnicodeEncodeError on a lone surrogate
+    return obj
 
 
 def _retry_after(headers: httpx.Headers) -> float | None:
@@ -61,7 +110,7 @@ def _http_failure(engine: str, resp_body: bytes, status: int, headers: httpx.Hea
     msg: str | None = None
     param: str | None = None
     try:
-        err = json.loads(resp_body).get("error", {})
+        err = loads_strict(resp_body).get("error", {})
         if isinstance(err, dict):
             msg = err.get("message") if isinstance(err.get("message"), str) else None
             param = err.get("param") if isinstance(err.get("param"), str) else None
@@ -124,11 +173,14 @@ async def stream_chunks(
 
 def _parse(engine: str, data: bytes) -> dict[str, Any]:
     try:
-        obj = json.loads(data)
-    except ValueError:
-        raise EngineFailure(engine, f"malformed SSE payload: {data[:80]!r}") from None
+        obj = loads_strict(data)
+    except ValueError as exc:
+        raise EngineFailure(engine, f"malformed SSE payload ({exc}): {data[:80]!r}") from None
     if not isinstance(obj, dict):
         raise EngineFailure(engine, "SSE payload is not a JSON object")
+    choices = obj.get("choices")
+    if choices is not None and not (type(choices) is list and all(type(c) is dict for c in choices)):
+        raise EngineFailure(engine, "SSE payload's choices is not a list of objects")
     if "error" in obj and "choices" not in obj:
         err = obj["error"]
         if isinstance(err, dict):
@@ -156,9 +208,9 @@ async def post_json(
     if resp.status_code != 200:
         raise _http_failure(engine, resp.content, resp.status_code, resp.headers)
     try:
-        obj = resp.json()
-    except ValueError:
-        raise EngineFailure(engine, "response is not JSON") from None
+        obj = loads_strict(resp.content)
+    except ValueError as exc:
+        raise EngineFailure(engine, f"response is not JSON the router can pass on ({exc})") from None
     if not isinstance(obj, dict):
         raise EngineFailure(engine, "response is not a JSON object")
     return obj

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -59,13 +60,16 @@ async def open_route(
     if route.prefill is None:
         body = dialect.decode_body(req)
         with leg_span(tracing, parent, "narwhal.decode", decode.name, headers) as h:
-            async for batch in stream_chunks(client, decode.name, _url(decode, req), body, h):
-                yield batch
+            async with aclosing(stream_chunks(client, decode.name, _url(decode, req), body, h)) as chunks:
+                async for batch in chunks:
+                    yield batch
         return
     prefill = route.prefill
     if decode.dialect == "sglang":
-        async for batch in _sglang_pd(client, prefill, decode, req, headers, tracing, parent):
-            yield batch
+        # closed as soon as this generator is: its prefill leg must not outlive the attempt
+        async with aclosing(_sglang_pd(client, prefill, decode, req, headers, tracing, parent)) as pd:
+            async for batch in pd:
+                yield batch
         return
     # vLLM two-step: prefill leg (non-streaming, max_tokens 1), then the decode leg carrying the
     # kv_transfer_params the prefill answer returned, verbatim.
@@ -78,8 +82,9 @@ async def open_route(
     kv = pre.get("kv_transfer_params")
     body = VLLM.decode_body(req, kv)
     with leg_span(tracing, parent, "narwhal.decode", decode.name, headers) as h:
-        async for batch in stream_chunks(client, decode.name, _url(decode, req), body, h):
-            yield batch
+        async with aclosing(stream_chunks(client, decode.name, _url(decode, req), body, h)) as chunks:
+            async for batch in chunks:
+                yield batch
 
 
 async def _sglang_pd(
@@ -101,8 +106,9 @@ async def _sglang_pd(
     try:
         body = SGLANG.decode_body(req, boot)
         with leg_span(tracing, parent, "narwhal.decode", decode.name, headers) as h:
-            async for batch in stream_chunks(client, decode.name, _url(decode, req), body, h):
-                yield batch
+            async with aclosing(stream_chunks(client, decode.name, _url(decode, req), body, h)) as chunks:
+                async for batch in chunks:
+                    yield batch
         await pre_task  # drain the prefill answer; its failure fails the attempt
     finally:
         if not pre_task.done():

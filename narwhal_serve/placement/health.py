@@ -42,7 +42,9 @@ class Breaker:
         return self.state == "closed" and now >= self.backpressure_until
 
     def on_fault(self, kind: FaultKind, now: float, cfg: MonitoringConfig, retry_after_s: float | None = None,
-                 why: str = "") -> None:
+                 why: str = "", may_open: bool = True) -> None:
+        """``may_open``: the fleet can spare this engine (see :func:`may_open`); otherwise the
+        failure is counted and the breaker opens at the first failure once it can."""
         self.faults_total[kind] = self.faults_total.get(kind, 0) + 1
         if kind == "backpressure":
             hold = cfg.backpressure_s if retry_after_s is None else retry_after_s
@@ -50,7 +52,7 @@ class Breaker:
             return
         self.last_fault = why or kind
         self.failures += 1
-        if self.state == "closed" and self.failures >= cfg.breaker_failures:
+        if self.state == "closed" and self.failures >= cfg.breaker_failures and may_open:
             self._open(now, cfg)
 
     def on_success(self) -> None:
@@ -98,3 +100,10 @@ class Breaker:
             "faults_total": dict(self.faults_total),
             "probes_total": dict(self.probes_total),
         }
+
+
+def may_open(open_now: int, engines: int, cfg: MonitoringConfig) -> bool:
+    """May one more breaker open, with ``open_now`` of ``engines`` open already?  At most
+    ``breaker_max_open_fraction`` of them (at least one), and never the last engine."""
+    cap = min(engines - 1, max(1, int(engines * cfg.breaker_max_open_fraction)))
+    return open_now < cap

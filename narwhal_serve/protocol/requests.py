@@ -55,6 +55,18 @@ def _bad(param: str, what: str) -> InvalidRequest:
 
 MAX_NESTING = 64  # containers inside containers; deeper bodies are refused before they reach an engine
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A surrogate sent raw: UTF-8 bytes ED A0..BF xx, which json.loads decodes with 'surrogatepass'.
+_SURROGATE_RAW = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+def _may_hold_surrogates(raw: bytes) -> bool:
+    """Whether ``raw`` may decode to a lone surrogate: escaped, sent as raw UTF-8 bytes, or in a
+    UTF-16/32 body (which json.loads detects from the NUL bytes in its first four bytes)."""
+    return (
+        _SURROGATE_ESCAPE.search(raw) is not None
+        or (b"\xed" in raw and _SURROGATE_RAW.search(raw) is not None)
+        or b"\x00" in raw[:4]
+    )
 
 
 def _finite(text: str) -> float:
@@ -89,12 +101,14 @@ def _walk(value: Any, check_strings: bool) -> None:
                 try:
                     v.encode("utf-8")
                 except UnicodeEncodeError:
-                    raise InvalidRequest(f"'{path}' is not valid Unicode (a lone surrogate)", param=path or None) from None
+                    msg = f"'{path}' is not valid Unicode (a lone surrogate)"
+                    raise InvalidRequest(msg, param=path if depth else None) from None
             continue
         if depth >= MAX_NESTING:
-            raise InvalidRequest(f"the body nests deeper than {MAX_NESTING} levels", param=path[:200] or None)
+            msg = f"the body nests deeper than {MAX_NESTING} levels"
+            raise InvalidRequest(msg, param=path[:200] if depth else None)
         for k, child in items:
-            child_path = f"{path}.{k}" if path else str(k)
+            child_path = f"{path}.{k}" if depth else str(k)  # (not `if path`: a key may be "")
             if check_strings and isinstance(k, str):
                 _check_key(k, child_path)
             stack.append((child, child_path, depth + 1))
@@ -113,7 +127,7 @@ def decode_json(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {exc}", param=None) from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object", param=None)
-    _walk(body, check_strings=_SURROGATE_ESCAPE.search(raw) is not None)
+    _walk(body, check_strings=_may_hold_surrogates(raw))
     return body
 
 
@@ -238,7 +252,7 @@ def _check_prompt(body: dict[str, Any]) -> tuple[int, tuple[int, ...] | None]:
         if all(isinstance(s, list) for s in p):
             if len(p) > 1:
                 raise InvalidSamplingWidth("prompt")
-            if all(_is_int(t) and t >= 0 for t in p[0]):
+            if p[0] and all(_is_int(t) and t >= 0 for t in p[0]):  # [[]] is as empty as []
                 return 0, tuple(p[0])
     raise _bad("prompt", "is required and must be a string or a list of token ids")
 

@@ -25,12 +25,15 @@ from narwhal_serve.config import EngineConfig, NarwhalConfig
 from narwhal_serve.errors import ErrorInfo, NarwhalError
 from narwhal_serve.ha.state import RouterState, backend_unavailable, router_unavailable
 from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.placement.health import may_open
 from narwhal_serve.relay.messages import RelayStats
 from narwhal_serve.scheduler.ha import RouterHA
+from narwhal_serve.managed.slot import ReplicaReport
 from narwhal_serve.scheduler.leases import LEASE_TTL_S, LeaseLedger
+from narwhal_serve.scheduler.managed import ManagedFleet, initial_engines
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, LocalPlacement, Report
 from narwhal_serve.scheduler.learning import learn_from
-from narwhal_serve.scheduler.monitor import probe_one, scrape_all
+from narwhal_serve.scheduler.monitor import probe_one, scrape_all, scrape_one
 from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, Tally, render_metrics
 
 REAP_GRACE_S = 5.0  # a ticket past its request deadline by this much is forgotten (permits freed)
@@ -58,7 +61,8 @@ class SchedulerService:
         self.ha = RouterHA(cfg, mono=mono)  # the router's lease and its monitoring's health
         self.admission = AdmissionController(cfg.admission, cfg.serving)
         self.leases = LeaseLedger(self.admission)
-        self.engines: dict[str, EngineState] = {e.name: EngineState(e) for e in cfg.resolved_engines()}
+        self.engines: dict[str, EngineState] = initial_engines(cfg)
+        self.managed = ManagedFleet(cfg, self.engines)  # Ray-managed engines' slots (README, "Managed engines")
         # ha.role is the mode of a lone router; with a lease backend the lease decides (role: a hint)
         lone_standby = cfg.ha.role == "standby" and cfg.ha.lease.backend == "none"
         self.router = RouterState(mode="standby" if lone_standby else "active")
@@ -331,7 +335,9 @@ class SchedulerService:
             grant_for = (rec, fresh)
         for f in rep.faults:
             if (e := self.engines.get(f.engine)) is not None:
-                e.breaker.on_fault(f.kind, now, self.cfg.monitoring, f.retry_after_s, f.why)
+                open_now = sum(1 for x in self.engines.values() if x.breaker.state != "closed")
+                spare = may_open(open_now, len(self.engines), self.cfg.monitoring)
+                e.breaker.on_fault(f.kind, now, self.cfg.monitoring, f.retry_after_s, f.why, may_open=spare)
         for tid, engines in rep.decode_started:
             for name in engines:
                 if (e := self.engines.get(name)) is not None:
@@ -408,7 +414,32 @@ class SchedulerService:
             self.router.maintenance.difference_update(waves)
         return sorted(self.router.maintenance)
 
+    def register_managed(self, rep: ReplicaReport) -> str:
+        """A managed engine's replica reports its engine up (first, after a restart, or as its
+        heartbeat); a changed engine is scraped at once, so it rejoins without waiting a pass."""
+        name, changed = self.managed.register(rep, self.clock())
+        if changed:
+            self._scrape_soon(name)
+        return name
+
+    def managed_down(self, engine: str, replica: str, reason: str) -> None:
+        self.managed.down(engine, replica, reason, self.clock())
+
+    def _scrape_soon(self, name: str) -> None:
+        async def scrape() -> None:
+            if self._client is None:
+                self._client = httpx.AsyncClient(timeout=self.cfg.monitoring.scrape_timeout_s)
+            if (e := self.engines.get(name)) is not None:
+                await scrape_one(self._client, e, self.clock(), self.cfg.monitoring.scrape_timeout_s)
+                self._pump()
+
+        task = asyncio.get_running_loop().create_task(scrape())
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
     def register_engine(self, engine: EngineConfig) -> None:
+        if engine.launch is not None:
+            raise ValueError("engines with a launch spec are started from the serve config; register a URL")
         if engine.name in self.engines:
             raise ValueError(f"engine {engine.name!r} is already registered")
         self.engines[engine.name] = EngineState(engine)

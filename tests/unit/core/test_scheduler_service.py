@@ -111,14 +111,14 @@ async def test_failed_attempts_open_a_breaker_a_probe_closes_it() -> None:
 
     svc, clock = service()
     boom = EngineFault("u", "error", "HTTP 500")
-    svc.report(Report(faults=[boom, boom]))  # two in a row (breaker_failures defaults to 2)
+    svc.report(Report(faults=[boom, boom, boom]))  # three in a row (breaker_failures defaults to 3)
     u = svc.engines["u"]
     assert u.breaker.state == "open" and not u.eligible(clock.t, 5.0, frozenset())
     a = await svc.admit(req("a"))
     assert a.error is None and all("u" not in r.engines for r in a.candidates)
     assert svc.snapshot()["engines"][0]["breaker"] == "open"
     assert 'narwhal_engine_breaker_open{engine="u"} 1' in svc.metrics_text()
-    assert 'narwhal_engine_attempt_faults_total{engine="u",kind="error"} 2' in svc.metrics_text()
+    assert 'narwhal_engine_attempt_faults_total{engine="u",kind="error"} 3' in svc.metrics_text()
 
     answers = [httpx.Response(500), httpx.Response(200, json={"choices": [{"text": "x", "token_ids": [7]}]})]
     bodies: list[bytes] = []
@@ -200,3 +200,14 @@ async def test_maintenance_drains_and_the_lease_decides_the_mode() -> None:
     assert not any(e["draining"] for e in svc.snapshot()["engines"])
     svc.maintenance(["a"], False)
     assert svc.readiness() == (True, "active")
+
+
+
+async def test_failures_never_open_more_breakers_than_the_fleet_can_spare() -> None:
+    from narwhal_serve.relay.messages import EngineFault
+
+    svc, _ = service()
+    svc.report(Report(faults=[EngineFault(n, "error") for n in ("u", "p", "d") for _ in range(3)]))
+    states = {n: e.breaker.state for n, e in svc.engines.items()}
+    assert states == {"u": "open", "p": "closed", "d": "closed"}  # 3 engines: at most one open
+    assert svc.engines["p"].breaker.failures == 3  # counted: it opens as soon as it may

@@ -1,9 +1,11 @@
 """Strict JSON at parse time: what an engine or the Ray hop cannot carry is a 400 naming param."""
 
+import json
+
 import pytest
 
 from narwhal_serve.errors import InvalidRequest
-from narwhal_serve.protocol.requests import MAX_NESTING, decode_json
+from narwhal_serve.protocol.requests import MAX_NESTING, decode_json, parse_request
 
 ROWS = [
     (b'{"a": NaN}', None, "NaN"),
@@ -13,6 +15,11 @@ ROWS = [
     (b'{"a": "\\ud800"}', "a", "lone surrogate"),
     (b'{"a": ["x", "\\udfff"]}', "a.1", "lone surrogate"),
     (b'{"a": {"\\ud800": 1}}', "a.?", "lone surrogate"),
+    # a surrogate sent raw (UTF-8 bytes ED A0 80, which json.loads passes through), or in UTF-16 (fuzz, issue 13)
+    (b'{"a": "\xed\xa0\x80"}', "a", "lone surrogate"),
+    (b'{"a": ["x", "b\xed\xbf\xbf"]}', "a.1", "lone surrogate"),
+    ('{"a": "\ud800"}'.encode("utf-16-le", "surrogatepass"), "a", "lone surrogate"),
+    (b'{"": ["\\ud800"]}', ".0", "lone surrogate"),  # a key "" still shows in the path
     (b"[" * 2000 + b"]" * 2000, None, "nests deeper"),
     (b'{"a": ' + b"[" * MAX_NESTING + b"]" * MAX_NESTING + b"}", "a" + ".0" * (MAX_NESTING - 1), "nests deeper"),
 ]
@@ -30,3 +37,13 @@ def test_refused_with_param(raw: bytes, param: str | None, words: str) -> None:
 def test_what_is_fine_stays_fine() -> None:
     assert decode_json(b'{"a": "\\ud83d\\ude00", "b": 1e308, "c": -0.0}')["a"] == "\U0001F600"
     assert decode_json(b'{"a": ' + b"[" * (MAX_NESTING - 1) + b"]" * (MAX_NESTING - 1) + b"}")
+
+
+def test_an_empty_token_id_prompt_is_refused_nested_or_not() -> None:
+    """``[[]]`` is as empty a prompt as ``[]`` (it used to pass with 0 prompt tokens)."""
+    for prompt in ([], [[]]):
+        raw = json.dumps({"model": "m", "prompt": prompt}).encode()
+        with pytest.raises(InvalidRequest) as ei:
+            parse_request("completion", raw, model="m")
+        assert ei.value.param == "prompt"
+    assert parse_request("completion", b'{"model": "m", "prompt": [[0]]}', model="m").prompt_token_ids == (0,)

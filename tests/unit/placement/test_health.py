@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from narwhal_serve.config import MonitoringConfig
-from narwhal_serve.placement.health import BACKPRESSURE_CAP_S, Breaker
+from narwhal_serve.placement.health import BACKPRESSURE_CAP_S, Breaker, may_open
 
 CFG = MonitoringConfig(breaker_failures=2, breaker_open_s=1.0, breaker_max_open_s=3.0, backpressure_s=0.5)
 
@@ -63,3 +63,21 @@ def test_backpressure_is_not_a_failure_and_holds_for_retry_after_capped() -> Non
     b.on_fault("backpressure", 5.0, CFG, retry_after_s=3600.0)
     assert b.backpressure_until == 5.0 + BACKPRESSURE_CAP_S
     assert b.view(6.0)["backpressure_for_s"] == 9.0 and b.view(6.0)["breaker"] == "closed"
+
+
+
+def test_how_many_breakers_may_be_open() -> None:
+    half = MonitoringConfig()
+    assert not may_open(0, 1, half)  # a sole engine's breaker never opens
+    assert may_open(0, 2, half) and not may_open(1, 2, half)
+    assert may_open(1, 4, half) and not may_open(2, 4, half)
+    assert may_open(8, 10, MonitoringConfig(breaker_max_open_fraction=1.0)) and not may_open(9, 10, MonitoringConfig(breaker_max_open_fraction=1.0))
+
+
+def test_a_breaker_that_may_not_open_opens_at_the_next_failure_once_it_may() -> None:
+    b = Breaker()
+    for t in (0.0, 0.1):
+        b.on_fault("error", t, CFG, may_open=False)
+    assert b.state == "closed" and b.failures == 2
+    b.on_fault("error", 0.2, CFG)
+    assert b.state == "open"
