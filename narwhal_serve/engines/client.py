@@ -7,7 +7,7 @@ shares one pooled client per replica (:func:`engine_client`).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 import aiohttp
@@ -128,7 +128,7 @@ async def stream_chunks(
     url: str,
     body: dict[str, Any],
     headers: dict[str, str],
-) -> AsyncIterator[list[dict[str, Any]]]:
+) -> AsyncGenerator[list[dict[str, Any]], None]:
     """POST a streaming request; yield the parsed chunks of each network read (coalesced).
 
     Ends normally only after ``data: [DONE]``; a stream that closes before it, a non-200 answer or

@@ -95,7 +95,7 @@ async def _sglang_pd(
     headers: dict[str, str],
     tracing: Tracing | None = None,
     parent: "Span | None" = None,
-) -> AsyncIterator[list[dict[str, Any]]]:
+) -> AsyncGenerator[list[dict[str, Any]], None]:
     boot = SGLANG.bootstrap_fields(prefill)
 
     async def prefill_leg() -> dict[str, Any]:
