@@ -1,7 +1,8 @@
 """``narwhal-bench overhead|goodput``: start the fleet and the targets, measure, print tables, write
 ``results.json``, ``requests.jsonl`` and PNG plots to ``--out/<mode>-<time>/``, stop everything.
 ``assembly``, ``decision`` and ``transport`` (see their modules) write ``results.json`` only;
-``ramp`` (Serve autoscaling under a load ramp) is described in its module."""
+``ramp`` (Serve autoscaling under a load ramp) and ``soak`` (a long mixed load with faults: memory of
+every process, leaked permits) are described in their modules."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from narwhal_serve.bench import assembly, decision, ramp, transport, views
+from narwhal_serve.bench import assembly, decision, ramp, soak, transport, views
 from narwhal_serve.bench.fleet import TARGETS, Fleet, FleetSpec, SimTiming
 from narwhal_serve.bench.goodput import GoodputArgs, run_goodput
 from narwhal_serve.bench.overhead import OverheadArgs, run_overhead
@@ -116,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", type=Path, default=Path("bench-results"))
     r = sub.add_parser("ramp", help="Serve autoscaling of Ingress and Assembler under a load ramp up and down")
     ramp_parser(r)
+    s = sub.add_parser("soak", help="long mixed load with faults: RSS of every process, error classes, leaked permits")
+    soak_parser(s)
     g = sub.add_parser("goodput", help="goodput and p99 TTFT over a rate sweep up to ~2x capacity")
     _common(g)
     g.add_argument("--slo-ttft-ms", type=float, default=2000.0)
@@ -178,6 +181,51 @@ def ramp_parser(r: argparse.ArgumentParser) -> None:
     r.add_argument("--ray-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for `serve run` (repeatable), e.g. RAY_SERVE_ENABLE_HA_PROXY=0")
     r.add_argument("--narwhal-start-timeout-s", type=float, default=d.start_timeout_s)
+
+
+def soak_parser(s: argparse.ArgumentParser) -> None:
+    d = soak.SoakArgs()
+    s.add_argument("--minutes", type=float, default=d.minutes, help="length of the load (default %(default)s)")
+    s.add_argument("--concurrency", type=int, default=d.concurrency, help="closed-loop clients (default %(default)s)")
+    s.add_argument("--think-s", type=float, default=d.think_s,
+                   help="mean pause of a client between requests, exponential (default %(default)s)")
+    s.add_argument("--sample-s", type=float, default=d.sample_s, help="RSS sampling interval (default %(default)s)")
+    s.add_argument("--out", type=Path, default=Path("bench-results"),
+                   help="results folder (soak-<time>/results.json in it; default %(default)s) or a .json path")
+    s.add_argument("--fault-rate", type=float, default=d.fault_rate,
+                   help="share of requests with a simulator fault (default %(default)s)")
+    s.add_argument("--disconnect-rate", type=float, default=d.disconnect_rate,
+                   help="share of clients leaving mid-stream or before headers (default %(default)s)")
+    s.add_argument("--malformed-rate", type=float, default=d.malformed_rate,
+                   help="share of malformed or cut-short bodies (default %(default)s)")
+    s.add_argument("--engine-fault-every-s", type=float, default=d.engine_fault_every_s,
+                   help="an engine-wide fault every this many seconds, 0 for none (default %(default)s)")
+    s.add_argument("--engine-fault-s", type=float, default=d.engine_fault_s,
+                   help="length of one engine-wide fault (default %(default)s)")
+    s.add_argument("--baseline-s", type=float, default=d.baseline_s,
+                   help="RSS growth is measured from the first sample at or after this (default: 10%% of the load)")
+    s.add_argument("--max-growth-pct", type=float, default=d.max_growth_pct,
+                   help="a Narwhal role growing this much or more fails the run (default %(default)s)")
+    s.add_argument("--quiesce-timeout-s", type=float, default=d.quiesce_timeout_s,
+                   help="after the load: wait at most this long for the books to close (default %(default)s)")
+    s.add_argument("--seed", type=int, default=d.seed)
+    s.add_argument("--model", default=d.model)
+    s.add_argument("--ray-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra environment for the run (repeatable), e.g. RAY_SERVE_ENABLE_HA_PROXY=0")
+    s.add_argument("--narwhal-start-timeout-s", type=float, default=d.start_timeout_s)
+
+
+def soak_args(ns: argparse.Namespace) -> soak.SoakArgs:
+    try:
+        return soak.SoakArgs(minutes=ns.minutes, concurrency=ns.concurrency, think_s=ns.think_s,
+                             sample_s=ns.sample_s, fault_rate=ns.fault_rate, disconnect_rate=ns.disconnect_rate,
+                             malformed_rate=ns.malformed_rate, engine_fault_every_s=ns.engine_fault_every_s,
+                             engine_fault_s=ns.engine_fault_s, baseline_s=ns.baseline_s,
+                             max_growth_pct=ns.max_growth_pct, quiesce_timeout_s=ns.quiesce_timeout_s,
+                             model=ns.model, seed=ns.seed, ray_env=tuple(_key_value(kv) for kv in ns.ray_env),
+                             start_timeout_s=ns.narwhal_start_timeout_s)
+    except ValueError as exc:
+        raise SystemExit(f"narwhal-bench soak: {exc}") from None
 
 
 def ramp_args(ns: argparse.Namespace) -> ramp.RampArgs:
@@ -249,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if ns.mode == "ramp":
         return ramp.run(ramp_args(ns), run_dir(ns.out, "ramp"), run_async)[1]
+    if ns.mode == "soak":
+        return soak.run(soak_args(ns), ns.out, run_async)[1]
     if ns.mode == "transport":
         bad = [v for v in ns.variants if v not in transport.VARIANTS]
         if bad:

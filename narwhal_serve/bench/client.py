@@ -44,6 +44,7 @@ class Shape:
     stream: bool = True
     timeout_s: float = 60.0
     extra_headers: tuple[tuple[str, str], ...] = ()
+    include_usage: bool = True  # streaming: ask for the usage chunk (stream_options.include_usage)
 
 
 @dataclass
@@ -94,7 +95,8 @@ def _retry_after(headers: Any) -> float | None:
 def _chunk_text(choice: dict[str, Any]) -> bool:
     delta = choice.get("delta")
     src = delta if isinstance(delta, dict) else choice
-    return any(bool(src.get(k)) for k in ("content", "text", "reasoning_content", "reasoning", "tool_calls"))
+    return any(bool(src.get(k)) for k in ("content", "text", "reasoning_content", "reasoning", "tool_calls", "refusal",
+                                          "function_call"))
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, r: RequestResult, t_send: float) -> None:
@@ -135,10 +137,17 @@ async def _read_stream(resp: aiohttp.ClientResponse, r: RequestResult, t_send: f
         r.error_code = "truncated_stream"
 
 
+def request_body(shape: Shape, spec: RequestSpec, extra: dict[str, Any] | None = None) -> bytes:
+    """The JSON body :func:`send_one` sends: ``spec`` shaped by ``shape``, plus ``extra`` fields."""
+    body = build_body(spec, shape.api, shape.model, shape.stream, include_usage=shape.include_usage)
+    return json.dumps({**body, **(extra or {})}).encode()
+
+
 async def send_one(session: aiohttp.ClientSession, ep: Endpoint, shape: Shape, spec: RequestSpec,
-                   r: RequestResult, t0: float) -> None:
-    """Send ``spec`` to ``ep`` and fill ``r`` in place (so a cancelled request keeps what it had)."""
-    body = json.dumps(build_body(spec, shape.api, shape.model, shape.stream)).encode()
+                   r: RequestResult, t0: float, extra: dict[str, Any] | None = None) -> None:
+    """Send ``spec`` to ``ep`` and fill ``r`` in place (so a cancelled request keeps what it had);
+    ``extra``: more body fields (e.g. the simulator's ``sim``)."""
+    body = request_body(shape, spec, extra)
     headers = {"Content-Type": "application/json", **dict(ep.headers), **dict(shape.extra_headers)}
     t_send = time.perf_counter()
     r.sent = t_send - t0

@@ -71,6 +71,17 @@ class FleetSpec:
     ray_env: tuple[tuple[str, str], ...] = ()  # extra environment for `serve run`
 
 
+def narwhal_app(args: dict[str, Any], name: str = "narwhal", route_prefix: str = "/") -> dict[str, Any]:
+    """One Narwhal application of a ``serve run`` config (``args``: :class:`NarwhalConfig` fields)."""
+    return {"name": name, "route_prefix": route_prefix, "import_path": "deployments.app:build_app", "args": args}
+
+
+def serve_config(port: int, apps: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ``serve run`` config: ``apps`` behind Serve's HTTP port ``port`` on 127.0.0.1."""
+    return {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1", "port": port},
+            "applications": apps}
+
+
 def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets: list[str],
                          ttft_budget_s: float, max_num_seqs: int | None = None) -> dict[str, Any]:
     """The ``serve run`` config: one application per selected Narwhal target.
@@ -86,21 +97,15 @@ def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets:
     apps = []
     for t in targets:
         mode = "predictive" if t == "narwhal-predictive" else "open"
-        apps.append({
-            "name": t,
-            "route_prefix": NARWHAL_PREFIX[t],
-            "import_path": "deployments.app:build_app",
-            "args": {
-                "model": model,
-                "admission": {"mode": mode, "ttft_budget_s": ttft_budget_s,
-                              "max_ttft_budget_s": max(60.0, ttft_budget_s),
-                              "ingress_leases": t != "narwhal-nolease"},
-                "engines": engines,
-                **({"deployment": {"engine_http": "httpx"}} if t == "narwhal-nolease" else {}),
-            },
-        })
-    return {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1", "port": port},
-            "applications": apps}
+        apps.append(narwhal_app({
+            "model": model,
+            "admission": {"mode": mode, "ttft_budget_s": ttft_budget_s,
+                          "max_ttft_budget_s": max(60.0, ttft_budget_s),
+                          "ingress_leases": t != "narwhal-nolease"},
+            "engines": engines,
+            **({"deployment": {"engine_http": "httpx"}} if t == "narwhal-nolease" else {}),
+        }, t, NARWHAL_PREFIX[t]))
+    return serve_config(port, apps)
 
 
 def _app_dir() -> Path:

@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from narwhal_serve.bench import procs
 from narwhal_serve.bench.client import Endpoint, Shape, make_session, send_one
-from narwhal_serve.bench.fleet import RAY_ENV, _app_dir
+from narwhal_serve.bench.fleet import RAY_ENV, _app_dir, narwhal_app, serve_config
 from narwhal_serve.bench.report import RequestLog, check, checks_table, plot_lines, table, write_json
 from narwhal_serve.bench.stats import RequestResult
 from narwhal_serve.bench.workload import Api, LengthDist, RequestSpec, Workload
@@ -116,9 +116,7 @@ def ramp_serve_config(port: int, sim_base: int, a: RampArgs) -> dict[str, Any]:
         "sim": {"base_port": sim_base, "engines": engines},
         "deployment": dict(a.knobs),
     }
-    return {"proxy_location": "EveryNode", "http_options": {"host": "127.0.0.1", "port": port},
-            "applications": [{"name": APP, "route_prefix": "/", "import_path": "deployments.app:build_app",
-                              "args": args}]}
+    return serve_config(port, [narwhal_app(args, APP)])
 
 
 # --- samples of serve.status() -------------------------------------------------------------------
@@ -341,7 +339,9 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> Path | None:
                       "count", series)
 
 
-def _serve_env(log_dir: Path, gcs_port: int, extra: tuple[tuple[str, str], ...]) -> dict[str, str]:
+def serve_env(log_dir: Path, gcs_port: int, extra: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """``serve run``'s environment: the run mode's (direct ingress with the HAProxy wrapper), this
+    run's own HAProxy ports, the GCS on ``gcs_port``, workers at nice 0; ``extra`` wins."""
     env = {**RAY_ENV, "RAY_worker_niceness": "0",
            # the run mode's draining window (scripts/serve_run.py), not the tests' 1 s
            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
@@ -391,7 +391,7 @@ def run(a: RampArgs, out: Path,
     try:
         print(f"narwhal-bench ramp: starting serve run on {base} (logs in {log_dir})", file=sys.stderr, flush=True)
         narwhal = procs.start("narwhal", [str(serve_bin), "run", str(cfg_path)], log_dir,
-                              env=_serve_env(log_dir, gcs_port, a.ray_env), cwd=root)
+                              env=serve_env(log_dir, gcs_port, a.ray_env), cwd=root)
         startup_s = procs.wait_ready(base + "/ready", a.start_timeout_s, narwhal)
         narwhal.remember_tree()
         sampler = procs.start("sampler", [sys.executable, str(sampler_script), "--address", f"127.0.0.1:{gcs_port}",

@@ -55,11 +55,14 @@ class RequestLog:
 
 
 def check(name: str, value: float | None, op: str, threshold: float) -> dict[str, Any]:
-    """One ARCHITECTURE target: ``value op threshold`` → PASS / MISS (``n/a`` without a value)."""
+    """One ARCHITECTURE target: ``value op threshold`` (``<=``, ``<`` or ``>=``) → PASS / MISS
+    (``n/a`` without a value)."""
     if value is None:
         verdict = "n/a"
     elif op == "<=":
         verdict = "PASS" if value <= threshold else "MISS"
+    elif op == "<":
+        verdict = "PASS" if value < threshold else "MISS"
     else:
         verdict = "PASS" if value >= threshold else "MISS"
     return {"check": name, "value": value, "op": op, "threshold": threshold, "verdict": verdict}

@@ -111,14 +111,16 @@ class Workload:
         return self.specs([0.0] * n, seed_offset)
 
 
-def build_body(spec: RequestSpec, api: Api, model: str, stream: bool, ignore_eos: bool = True) -> dict[str, Any]:
-    """An OpenAI request for ``spec``: ``max_tokens`` = its output length (with ``ignore_eos``)."""
+def build_body(spec: RequestSpec, api: Api, model: str, stream: bool, ignore_eos: bool = True,
+               include_usage: bool = True) -> dict[str, Any]:
+    """An OpenAI request for ``spec``: ``max_tokens`` = its output length (with ``ignore_eos``);
+    streaming ones ask for the usage chunk unless ``include_usage`` is off."""
     body: dict[str, Any] = {"model": model, "max_tokens": spec.output_tokens, "stream": stream, "temperature": 0}
     if api == "chat":
         body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
         body["prompt"] = spec.prompt
-    if stream:
+    if stream and include_usage:
         body["stream_options"] = {"include_usage": True}
     if ignore_eos:
         body["ignore_eos"] = True

@@ -1,0 +1,779 @@
+"""``narwhal-bench soak``: a long mixed load with faults against Narwhal in its run mode, watching
+the memory of every process of the run and, at the end, the router's books.
+
+Starts ``scripts/serve_run.py`` (the run command: ``serve run`` under its supervisor, direct ingress
+behind Serve's HAProxy with Narwhal's wrapper, predictive admission, the embedded simulated fleet —
+a prefill/decode pair and a unified engine, as in ``serve_config.yaml``) on free ports. Then, for
+``minutes``:
+
+* ``concurrency`` closed-loop clients send a mix (:func:`plan_request`): chat and completions,
+  streaming or not, lognormal prompt and output lengths, ``stream_options.include_usage`` on or off,
+  some chat requests with a simulator script (reasoning, tool calls, refusal, ...). A ``fault_rate``
+  share carries a per-request simulator fault (``"sim": {"fault": NAME, "fault_after": K}``: every
+  name of ``FAULT_NAMES`` that acts per request; the hangs with an ``X-Request-Timeout`` of a few
+  seconds, so they end). A ``disconnect_rate`` share leave: half mid-stream (after a few events), half
+  before response headers. A ``malformed_rate`` share send a body Narwhal must refuse (400): bad
+  JSON, missing or mistyped fields — and one in five stops sending its body half-way.
+* every ``engine_fault_every_s`` one engine gets an engine-wide fault for ``engine_fault_s``
+  (``unhealthy``, ``error_500``, ``stale_metrics``, rotating over engines and faults) through the
+  simulator's ``POST /sim/control``; none starts in the last ``engine_fault_s + 30`` s of the load.
+* every ``sample_s``: the RSS (``VmRSS``) of every process of the run — the supervisor's process
+  tree, grouped by role (:func:`role_for`) — and ``/status``'s gauges; one JSON line each in
+  ``samples.jsonl``.
+
+Then the clients stop, the engine faults are cleared, and it waits (bounded by
+``quiesce_timeout_s``) until the router is quiescent: every offered request counted in a terminal
+class and no permit held. It reads ``/status``, takes a last sample, stops the run (SIGTERM to the
+supervisor: ``serve run``'s clean shutdown, then leftovers by PID; also on Ctrl-C, SIGTERM or an
+error) and reports: requests by kind and client-side outcome, the status-code tally, the router's
+outcomes by reason, leaked permits, whether the counters balance, and per role the RSS first /
+baseline / last / max with the growth from the baseline — the first sample at or after
+``baseline_s``, by default 10 % into the load — to the last sample. Exit status 1 when a permit
+leaked, the counters do not balance, or a Narwhal role (every role but Ray's own processes, which
+are reported, not judged) grew by ``max_growth_pct`` or more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import aiohttp
+import numpy as np
+
+from narwhal_serve.admission.outcomes import TERMINAL
+from narwhal_serve.bench import procs
+from narwhal_serve.bench.client import Endpoint, Shape, _parse_error, make_session, request_body, send_one
+from narwhal_serve.bench.fleet import _app_dir, _sim_idle, narwhal_app, serve_config
+from narwhal_serve.bench.ramp import serve_env
+from narwhal_serve.bench.report import check, checks_table, plot_lines, run_dir, table, write_json
+from narwhal_serve.bench.stats import RequestResult
+from narwhal_serve.bench.workload import Api, LengthDist, RequestSpec, make_prompt
+from narwhal_serve.config import NarwhalConfig, SimFleetConfig
+from narwhal_serve.sim.config import FAULT_NAMES, SCRIPT_NAMES
+
+APP = "narwhal"
+SUPERVISOR = Path("scripts") / "serve_run.py"
+RAY_ROLE_PREFIX = "ray "  # roles of Ray's own processes: reported, never judged
+ENGINE_ONLY_FAULTS = frozenset({"unhealthy", "stale_metrics"})  # no effect as a per-request fault
+REQUEST_FAULTS: tuple[str, ...] = tuple(sorted(FAULT_NAMES - ENGINE_ONLY_FAULTS))
+HANG_FAULTS = frozenset({"hang", "hang_mid_stream"})
+ENGINE_FAULTS: tuple[str, ...] = ("unhealthy", "error_500", "stale_metrics")
+SCRIPTS: tuple[str, ...] = tuple(sorted(SCRIPT_NAMES))
+MALFORMED_BODIES: tuple[bytes, ...] = (
+    b"{not json",
+    b"",
+    b"[]",
+    b'{"model": "narwhal-sim"}',
+    b'{"model": "narwhal-sim", "messages": "hi", "prompt": 7}',
+    b'{"model": "narwhal-sim", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "max_tokens": -5}',
+    b'{"model": "narwhal-sim", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "n": "two"}',
+)
+"""Bodies Narwhal answers 400 on either route (a field the route does not read still rides along)."""
+
+Kind = Literal["normal", "fault", "leave_mid_stream", "leave_before_headers", "malformed", "truncated_body"]
+
+
+@dataclass(frozen=True)
+class SoakArgs:
+    minutes: float = 30.0
+    concurrency: int = 16  # closed-loop clients
+    think_s: float = 0.25  # mean pause (exponential) of a client between two requests
+    sample_s: float = 10.0
+    fault_rate: float = 0.10
+    disconnect_rate: float = 0.05
+    malformed_rate: float = 0.03
+    engine_fault_every_s: float = 45.0  # 0: no engine-wide faults
+    engine_fault_s: float = 10.0
+    baseline_s: float | None = None  # None: 10 % of the load
+    max_growth_pct: float = 10.0
+    quiesce_timeout_s: float = 60.0
+    prompt_median: float = 96.0
+    output_median: float = 24.0
+    model: str = "narwhal-sim"
+    seed: int = 0
+    ray_env: tuple[tuple[str, str], ...] = ()
+    start_timeout_s: float = 180.0
+
+    def __post_init__(self) -> None:
+        rates = (self.fault_rate, self.disconnect_rate, self.malformed_rate)
+        if min(rates) < 0 or sum(rates) > 1:
+            raise ValueError("fault, disconnect and malformed rates must be >= 0 and sum to at most 1")
+        if self.minutes <= 0 or self.concurrency < 1 or self.sample_s <= 0:
+            raise ValueError("minutes and sample_s must be > 0, concurrency >= 1")
+
+    @property
+    def load_s(self) -> float:
+        return self.minutes * 60.0
+
+    @property
+    def baseline_at_s(self) -> float:
+        return self.load_s * 0.1 if self.baseline_s is None else self.baseline_s
+
+    def kind_at(self, u: float) -> Kind:
+        """The request kind for a uniform draw ``u`` in [0, 1)."""
+        bounds: tuple[tuple[float, Kind], ...] = (
+            (self.fault_rate, "fault"),
+            (self.disconnect_rate / 2, "leave_mid_stream"),
+            (self.disconnect_rate / 2, "leave_before_headers"),
+            (self.malformed_rate * 0.8, "malformed"),
+            (self.malformed_rate * 0.2, "truncated_body"),
+        )
+        edge = 0.0
+        for share, kind in bounds:
+            edge += share
+            if u < edge:
+                return kind
+        return "normal"
+
+
+# --- the mix ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One request of the mix, decided before it is sent."""
+
+    kind: Kind
+    tag: str  # the tally's row: the kind, with the fault, script or body variant
+    shape: Shape
+    spec: RequestSpec
+    extra: dict[str, Any] | None = None  # more body fields: the simulator's ``sim``
+    leave_after: float = 0.0  # leave_mid_stream: data events read first; leave_before_headers: seconds
+    raw_body: bytes | None = None  # malformed / truncated_body: sent as is (truncated: its first half)
+
+
+PROMPT_SIGMA, OUTPUT_SIGMA = 1.0, 0.8
+
+
+def plan_request(rng: np.random.Generator, a: SoakArgs, idx: int) -> Planned:
+    """Draw one request of the mix (pure: the same generator state gives the same request)."""
+    kind = a.kind_at(float(rng.random()))
+    api: Api = "chat" if rng.random() < 0.6 else "completions"
+    stream = bool(rng.random() < 0.7)
+    n_prompt = LengthDist(a.prompt_median, PROMPT_SIGMA, 4, 2048).sample(rng, 1)[0]
+    n_out = LengthDist(a.output_median, OUTPUT_SIGMA, 1, 256).sample(rng, 1)[0]
+    headers: tuple[tuple[str, str], ...] = ()
+    extra: dict[str, Any] | None = None
+    tag: str = kind
+    leave_after = 0.0
+    raw: bytes | None = None
+    if kind == "normal" and api == "chat" and rng.random() < 0.15:
+        script = SCRIPTS[int(rng.integers(len(SCRIPTS)))]
+        extra, tag = {"sim": {"script": script}}, f"normal script={script}"
+    elif kind == "fault":
+        fault = REQUEST_FAULTS[int(rng.integers(len(REQUEST_FAULTS)))]
+        extra, tag = {"sim": {"fault": fault, "fault_after": int(rng.integers(0, 5))}}, f"fault {fault}"
+        if fault == "tool_call_no_id":
+            api = "chat"  # a tool call is a chat output
+        if fault in HANG_FAULTS:
+            headers = (("X-Request-Timeout", f"{rng.uniform(2.0, 5.0):.1f}"),)
+    elif kind == "leave_mid_stream":
+        stream, n_out, leave_after = True, int(rng.integers(64, 257)), float(rng.integers(1, 6))
+    elif kind == "leave_before_headers":
+        stream, n_out, leave_after = False, int(rng.integers(128, 257)), round(float(rng.uniform(0.01, 0.2)), 3)
+    elif kind == "malformed":
+        variant = int(rng.integers(len(MALFORMED_BODIES)))
+        raw, tag = MALFORMED_BODIES[variant], f"malformed body#{variant}"
+    shape = Shape(api=api, model=a.model, stream=stream, timeout_s=60.0, extra_headers=headers,
+                  include_usage=bool(rng.random() < 0.5))
+    spec = RequestSpec(idx, 0.0, n_prompt, n_out, make_prompt(rng, n_prompt))
+    if kind == "truncated_body":
+        raw = request_body(shape, spec)
+    return Planned(kind, tag, shape, spec, extra, leave_after, raw)
+
+
+def outcome(r: RequestResult) -> str:
+    """A request's client-side outcome: ``ok``, or the error code (or ``HTTP <status>``)."""
+    if r.ok:
+        return "ok"
+    return r.error_code or f"HTTP {r.status}"
+
+
+def status_key(r: RequestResult) -> str:
+    """The status-code tally's key: the HTTP status, ``left`` for a client that left on purpose
+    before an answer, ``none`` for no answer (connection error, timeout)."""
+    if r.status:
+        return str(r.status)
+    return "left" if (r.error_code or "").startswith("left") else "none"
+
+
+async def _leave_mid_stream(session: aiohttp.ClientSession, url: str, p: Planned, r: RequestResult) -> None:
+    body = request_body(p.shape, p.spec, p.extra)
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"},
+                            timeout=aiohttp.ClientTimeout(total=p.shape.timeout_s)) as resp:
+        r.status = resp.status
+        if resp.status != 200:
+            r.error_code = _parse_error(await resp.read(), resp.headers)
+            return
+        seen = 0
+        async for line in resp.content:
+            if line.startswith(b"data:"):
+                seen += 1
+                if seen >= p.leave_after:
+                    resp.close()  # drops the connection: the client is gone
+                    r.error_code = "left mid-stream"
+                    return
+        r.error_code = "ended before the client left"
+
+
+async def _leave_before_headers(session: aiohttp.ClientSession, url: str, p: Planned, r: RequestResult) -> None:
+    body = request_body(p.shape, p.spec, p.extra)
+
+    async def call() -> None:
+        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+            r.status = resp.status
+            await resp.read()
+            r.error_code = "answered before the client left"
+
+    try:
+        await asyncio.wait_for(call(), p.leave_after)  # cancelled: aiohttp closes the connection
+    except TimeoutError:
+        r.error_code = "left after headers" if r.status else "left before headers"
+
+
+async def _malformed(session: aiohttp.ClientSession, url: str, p: Planned, r: RequestResult) -> None:
+    async with session.post(url, data=p.raw_body or b"", headers={"Content-Type": "application/json"},
+                            timeout=aiohttp.ClientTimeout(total=p.shape.timeout_s)) as resp:
+        raw = await resp.read()
+        r.status = resp.status  # 400 expected: the tally shows its error code (invalid_request)
+        r.error_code = ("ACCEPTED" if resp.status == 200
+                        else _parse_error(raw, resp.headers) or f"HTTP {resp.status}")
+
+
+async def _truncated_body(url: str, p: Planned, r: RequestResult) -> None:
+    """Announce the whole body, send half of it, hang up (what a client that dies mid-upload does)."""
+    u = urlsplit(url)
+    body = p.raw_body or b"{}"
+    head = (f"POST {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    _, writer = await asyncio.open_connection(u.hostname, u.port)
+    try:
+        writer.write(head + body[: len(body) // 2])
+        await writer.drain()
+        await asyncio.sleep(0.05)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    r.error_code = "left mid-body"
+
+
+async def execute(session: aiohttp.ClientSession, ep: Endpoint, p: Planned, r: RequestResult, t0: float) -> None:
+    """Send one planned request and fill ``r`` (status, ok, error code)."""
+    url = ep.url_for(p.spec.idx, p.shape.api)
+    try:
+        if p.kind in ("normal", "fault"):
+            await send_one(session, ep, p.shape, p.spec, r, t0, p.extra)
+        elif p.kind == "leave_mid_stream":
+            await _leave_mid_stream(session, url, p, r)
+        elif p.kind == "leave_before_headers":
+            await _leave_before_headers(session, url, p, r)
+        elif p.kind == "malformed":
+            await _malformed(session, url, p, r)
+        else:
+            await _truncated_body(url, p, r)
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+        r.error_code = r.error_code or type(exc).__name__
+
+
+# --- engine-wide faults ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Episode:
+    start_s: float
+    end_s: float
+    engine: str
+    fault: str
+
+
+def engine_fault_schedule(load_s: float, every_s: float, hold_s: float, engines: Sequence[str],
+                          faults: Sequence[str] = ENGINE_FAULTS, tail_s: float = 30.0) -> list[Episode]:
+    """Episode ``k`` starts at ``(k + 1) × every_s``, on engine ``k mod E`` with fault
+    ``(k + k div E) mod F`` (so every pair comes up), and ends ``hold_s`` later; none ends within
+    ``tail_s`` of the load's end (the fleet is whole again before the books are read)."""
+    out: list[Episode] = []
+    if every_s <= 0 or not engines or not faults:
+        return out
+    k = 0
+    while (k + 1) * every_s + hold_s <= load_s - tail_s:
+        start = (k + 1) * every_s
+        fault = faults[(k + k // len(engines)) % len(faults)]
+        out.append(Episode(round(start, 3), round(start + hold_s, 3), engines[k % len(engines)], fault))
+        k += 1
+    return out
+
+
+# --- processes and their memory --------------------------------------------------------------------
+
+
+def parse_vm_rss(status_text: str) -> int | None:
+    """``VmRSS`` in kB from a ``/proc/PID/status`` text (None for kernel threads and zombies)."""
+    for line in status_text.splitlines():
+        if line.startswith("VmRSS:"):
+            parts = line.split()
+            return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
+    return None
+
+
+def role_for(label: str, app: str = APP, supervisor: bool = False) -> str:
+    """The role of a process of the run from its :func:`procs.process_label` (the Ray actor title,
+    e.g. ``ray::ServeReplica:narwhal:Ingress``, or the program). Ray's own processes get the
+    ``"ray "`` prefix: reported, not judged."""
+    if supervisor:
+        return "supervisor (serve_run.py)"
+    replica = f"ray::ServeReplica:{app}:"
+    if label.startswith(replica):
+        return "replica " + label[len(replica):]
+    named = {"ray::ServeController": "Serve controller", "ray::ProxyActor": "Serve proxy actor",
+             "ray::HAProxyManager": "Serve HAProxy manager", "haproxy": "HAProxy", "serve run": "serve run (driver)"}
+    if label in named:
+        return named[label]
+    return RAY_ROLE_PREFIX + (label[5:] if label.startswith("ray::") else label)
+
+
+def judged(role: str) -> bool:
+    return not role.startswith(RAY_ROLE_PREFIX)
+
+
+def _rss_kb(pid: int) -> int | None:
+    try:
+        return parse_vm_rss(Path(f"/proc/{pid}/status").read_text())
+    except OSError:
+        return None
+
+
+def sample_processes(root: int, app: str = APP) -> list[tuple[int, str, int]]:
+    """``(pid, role, rss kB)`` of ``root`` and its live descendants."""
+    out = []
+    for pid in [root, *procs.descendants(root)]:
+        kb = _rss_kb(pid)
+        if kb is not None:
+            out.append((pid, role_for(procs.process_label(pid), app, supervisor=pid == root), kb))
+    return out
+
+
+def group_roles(rows: Sequence[tuple[int, str, int]]) -> dict[str, dict[str, Any]]:
+    """``{role: {"rss_kb": sum, "n": processes, "pids": [...]}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for pid, role, kb in rows:
+        g = out.setdefault(role, {"rss_kb": 0, "n": 0, "pids": []})
+        g["rss_kb"] += kb
+        g["n"] += 1
+        g["pids"].append(pid)
+    return out
+
+
+def _mb(kb: float | None) -> float | None:
+    return None if kb is None else round(kb / 1024.0, 1)
+
+
+def rss_summary(samples: Sequence[dict[str, Any]], baseline_s: float, max_growth_pct: float) -> list[dict[str, Any]]:
+    """Per role: processes, PIDs seen, RSS (MB) first / baseline / last / max, growth % from the
+    baseline (the role's first sample at or after ``baseline_s``) to the last sample, verdict
+    (``ok``, ``GREW``, ``GONE``: not in the last sample; ``info`` for Ray's own; ``n/a``: no baseline)."""
+    order: list[str] = []
+    for s in samples:
+        order += [r for r in s["roles"] if r not in order]
+    order = sorted(order, key=lambda r: not judged(r))  # stable: judged roles first, each in order of appearance
+    out = []
+    for role in order:
+        pts = [(float(s["t"]), s["roles"][role]) for s in samples if role in s["roles"]]
+        base = next((g for t, g in pts if t >= baseline_s), None)
+        last = pts[-1][1]
+        growth = None
+        if base is not None and base["rss_kb"] > 0:
+            growth = round((last["rss_kb"] - base["rss_kb"]) * 100.0 / base["rss_kb"], 2)
+        pids = sorted({p for _, g in pts for p in g["pids"]})
+        present = bool(samples) and role in samples[-1]["roles"]
+        if not judged(role):
+            verdict = "info"
+        elif not present:
+            verdict = "GONE"
+        elif growth is None:
+            verdict = "n/a"
+        else:
+            verdict = "GREW" if growth >= max_growth_pct else "ok"
+        out.append({"role": role, "judged": judged(role), "procs_min": min(g["n"] for _, g in pts),
+                    "procs_max": max(g["n"] for _, g in pts), "pids_seen": len(pids), "pids": pids,
+                    "first_mb": _mb(pts[0][1]["rss_kb"]), "baseline_mb": _mb(base["rss_kb"] if base else None),
+                    "baseline_t": next((t for t, _ in pts if t >= baseline_s), None),
+                    "last_mb": _mb(last["rss_kb"]), "max_mb": _mb(max(g["rss_kb"] for _, g in pts)),
+                    "growth_pct": growth, "verdict": verdict})
+    return out
+
+
+def rss_table(rows: Sequence[dict[str, Any]]) -> str:
+    return table(["role", "procs", "pids seen", "first MB", "baseline MB", "last MB", "max MB", "growth %", "verdict"],
+                 [[r["role"], r["procs_min"] if r["procs_min"] == r["procs_max"] else f"{r['procs_min']}-{r['procs_max']}",
+                   r["pids_seen"], r["first_mb"], r["baseline_mb"], r["last_mb"], r["max_mb"], r["growth_pct"],
+                   r["verdict"]] for r in rows], nd=1)
+
+
+def rss_timeline(samples: Sequence[dict[str, Any]], roles: Sequence[str], rows: int = 12) -> str:
+    """RSS (MB) of ``roles`` and the sum of Ray's own processes at about ``rows`` evenly spread
+    samples (the first, the last and the baseline's neighbours included by the spread)."""
+    if not samples:
+        return "(no samples)"
+    step = max(1, round(len(samples) / rows))
+    picked = [s for i, s in enumerate(samples) if i % step == 0]
+    if picked[-1] is not samples[-1]:
+        picked.append(samples[-1])
+    body = []
+    for s in picked:
+        g = s["roles"]
+        ray_kb = sum(v["rss_kb"] for k, v in g.items() if not judged(k))
+        body.append([f"{s['t']:.0f}", *[_mb(g[r]["rss_kb"]) if r in g else None for r in roles], _mb(ray_kb)])
+    short = [r.replace("replica ", "").replace("Serve ", "").split(" (")[0] for r in roles]
+    return table(["t (s)", *short, "ray (sum)"], body, nd=1)
+
+
+# --- the router's books ----------------------------------------------------------------------------
+
+
+def books(snap: dict[str, Any]) -> dict[str, Any]:
+    """From a ``/status`` snapshot: offered against the terminal classes, permits still held."""
+    c = snap.get("counters", {})
+    terminal = sum(int(c.get(o.value, 0)) for o in TERMINAL)
+    gauges = {k: int(v) for k, v in snap.get("gauges", {}).items()}
+    leases_in_use = sum(sum(int(x) for x in lease.get("in_use", {}).values())
+                        for lease in snap.get("admission_leases", []))
+    leaked = gauges.get("retained", 0) + gauges.get("prefill_inflight", 0) + gauges.get("decode_inflight", 0)
+    return {"offered": int(c.get("offered", 0)), "terminal": terminal,
+            "unbalanced": int(c.get("offered", 0)) - terminal, "gauges": gauges, "leaked_permits": leaked,
+            "lease_permits_in_use": leases_in_use, "balanced": int(c.get("offered", 0)) == terminal
+            and not any(gauges.values())}
+
+
+def router_outcomes(snap: dict[str, Any]) -> list[tuple[str, str, int]]:
+    return [(str(r["outcome"]), str(r["reason"]), int(r["count"])) for r in snap.get("counters_by_reason", [])]
+
+
+def soak_checks(rss: Sequence[dict[str, Any]], book: dict[str, Any] | None, completed: int,
+                max_growth_pct: float) -> list[dict[str, Any]]:
+    out = [check("requests completed", float(completed), ">=", 1)]
+    if book is None:
+        out.append(check("/status read after quiescence", None, ">=", 1))
+    else:
+        out.append(check("leaked permits", float(book["leaked_permits"]), "<=", 0))
+        out.append(check("counters: |offered - terminal|", float(abs(book["unbalanced"])), "<=", 0))
+        out.append(check("gauges all zero (queued included)", float(sum(book["gauges"].values())), "<=", 0))
+    for r in rss:
+        if not r["judged"]:
+            continue
+        if r["verdict"] == "GONE":
+            out.append(check(f"{r['role']} running at the end", 0.0, ">=", 1))
+        else:
+            out.append(check(f"RSS growth {r['role']} (%)", r["growth_pct"], "<", max_growth_pct))
+    return out
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+def soak_serve_config(port: int, sim_base: int, model: str) -> dict[str, Any]:
+    """``serve_config.yaml``'s application (predictive admission, the default embedded fleet: a
+    prefill/decode pair and a unified engine, every other setting at its default, which that file
+    repeats) on ``port``, the fleet from ``sim_base``."""
+    args = {"model": model, "admission": {"mode": "predictive"}, "engines": [], "sim": {"base_port": sim_base}}
+    return serve_config(port, [narwhal_app(args, APP)])
+
+
+def sim_engines(cfg: dict[str, Any]) -> dict[str, str]:
+    """``{name: URL}`` of the simulated engines a :func:`soak_serve_config` config starts."""
+    args = NarwhalConfig.model_validate(cfg["applications"][0]["args"])
+    return {e.name: e.url for e in args.resolved_engines()}
+
+
+def output_paths(out: Path) -> tuple[Path, Path]:
+    """(results JSON, folder for logs and samples): ``--out x.json`` writes there, its files in
+    ``x-files/``; a folder gets ``soak-<time>/results.json``."""
+    if out.suffix == ".json":
+        folder = out.with_name(out.stem + "-files")
+        folder.mkdir(parents=True, exist_ok=True)
+        return out, folder
+    folder = run_dir(out, "soak")
+    return folder / "results.json", folder
+
+
+@dataclass
+class Soak:
+    a: SoakArgs
+    base: str
+    engines: dict[str, str]  # name -> URL of the simulated engines
+    supervisor: procs.Managed
+    samples_path: Path
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    tally: Counter[tuple[str, str]] = field(default_factory=Counter)
+    statuses: Counter[str] = field(default_factory=Counter)
+    episodes: list[dict[str, Any]] = field(default_factory=list)
+    sent: int = 0
+    done: int = 0
+    completed: int = 0
+    fault_now: str = "-"
+    final_status: dict[str, Any] | None = None
+    quiesce_s: float | None = None
+    t0: float = 0.0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def _worker(self, w: int, session: aiohttp.ClientSession, ep: Endpoint, stop_at: float) -> None:
+        rng = np.random.default_rng([self.a.seed, w])
+        while time.monotonic() < stop_at:
+            p = plan_request(rng, self.a, self.sent)
+            self.sent += 1
+            r = RequestResult(idx=p.spec.idx, target=ep.name, sent=0.0, prompt_tokens=p.spec.prompt_tokens,
+                              max_tokens=p.spec.output_tokens)
+            try:
+                await execute(session, ep, p, r, self.t0)
+            finally:
+                self.done += 1
+                self.completed += int(p.kind in ("normal", "fault") and r.ok)
+                self.tally[(p.tag, outcome(r))] += 1
+                self.statuses[status_key(r)] += 1
+            if self.a.think_s > 0:
+                await asyncio.sleep(float(rng.exponential(self.a.think_s)))
+
+    async def _status(self, session: aiohttp.ClientSession) -> dict[str, Any] | None:
+        try:
+            async with session.get(self.base + "/status", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                if resp.status == 200:
+                    snap: dict[str, Any] = await resp.json()
+                    return snap
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            pass
+        return None
+
+    async def sample(self, session: aiohttp.ClientSession, phase: str) -> dict[str, Any]:
+        rows = await asyncio.to_thread(sample_processes, self.supervisor.pid)
+        self.supervisor.known = {pid for pid, _, _ in rows if pid != self.supervisor.pid}  # live ones only
+        snap = await self._status(session)
+        s = {"t": round(self.now(), 2), "phase": phase, "roles": group_roles(rows),
+             "status": None if snap is None else {**books(snap), "leases": len(snap.get("admission_leases", []))}}
+        self.samples.append(s)
+        with self.samples_path.open("a") as fh:
+            fh.write(json.dumps(s) + "\n")
+        return s
+
+    def _line(self, s: dict[str, Any], last_done: int, dt: float) -> str:
+        nw = sum(g["rss_kb"] for r, g in s["roles"].items() if judged(r))
+        st = s["status"] or {}
+        return (f"[soak {s['phase']}] {s['t']:7.1f}s sent {self.sent} done {self.done} "
+                f"({(self.done - last_done) / dt if dt > 0 else 0.0:.1f}/s) completed {self.completed} | "
+                f"engine fault {self.fault_now} | permits in use {st.get('leaked_permits', '?')} | "
+                f"Narwhal RSS {nw / 1024:.0f} MB")
+
+    async def _sampler(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        last_done, last_t = 0, self.now()
+        while True:
+            s = await self.sample(session, "load")
+            print(self._line(s, last_done, self.now() - last_t), file=sys.stderr, flush=True)
+            last_done, last_t = self.done, self.now()
+            try:
+                await asyncio.wait_for(stop.wait(), self.a.sample_s)
+                return
+            except TimeoutError:
+                continue
+
+    async def _control(self, session: aiohttp.ClientSession, engine: str, faults: list[str]) -> int:
+        try:
+            async with session.post(self.engines[engine] + "/sim/control", json={"faults": faults},
+                                    timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                return resp.status
+        except (aiohttp.ClientError, TimeoutError):
+            return 0
+
+    async def _engine_faults(self, session: aiohttp.ClientSession) -> None:
+        plan = engine_fault_schedule(self.a.load_s, self.a.engine_fault_every_s, self.a.engine_fault_s,
+                                     list(self.engines))
+        try:
+            for ep in plan:
+                await asyncio.sleep(max(0.0, ep.start_s - self.now()))
+                on = await self._control(session, ep.engine, [ep.fault])
+                self.fault_now = f"{ep.fault}@{ep.engine}"
+                await asyncio.sleep(max(0.0, ep.end_s - self.now()))
+                off = await self._control(session, ep.engine, [])
+                self.fault_now = "-"
+                self.episodes.append({**asdict(ep), "on_status": on, "off_status": off})
+        finally:
+            await asyncio.shield(self._clear_faults(session))
+
+    async def _clear_faults(self, session: aiohttp.ClientSession) -> None:
+        await asyncio.gather(*(self._control(session, e, []) for e in self.engines))
+        self.fault_now = "-"
+
+    async def _quiesce(self, session: aiohttp.ClientSession) -> None:
+        """Wait (bounded) until the engines are idle and the router's books close."""
+        t_end = time.monotonic()
+        deadline = t_end + self.a.quiesce_timeout_s
+        while time.monotonic() < deadline:
+            idle = await asyncio.to_thread(lambda: all(_sim_idle(u) for u in self.engines.values()))
+            snap = await self._status(session)
+            if snap is not None:
+                self.final_status = snap
+                if idle and books(snap)["balanced"]:
+                    self.quiesce_s = round(time.monotonic() - t_end, 2)
+                    return
+            await asyncio.sleep(0.5)
+
+    async def run(self) -> None:
+        ep = Endpoint(APP, (self.base,))
+        async with make_session() as session:
+            self.t0 = time.monotonic()
+            stop_at = self.t0 + self.a.load_s
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            sampler = loop.create_task(self._sampler(session, stop))
+            faults = loop.create_task(self._engine_faults(session))
+            workers = [loop.create_task(self._worker(w, session, ep, stop_at)) for w in range(self.a.concurrency)]
+            try:
+                _, pending = await asyncio.wait(workers, timeout=self.a.load_s + 70.0)
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*workers, return_exceptions=True)
+            finally:
+                for t in workers:
+                    t.cancel()
+                faults.cancel()
+                await asyncio.gather(faults, return_exceptions=True)
+                stop.set()
+                await asyncio.gather(sampler, return_exceptions=True)
+            print(f"[soak] load over at {self.now():.0f} s: {self.done} requests; waiting for quiescence "
+                  f"(up to {self.a.quiesce_timeout_s:.0f} s)", file=sys.stderr, flush=True)
+            await self._quiesce(session)
+            await self.sample(session, "after")
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM as Ctrl-C: the run is stopped and what was measured is reported. Raised here, not
+    re-sent as SIGINT: a shell starts a background job with SIGINT ignored."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def report(a: SoakArgs, soak: Soak) -> tuple[dict[str, Any], str, list[dict[str, Any]]]:
+    """The results (JSON), the text to print and the checks."""
+    rss = rss_summary(soak.samples, a.baseline_at_s, a.max_growth_pct)
+    book = books(soak.final_status) if soak.final_status is not None else None
+    checks = soak_checks(rss, book, soak.completed, a.max_growth_pct)
+    lines = []
+    judged_roles = [r["role"] for r in rss if r["judged"]]
+    lines.append("## RSS over time (MB; judged roles, and the sum of Ray's own processes)")
+    lines.append(rss_timeline(soak.samples, judged_roles))
+    base_t = next((r["baseline_t"] for r in rss if r["baseline_t"] is not None), None)
+    lines.append(f"\n## RSS per role (baseline: the first sample at or after {a.baseline_at_s:.0f} s"
+                 + (" = 10 % of the load" if a.baseline_s is None else "") + f", here t = {base_t} s; "
+                 f"growth = last / baseline - 1; judged: growth < {a.max_growth_pct:g} %; 'ray ...' roles are "
+                 "Ray's own processes, reported only)")
+    lines.append(rss_table(rss))
+    lines.append("\n## requests (client side: kind, outcome)")
+    lines.append(table(["kind", "outcome", "count"], [[k, o, n] for (k, o), n in sorted(soak.tally.items())]))
+    lines.append("\nstatus codes: " + ", ".join(f"{k} {n}" for k, n in sorted(soak.statuses.items())))
+    lines.append(f"\n## engine-wide faults ({len(soak.episodes)} episodes of {a.engine_fault_s:g} s)")
+    lines += [f"  {e['start_s']:.0f}-{e['end_s']:.0f} s {e['fault']} on {e['engine']} "
+              f"(control {e['on_status']}/{e['off_status']})" for e in soak.episodes]
+    lines.append("\n## router (/status after quiescence)")
+    if book is None or soak.final_status is None:
+        lines.append("  /status could not be read")
+    else:
+        lines.append(table(["outcome", "reason", "count"], router_outcomes(soak.final_status)))
+        lines.append(f"  offered {book['offered']}, terminal {book['terminal']} → "
+                     f"{'balanced' if book['unbalanced'] == 0 else 'UNBALANCED by ' + str(book['unbalanced'])}; "
+                     f"gauges {book['gauges']}; leaked permits {book['leaked_permits']}; "
+                     f"quiescent after {soak.quiesce_s if soak.quiesce_s is not None else 'NOT within'} "
+                     f"{'s' if soak.quiesce_s is not None else str(a.quiesce_timeout_s) + ' s'}")
+    lines.append("")
+    lines.append(checks_table(checks))
+    res = {"rss": rss, "client": {"sent": soak.sent, "done": soak.done, "completed": soak.completed,
+                                  "by_kind": [{"kind": k, "outcome": o, "count": n}
+                                              for (k, o), n in sorted(soak.tally.items())],
+                                  "status_codes": dict(sorted(soak.statuses.items()))},
+           "router": {"books": book, "quiesce_s": soak.quiesce_s, "status": soak.final_status},
+           "engine_faults": soak.episodes, "checks": checks}
+    return res, "\n".join(lines), checks
+
+
+def _plot(soak: Soak, roles: Sequence[str], path: Path) -> Path | None:
+    series: dict[str, list[tuple[float, float | None]]] = {
+        r: [(float(s["t"]), _mb(s["roles"][r]["rss_kb"]) if r in s["roles"] else None) for s in soak.samples]
+        for r in roles}
+    return plot_lines(path, "RSS of Narwhal's processes under a soak", "seconds since the load started", "MB", series)
+
+
+def run(a: SoakArgs, out: Path, run_async: Callable[[Coroutine[Any, Any, Any]], Any]) -> tuple[dict[str, Any], int]:
+    """The whole soak; returns the results and the exit status (0 when every check passes, 130 when
+    interrupted)."""
+    root = _app_dir()
+    if not (root / SUPERVISOR).is_file():
+        raise SystemExit(f"{SUPERVISOR} not found under {root}: run narwhal-bench soak from the repository checkout")
+    results_path, folder = output_paths(out)
+    log_dir = folder / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port, gcs_port = procs.free_port(), procs.free_port()
+    cfg = soak_serve_config(port, procs.free_port_run(len(SimFleetConfig().engines), 21000), a.model)
+    engines = sim_engines(cfg)
+    cfg_path = log_dir / "narwhal-serve-config.yaml"  # JSON is YAML
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+    base = f"http://127.0.0.1:{port}"
+    supervisor: procs.Managed | None = None
+    soak: Soak | None = None
+    startup_s: float | None = None
+    interrupted = False
+    t_start = time.monotonic()
+    old_term = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        print(f"narwhal-bench soak: {a.minutes:g} min, {a.concurrency} clients; starting {SUPERVISOR} on {base} "
+              f"(logs in {log_dir})", file=sys.stderr, flush=True)
+        supervisor = procs.start("narwhal", [sys.executable, str(root / SUPERVISOR), str(cfg_path)], log_dir,
+                                 env=serve_env(log_dir, gcs_port, a.ray_env), cwd=root)
+        startup_s = procs.wait_ready(base + "/ready", a.start_timeout_s, supervisor)
+        print(f"ready in {startup_s:.1f} s; engines {engines}", file=sys.stderr, flush=True)
+        soak = Soak(a, base, engines, supervisor, folder / "samples.jsonl")
+        run_async(soak.run())
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\n[soak] interrupted: stopping the run", file=sys.stderr, flush=True)
+    finally:
+        # no second interrupt while the run stops: an interrupted stop would leave Ray running
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if supervisor is not None:
+                print("[soak] stopping the run (Serve's clean shutdown, ~15 s; interrupts are ignored "
+                      "meanwhile)", file=sys.stderr, flush=True)
+                # serve_run.py: SIGINT to `serve run` (Serve's clean shutdown), then its sweep of the
+                # run's leftovers; then Managed.stop kills what is left of the tree it last saw, by PID
+                supervisor.stop(first=signal.SIGTERM, grace_s=90.0, term_s=15.0)
+        finally:
+            signal.signal(signal.SIGINT, old_int)
+            signal.signal(signal.SIGTERM, old_term)
+    if soak is None:
+        return {}, 130 if interrupted else 1
+    res, text, checks = report(a, soak)
+    judged_roles = [r["role"] for r in res["rss"] if r["judged"]]
+    plot = _plot(soak, judged_roles, folder / "rss.png")
+    meta = {"mode": "soak", "args": {**asdict(a), "ray_env": dict(a.ray_env)}, "baseline_at_s": a.baseline_at_s,
+            "serve_config": cfg, "engines": engines, "startup_s": startup_s, "interrupted": interrupted,
+            "wall_s": round(time.monotonic() - t_start, 1), "samples_file": str(soak.samples_path)}
+    res = {"meta": meta, **res, "samples": soak.samples, "plots": [str(plot)] if plot else []}
+    write_json(results_path, res)
+    if interrupted:
+        print("INTERRUPTED: the load was cut short and the books were not read after quiescence\n")
+    print(text)
+    print(f"\nresults: {results_path}\nsamples: {soak.samples_path}\nlogs: {log_dir}")
+    if plot:
+        print(f"plot: {plot}")
+    if interrupted:
+        return res, 130
+    return res, (1 if any(c["verdict"] == "MISS" for c in checks) else 0)
+
