@@ -126,7 +126,9 @@ class CompletionHandler:
             self.reporter.unsized()
             self.reporter.outcome(Outcome.CANCELLED, "body_incomplete")
             trail.end(Outcome.CANCELLED, "body_incomplete", 400)
-            return Response(status_code=400)
+            # the client ended the body early (it most likely left; if it still reads, it gets why)
+            err = InvalidRequest("the request body ended before its Content-Length", code="body_incomplete")
+            return error_response(err.info(), echo)
         except NarwhalError as err:
             if isinstance(err, BodyTimeout):
                 self.reporter.unsized()  # the body never ended: it was never sized

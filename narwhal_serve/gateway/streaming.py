@@ -101,18 +101,21 @@ def close_detached(gen: AsyncIterator[RelayMessage], pending: "asyncio.Future[Re
 
 
 class _SlowReader(Exception):
-    """The client reads too slowly: its unsent data passed the cap, or a write blocked too long."""
+    """The client reads too slowly: one write stayed blocked past the write timeout."""
 
 
 class RelayStreamResponse(Response):
     """Writes the relay's messages as they come, and bounds what a slow client can cost.
 
-    A reader task pulls relay messages ahead of the client into a buffer of at most
-    ``buffer_bytes``; the writer sends them, each write within ``write_timeout_s``.  A client that
-    reads too slowly for either limit is cut (one last error event is tried, briefly), the relay
-    is closed (the engine request is aborted) and the request ends ``failed``/``slow_reader``: a
-    slow reader is never buffered without limit.  (Behind Serve's proxy actor the actor itself
-    buffers and the ingress cannot see the client's pace; direct ingress is the run mode.)
+    A reader task pulls relay messages ahead of the client into a buffer; past ``buffer_bytes``
+    of unsent data it stops pulling until the writer has sent half of it (the client's pace, not
+    the engine's, sets how much is held here).  Each write must complete within
+    ``write_timeout_s``: a client that stops reading is cut (one last error event is tried,
+    briefly), the relay is closed (the engine request is aborted) and the request ends
+    ``failed``/``slow_reader``.  So a slow reader costs at most the buffer plus what the assembler
+    sends during one write timeout — never an unbounded buffer.  (Behind Serve's proxy actor the
+    actor itself buffers and the ingress cannot see the client's pace; direct ingress is the run
+    mode.)
     """
 
     media_type = "text/event-stream"
@@ -139,12 +142,12 @@ class RelayStreamResponse(Response):
         self.init_headers(headers)
         self._buf: deque[RelayMessage] = deque([first])
         self._size = len(first.data)
-        self._more = asyncio.Event()
-        self._over: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # buffer past its cap
+        self._more = asyncio.Event()  # the reader added a message
+        self._room = asyncio.Event()  # the writer brought the buffer down to half its cap
         self._pending: asyncio.Future[RelayMessage] | None = None  # the relay read in flight
 
     async def _read(self) -> None:
-        """Pull relay messages ahead of the client, up to the final one or the buffer cap."""
+        """Pull relay messages ahead of the client, up to the final one, pausing at the cap."""
         while True:
             self._pending = asyncio.ensure_future(self.gen.__anext__())
             try:
@@ -163,20 +166,18 @@ class RelayStreamResponse(Response):
             if msg.final:
                 return
             if self._size > self.buffer_bytes:
-                if not self._over.done():
-                    self._over.set_result(None)
-                return
+                self._room.clear()
+                await self._room.wait()
 
     async def _write(self, send: Send, body: bytes, more_body: bool = True) -> None:
-        """One write, within ``write_timeout_s``, given up at once if the buffer passed its cap."""
+        """One write, within ``write_timeout_s``."""
         task = asyncio.ensure_future(send({"type": "http.response.body", "body": body, "more_body": more_body}))
         try:
-            done, _ = await asyncio.wait({task, self._over}, timeout=self.write_timeout_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({task}, timeout=self.write_timeout_s)
         except asyncio.CancelledError:
             task.cancel()
             raise
-        if task not in done:
+        if not done:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             raise _SlowReader()
@@ -192,8 +193,6 @@ class RelayStreamResponse(Response):
             while True:
                 while not self._buf:
                     if reader is not None and reader.done():  # it stopped before the final message
-                        if self._over.done():
-                            raise _SlowReader()  # at the cap (the client caught up too late)
                         self._buf.append(_failure("the relay reader stopped"))
                         break
                     self._more.clear()
@@ -204,6 +203,8 @@ class RelayStreamResponse(Response):
                         await self._write(send, KEEPALIVE)
                 msg = self._buf.popleft()
                 self._size -= len(msg.data)
+                if self._size <= self.buffer_bytes // 2:
+                    self._room.set()
                 if msg.data:
                     await self._write(send, msg.data)
                 if msg.final:

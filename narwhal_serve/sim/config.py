@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 FAULT_NAMES: frozenset[str] = frozenset(
     {
         "error_500",
+        "error_429",
+        "error_503",
         "hang",
         "hang_mid_stream",
         "reset_mid_stream",
@@ -61,6 +63,8 @@ class SimEngineConfig(BaseModel):
     eos_prob: float = Field(default=0.005, ge=0.0, le=1.0)
     """Per-token probability (after ``min_tokens``) of a deterministic simulated EOS."""
     faults: list[str] = Field(default_factory=list)
+    retry_after_s: int = Field(default=1, ge=0)
+    """The ``Retry-After`` an ``error_429`` / ``error_503`` answer carries."""
 
     @field_validator("faults")
     @classmethod

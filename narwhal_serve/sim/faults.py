@@ -1,5 +1,8 @@
 """Fault injection: which faults a request suffers and how they bend its chunks/body.
 
+* Answer faults (``error_500``; ``error_429`` and ``error_503`` with a ``Retry-After`` of the
+  engine's ``retry_after_s``) answer at once in vLLM's error envelope, before any generation.
+
 * Stream faults (``hang_mid_stream``, ``reset_mid_stream``, ``malformed_sse``) fire after
   ``fault_after`` SSE events have been sent (or just before ``[DONE]`` if the stream is shorter).
 * Token faults (``bad_token_ids``, ``negative_token_ids``, ``unsupported_field``) hit the token chunk

@@ -41,6 +41,8 @@ from narwhal_serve.sim.textgen import encode_prompt, generate, render_chat, requ
 logger = logging.getLogger(__name__)
 Kind = Literal["chat", "completion"]
 _STREAM_FAULTS = ("hang_mid_stream", "reset_mid_stream", "malformed_sse")
+# Answers of an overloaded engine (or a gateway in front of one): the envelope and a Retry-After.
+BUSY_FAULTS = ((429, "error_429", "RateLimitError"), (503, "error_503", "ServiceUnavailableError"))
 
 
 def fingerprint(name: str) -> str:
@@ -187,6 +189,10 @@ async def handle_generate(engine: Engine, request: Request, kind: Kind) -> Respo
     plan = prep.plan
     if plan.has("error_500"):
         return error_response(500, "Simulated engine failure (fault error_500)", "InternalServerError")
+    for status, name, type_ in BUSY_FAULTS:  # backpressure: the engine is busy, come back later
+        if plan.has(name):
+            return error_response(status, f"Simulated engine busy (fault {name})", type_,
+                                  headers={"Retry-After": str(engine.cfg.retry_after_s)})
     if plan.has("hang") or (plan.has("hang_mid_stream") and not prep.stream):
         await wait_disconnect(request, engine)
         return Response(status_code=503)

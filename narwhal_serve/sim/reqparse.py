@@ -23,9 +23,11 @@ class SimError(Exception):
         return error_response(self.status, self.message, self.type, self.param)
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, type_: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None) -> SimError:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from typing import Any
 
 import httpx
@@ -141,3 +143,56 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
     return s[k]
+
+
+_GAUGE = re.compile(r'^(vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc))\{[^}]*\} ([0-9.e+-]+)$', re.M)
+
+
+async def vllm_load(c: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """A vLLM server's running and waiting requests and KV-cache usage, from its /metrics."""
+    r = await c.get(url + "/metrics")
+    r.raise_for_status()
+    return {k.split(":", 1)[1]: float(v) for k, v in _GAUGE.findall(r.text)}
+
+
+async def wait_vllm_idle(c: httpx.AsyncClient, url: str, timeout_s: float = 30.0) -> dict[str, float]:
+    """Poll until the server runs and queues nothing and holds no KV blocks (bounded)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while True:
+        load = await vllm_load(c, url)
+        if load.get("num_requests_running") == 0 and load.get("num_requests_waiting") == 0 \
+                and load.get("kv_cache_usage_perc") == 0:
+            return load
+        if loop.time() > end:
+            raise AssertionError(f"vLLM at {url} still busy {timeout_s} s after the client left: {load}")
+        await asyncio.sleep(0.2)
+
+
+async def leave_mid_stream(c: httpx.AsyncClient, url: str, body: dict[str, Any], engine_urls: list[str],
+                           events: int = 3) -> None:
+    """Stream ``body`` through Narwhal, read ``events`` token events, check the engines are busy
+    with it, and leave (close the connection) while it still generates."""
+    async with c.stream("POST", url, json=body) as r:
+        assert r.status_code == 200
+        seen = 0
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+                if seen >= events:
+                    break
+        busy = [await vllm_load(c, u) for u in engine_urls]
+        assert any(b.get("num_requests_running", 0) >= 1 for b in busy), f"nothing running when the client left: {busy}"
+
+
+async def wait_router_idle(c: httpx.AsyncClient, narwhal: str, timeout_s: float = 15.0) -> dict[str, Any]:
+    """Poll Narwhal's /status until no request holds a permit or a retention slot (bounded)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while True:
+        g = (await c.get(narwhal + "/status")).json()["gauges"]
+        if g["retained"] == 0 and g["prefill_inflight"] == 0 and g["decode_inflight"] == 0 and g["queued"] == 0:
+            return dict(g)
+        if loop.time() > end:
+            raise AssertionError(f"Narwhal still holds permits {timeout_s} s after the client left: {g}")
+        await asyncio.sleep(0.1)

@@ -29,9 +29,12 @@ from tests.e2e.helpers import (
     find_keys,
     fold_json,
     fold_stream,
+    leave_mid_stream,
     path_of,
     post,
     stream_events,
+    wait_router_idle,
+    wait_vllm_idle,
 )
 
 pytestmark = pytest.mark.e2e
@@ -130,3 +133,14 @@ async def test_pd_request_moves_kv_and_matches_unified(e2e: E2E, pd: Engines, ro
     assert ours["prompt_token_ids"] == direct["prompt_token_ids"]
     assert counts(ours["usage"]) == counts(direct["usage"])
     assert not find_keys(seen, TRANSFER_KEYS)
+
+
+async def test_pd_client_leaving_mid_stream_frees_both_engines(e2e: E2E, pd: Engines) -> None:
+    """The decode engine aborts the request and the prefill engine holds no KV for it."""
+    assert pd.prefill is not None and pd.decode is not None
+    body = long_body("completion", f"leave-{secrets.token_hex(4)}", stream=True, max_tokens=300, ignore_eos=True)
+    async with httpx.AsyncClient(timeout=60) as c:
+        await leave_mid_stream(c, e2e.narwhal + path_of("completion"), body, [pd.decode.url])
+        for server in (pd.decode, pd.prefill):
+            await wait_vllm_idle(c, server.url)
+        await wait_router_idle(c, e2e.narwhal)

@@ -11,10 +11,11 @@ from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests.support.net import free_port, free_port_run  # noqa: E402
+from tests.support.graph import ADMIN, MODEL  # noqa: E402
+from tests.support.net import free_port_run  # noqa: E402
+from tests.support.serve_session import serve_session  # noqa: E402
 
-MODEL = "narwhal-sim"
-ADMIN = {"Authorization": f"Bearer {ray_env.ADMIN_TOKEN}"}
+__all__ = ["ADMIN", "MODEL"]  # (re-exported: the integration tests import them from here)
 
 
 TIGHT_KEY = "k-tight"
@@ -45,43 +46,36 @@ SIM_ENGINES = [
 
 @pytest.fixture(scope="session")
 def graph() -> Iterator[Graph]:
-    import ray
     from ray import serve
 
     from deployments.app import build_app
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    sim_base = free_port_run(len(SIM_ENGINES))
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app(
-        {
-            "model": MODEL,
-            "admission": {"mode": "predictive", "queue_limit": 64, "max_wait_s": 30,
-                          "phase_concurrency": {"prefill": 64, "decode": 256}},
-            "sim": {"base_port": sim_base, "engines": SIM_ENGINES},
-            "monitoring": {"scrape_interval_s": 0.5, "stale_after_s": 5.0},
-            "deployment": {"ingress_max_replicas": 1, "assembler_max_replicas": 1},
-        }
-    )
-    tight_sim = free_port_run(1, start=sim_base + 10)
-    tight = build_app(
-        {
-            "model": MODEL,
-            "serving": {"max_request_bytes": 4096, "http_retention_limit": 3, "api_keys": [TIGHT_KEY],
-                        "stream_keepalive_s": KEEPALIVE_S, "body_timeout_s": BODY_TIMEOUT_S},
-            "admission": {"mode": "open", "queue_limit": 1, "max_wait_s": 5.0,
-                          "phase_concurrency": {"prefill": 1, "decode": 2}},
-            "sim": {"base_port": tight_sim, "engines": [{"name": "tight-unified-0", "role": "unified"}]},
-            "monitoring": {"scrape_interval_s": 0.2, "stale_after_s": 5.0},
-            "deployment": {"ingress_max_replicas": 1, "assembler_max_replicas": 1},
-        }
-    )
-    serve.run(app, name="narwhal", route_prefix="/")
-    serve.run(tight, name="tight", route_prefix="/tight")
-    try:
+    with serve_session() as port:
+        sim_base = free_port_run(len(SIM_ENGINES))
+        app = build_app(
+            {
+                "model": MODEL,
+                "admission": {"mode": "predictive", "queue_limit": 64, "max_wait_s": 30,
+                              "phase_concurrency": {"prefill": 64, "decode": 256}},
+                "sim": {"base_port": sim_base, "engines": SIM_ENGINES},
+                "monitoring": {"scrape_interval_s": 0.5, "stale_after_s": 5.0},
+                "deployment": {"ingress_max_replicas": 1, "assembler_max_replicas": 1},
+            }
+        )
+        tight_sim = free_port_run(1, start=sim_base + 10)
+        tight = build_app(
+            {
+                "model": MODEL,
+                "serving": {"max_request_bytes": 4096, "http_retention_limit": 3, "api_keys": [TIGHT_KEY],
+                            "stream_keepalive_s": KEEPALIVE_S, "body_timeout_s": BODY_TIMEOUT_S},
+                "admission": {"mode": "open", "queue_limit": 1, "max_wait_s": 5.0,
+                              "phase_concurrency": {"prefill": 1, "decode": 2}},
+                "sim": {"base_port": tight_sim, "engines": [{"name": "tight-unified-0", "role": "unified"}]},
+                "monitoring": {"scrape_interval_s": 0.2, "stale_after_s": 5.0},
+                "deployment": {"ingress_max_replicas": 1, "assembler_max_replicas": 1},
+            }
+        )
+        serve.run(app, name="narwhal", route_prefix="/")
+        serve.run(tight, name="tight", route_prefix="/tight")
         yield Graph(f"http://127.0.0.1:{port}", sim_base, f"http://127.0.0.1:{port}/tight",
                     f"http://127.0.0.1:{tight_sim}")
-    finally:
-        serve.shutdown()
-        ray.shutdown()

@@ -71,10 +71,16 @@ async def test_a_client_that_reads_everything_gets_everything() -> None:
     assert client.body[0] == b"first" and client.body[-2] == b"data: [DONE]\n\n" and len(client.body) == 53
 
 
-async def test_a_client_that_stops_reading_is_cut_at_the_buffer_cap_not_buffered() -> None:
+async def test_a_client_that_stops_reading_is_not_buffered_past_the_cap_and_is_cut() -> None:
     relay, client = Relay(10**6, 1000), Client(3)
-    assert await _serve(relay, client, buffer_bytes=8000, write_timeout_s=30.0) == [(Outcome.FAILED, "slow_reader")]
+    assert await _serve(relay, client, buffer_bytes=8000, write_timeout_s=0.5) == [(Outcome.FAILED, "slow_reader")]
     assert relay.pulled <= 3 + 9 + 1  # what was written, the cap's worth, and one over
+
+
+async def test_a_burst_past_the_cap_does_not_cut_a_client_that_reads_everything() -> None:
+    relay, client = Relay(200, 1000), Client(10**6)  # the relay has everything at once
+    assert await _serve(relay, client, buffer_bytes=4096, write_timeout_s=1.0) == [(Outcome.COMPLETED, "")]
+    assert len(client.body) == 203
 
 
 async def test_a_write_blocked_past_the_timeout_cuts_the_stream() -> None:

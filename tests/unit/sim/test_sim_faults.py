@@ -160,3 +160,20 @@ async def test_engine_wide_fault_via_control() -> None:
         assert (await c.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1})).status_code == 500
         await c.post("/sim/control", json={"faults": []})
         assert (await c.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1})).status_code == 200
+
+
+@pytest.mark.parametrize(("fault", "status", "type_"), [("error_429", 429, "RateLimitError"),
+                                                        ("error_503", 503, "ServiceUnavailableError")])
+async def test_busy_answers_carry_the_envelope_and_retry_after(fault: str, status: int, type_: str) -> None:
+    async with sim_client() as c:
+        streamed = await c.post(CHAT, json=_body(fault, stream=True))
+        await c.post("/sim/control", json={"faults": [fault], "retry_after_s": 3})
+        engine_wide = await c.post(COMPLETIONS, json=completion_body(model=None))
+        await c.post("/sim/control", json={"faults": []})
+        ok = await c.post(CHAT, json=chat_body(model=None))
+    assert streamed.headers["retry-after"] == "1" and engine_wide.headers["retry-after"] == "3"
+    for r in (streamed, engine_wide):
+        assert r.status_code == status
+        err = r.json()["error"]
+        assert (err["type"], err["code"], err["param"]) == (type_, status, None) and fault in err["message"]
+    assert ok.status_code == 200
