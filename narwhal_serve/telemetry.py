@@ -170,11 +170,30 @@ def render_metrics(snap: dict[str, Any], histograms: dict[str, Histogram]) -> st
         for e in snap["engines"]:
             for value, n in sorted((e.get(key) or {}).items()):
                 out.append(f'{name}{{engine="{_esc(e["name"])}",{label}="{_esc(value)}"}} {n}')
+    out += _engine_info(snap["engines"])
     out += _served(snap.get("served"))
     for key, (name, help_text) in HISTOGRAM_HELP.items():
         if key in histograms:
             out += histograms[key].render(name, help_text)
     return "\n".join(out) + "\n"
+
+
+def _engine_info(engines: list[dict[str, Any]]) -> list[str]:
+    """Where each engine runs (managed engines: node, replica, state) and managed restarts."""
+    out = ["# HELP narwhal_engine_info 1 per engine; a managed engine's labels say where it runs and its state.",
+           "# TYPE narwhal_engine_info gauge"]
+    restarts = []
+    for e in engines:
+        p = e.get("placement") or {}
+        labels = {"engine": e["name"], "managed": "true" if e.get("managed") else "false",
+                  "state": p.get("state") or "", "node_id": p.get("node_id") or "",
+                  "node_ip": p.get("node_ip") or "", "replica": p.get("replica") or ""}
+        out.append("narwhal_engine_info{" + ",".join(f'{k}="{_esc(str(v))}"' for k, v in labels.items()) + "} 1")
+        if p:
+            restarts.append(f'narwhal_engine_restarts_total{{engine="{_esc(e["name"])}"}} {p.get("restarts", 0)}')
+    out += ["# HELP narwhal_engine_restarts_total Replicas that replaced a managed engine's process.",
+            "# TYPE narwhal_engine_restarts_total counter", *restarts]
+    return out
 
 
 def _served(served: dict[str, Any] | None) -> list[str]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
+from narwhal_serve.managed.slot import ManagedSlot
 from narwhal_serve.placement.health import Breaker
 from narwhal_serve.prediction.ttft import PRIOR_A, PRIOR_B, PrefillModel
 
@@ -28,6 +29,7 @@ class EngineState:
     max_running_seen: int = 0
     ttft_model: PrefillModel = field(default_factory=PrefillModel)
     breaker: Breaker = field(default_factory=Breaker)  # passive health (real attempts' outcomes)
+    managed: ManagedSlot | None = None  # a Ray-managed engine's replica, node and state (None: a URL engine)
 
     def __post_init__(self) -> None:
         self.ttft_model = PrefillModel(
@@ -45,9 +47,9 @@ class EngineState:
 
     def eligible(self, now: float, stale_after_s: float, maintenance: frozenset[str]) -> bool:
         """Healthy, with fresh metrics (stale counts as unusable), not in a maintenance wave, its
-        breaker closed and not pushing back."""
+        breaker closed and not pushing back; a managed engine also up (its process running)."""
         return (self.healthy and self.fresh(now, stale_after_s) and self.cfg.wave not in maintenance
-                and self.breaker.takes_work(now))
+                and self.breaker.takes_work(now) and (self.managed is None or self.managed.up))
 
     def slots(self) -> int | None:
         """Concurrent sequences the engine runs: configured, or the most seen running while it queued."""
@@ -98,5 +100,7 @@ class EngineState:
                            "samples": len(self.ttft_model.samples), "prior_a_s": self.ttft_model.prior_a,
                            "prior_b_s_per_token": self.ttft_model.prior_b},
             "token_accounting": self.token_accounting(),
+            "managed": self.managed is not None,
+            "placement": None if self.managed is None else self.managed.view(now),
             **self.breaker.view(now),
         }

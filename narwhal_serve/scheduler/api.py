@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from narwhal_serve.config import EngineConfig
+from narwhal_serve.managed.slot import ReplicaReport
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, Report
 from narwhal_serve.scheduler.service import SchedulerService
 
@@ -26,6 +27,14 @@ class SchedulerApi:
 
     async def metrics_text(self) -> str:
         return self.svc.metrics_text()
+
+    async def register_managed(self, rep: ReplicaReport) -> str:
+        """A managed engine's replica: its engine answers /health (repeated as a heartbeat)."""
+        return self.svc.register_managed(rep)
+
+    async def managed_down(self, engine: str, replica: str, reason: str) -> None:
+        """A managed engine's replica: its engine process ended."""
+        self.svc.managed_down(engine, replica, reason)
 
     async def admin(self, op: str, arg: Any) -> Any:
         svc = self.svc

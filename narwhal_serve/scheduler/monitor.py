@@ -14,6 +14,10 @@ from narwhal_serve.placement.engines import EngineState
 
 
 async def scrape_one(client: httpx.AsyncClient, e: EngineState, now: float, timeout_s: float) -> None:
+    if not e.cfg.url:  # a managed engine not running yet: known to be down (not a silent one)
+        e.healthy = False
+        e.last_answer = now
+        return
     base = e.cfg.base_url
     try:
         health, metrics = await asyncio.gather(
