@@ -12,7 +12,7 @@ import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -25,15 +25,16 @@ from narwhal_serve.config import EngineConfig, NarwhalConfig
 from narwhal_serve.errors import ErrorInfo, NarwhalError
 from narwhal_serve.ha.state import RouterState, backend_unavailable, router_unavailable
 from narwhal_serve.placement.engines import EngineState
-from narwhal_serve.placement.health import may_open
 from narwhal_serve.relay.messages import RelayStats
 from narwhal_serve.scheduler.ha import RouterHA
 from narwhal_serve.managed.slot import ReplicaReport
+from narwhal_serve.scheduler.health import Prober, apply_faults
+from narwhal_serve.scheduler.learning import learn_from
 from narwhal_serve.scheduler.leases import LEASE_TTL_S, LeaseLedger
 from narwhal_serve.scheduler.managed import ManagedFleet, initial_engines
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, LocalPlacement, Report
-from narwhal_serve.scheduler.learning import learn_from
-from narwhal_serve.scheduler.monitor import probe_one, scrape_all, scrape_one
+from narwhal_serve.scheduler.monitor import scrape_all, scrape_one
+from narwhal_serve.scheduler.snapshot import snapshot
 from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, Tally, render_metrics
 
 REAP_GRACE_S = 5.0  # a ticket past its request deadline by this much is forgotten (permits freed)
@@ -84,7 +85,8 @@ class SchedulerService:
         self._client: httpx.AsyncClient | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._expiry: asyncio.TimerHandle | None = None
-        self._probes: set[asyncio.Task[None]] = set()
+        self.prober = Prober(cfg, clock, lambda: self._pump())
+        self._background: set[asyncio.Task[None]] = set()  # immediate scrapes of (re)joined engines
         self._ha: asyncio.Task[None] | None = None
         self.calls = {"admit": 0, "report": 0}  # calls from ingress replicas (/status)
 
@@ -97,7 +99,8 @@ class SchedulerService:
             self._ha = asyncio.get_running_loop().create_task(self.ha.run(self._pump))
 
     async def stop(self) -> None:
-        for t in list(self._probes):
+        self.prober.cancel()
+        for t in list(self._background):
             t.cancel()
         if self._ha is not None:
             self._ha.cancel()
@@ -119,21 +122,9 @@ class SchedulerService:
 
     def start_probes(self) -> None:
         """A probe for each engine whose breaker has been open its full period."""
-        now = self.clock()
-        for e in self.engines.values():
-            if e.breaker.probe_due(now):
-                task = asyncio.get_running_loop().create_task(self._probe(e))
-                self._probes.add(task)
-                task.add_done_callback(self._probes.discard)
-
-    async def _probe(self, e: EngineState) -> None:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self.cfg.monitoring.scrape_timeout_s)
-        timeout = self.cfg.serving.first_token_limit(self.cfg.admission.ttft_budget_s)
-        ok, why = await probe_one(self._client, e, self.cfg.model, timeout)
-        e.breaker.on_probe(ok, self.clock(), self.cfg.monitoring, why)
-        if ok:
-            self._pump()  # queued requests may fit now
+        self.prober.start_due(self.engines.values(), self._client)
 
     async def scrape_once(self) -> None:
         if self._client is None:
@@ -333,11 +324,7 @@ class SchedulerService:
             for lp in part.placed:
                 self._local_placed(lp, part.lease_id)
             grant_for = (rec, fresh)
-        for f in rep.faults:
-            if (e := self.engines.get(f.engine)) is not None:
-                open_now = sum(1 for x in self.engines.values() if x.breaker.state != "closed")
-                spare = may_open(open_now, len(self.engines), self.cfg.monitoring)
-                e.breaker.on_fault(f.kind, now, self.cfg.monitoring, f.retry_after_s, f.why, may_open=spare)
+        apply_faults(self.engines, rep.faults, now, self.cfg)
         for tid, engines in rep.decode_started:
             for name in engines:
                 if (e := self.engines.get(name)) is not None:
@@ -434,8 +421,8 @@ class SchedulerService:
                 self._pump()
 
         task = asyncio.get_running_loop().create_task(scrape())
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def register_engine(self, engine: EngineConfig) -> None:
         if engine.launch is not None:
@@ -459,30 +446,4 @@ class SchedulerService:
         return True, "active"
 
     def snapshot(self) -> dict[str, Any]:
-        now = self.clock()
-        maint = frozenset(self.router.maintenance)
-        ready, reason = self.readiness()
-        return {
-            "ready": ready,
-            "state": reason,
-            "router_mode": self.router.mode,
-            "epoch": self.ha.epoch() or None,
-            "ha": self.ha.view(),
-            "maintenance_waves": sorted(maint),
-            "admission_mode": self.cfg.admission.mode,
-            "counters": self.counters.seed_view(),
-            "counters_by_reason": [
-                {"outcome": o, "reason": r, "count": n} for (o, r), n in sorted(self.counters.by_outcome.items())
-            ],
-            "gauges": self.admission.gauges(),
-            "served": self.tally.view(),
-            "scheduler_calls": dict(self.calls),
-            "admission_leases": [
-                {"lease": k, "reserved": asdict(r.reserved), "in_use": asdict(r.in_use),
-                 "tickets": len(r.tickets), "age_s": round(now - r.last_seen, 3)}
-                for k, r in self.leases.leases.items()
-            ],
-            "engines": [
-                e.view(now, self.cfg.monitoring.stale_after_s, maint) for e in self.engines.values()
-            ],
-        }
+        return snapshot(self)

@@ -49,8 +49,8 @@ def report(replica: str, port: int, node: str = "node-a", engine: str = "m") -> 
 
 
 async def settle(svc: SchedulerService) -> None:
-    while svc._probes:
-        await asyncio.gather(*list(svc._probes))
+    while svc._background:
+        await asyncio.gather(*list(svc._background))
 
 
 def eligible(svc: SchedulerService, name: str) -> bool:
@@ -90,7 +90,7 @@ async def test_heartbeat_is_idempotent_and_a_dead_process_is_ineligible_at_once(
     svc.engines["m"].inflight = 2  # requests in flight on it
     clock.t += 5
     svc.register_managed(report("r1", 8001))  # heartbeat: nothing changes, no scrape
-    assert not svc._probes and eligible(svc, "m")
+    assert not svc._background and eligible(svc, "m")
     assert status(svc, "m")["placement"]["heartbeat_age_s"] == 0.0  # type: ignore[index]
 
     down.add("10.0.0.1:8001")

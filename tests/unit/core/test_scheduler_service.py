@@ -129,14 +129,14 @@ async def test_failed_attempts_open_a_breaker_a_probe_closes_it() -> None:
 
     svc._client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
     svc.start_probes()
-    assert not svc._probes  # not before the open period is over
+    assert not svc.prober.tasks  # not before the open period is over
     clock.t += 2.0
     svc.start_probes()
-    await asyncio.gather(*svc._probes)
+    await asyncio.gather(*svc.prober.tasks)
     assert u.breaker.state == "open" and u.breaker.open_s == 4.0  # the probe failed: open again, longer
     clock.t += 4.0
     svc.start_probes()
-    await asyncio.gather(*svc._probes)
+    await asyncio.gather(*svc.prober.tasks)
     u.last_ok = clock.t  # (metrics fresh on the virtual clock)
     assert u.breaker.state == "closed" and u.eligible(clock.t, 5.0, frozenset())
     assert b'"max_tokens": 1' in bodies[0].replace(b":1", b": 1") and b"return_token_ids" in bodies[0]

@@ -1,0 +1,37 @@
+"""``/status``: the scheduler's whole state as plain JSON (README, "Routes")."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from narwhal_serve.scheduler.service import SchedulerService
+
+
+def snapshot(svc: "SchedulerService") -> dict[str, Any]:
+    now = svc.clock()
+    maint = frozenset(svc.router.maintenance)
+    ready, reason = svc.readiness()
+    return {
+        "ready": ready,
+        "state": reason,
+        "router_mode": svc.router.mode,
+        "epoch": svc.ha.epoch() or None,
+        "ha": svc.ha.view(),
+        "maintenance_waves": sorted(maint),
+        "admission_mode": svc.cfg.admission.mode,
+        "counters": svc.counters.seed_view(),
+        "counters_by_reason": [
+            {"outcome": o, "reason": r, "count": n} for (o, r), n in sorted(svc.counters.by_outcome.items())
+        ],
+        "gauges": svc.admission.gauges(),
+        "served": svc.tally.view(),
+        "scheduler_calls": dict(svc.calls),
+        "admission_leases": [
+            {"lease": k, "reserved": asdict(r.reserved), "in_use": asdict(r.in_use),
+             "tickets": len(r.tickets), "age_s": round(now - r.last_seen, 3)}
+            for k, r in svc.leases.leases.items()
+        ],
+        "engines": [e.view(now, svc.cfg.monitoring.stale_after_s, maint) for e in svc.engines.values()],
+    }
