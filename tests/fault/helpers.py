@@ -16,6 +16,7 @@ import httpx
 
 from tests.fault.conftest import App
 from tests.support.graph import Held, balanced, chat_body, status, wait_engine_idle, wait_status
+from tests.support.sse import parse_sse
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -144,17 +145,7 @@ async def timed_post(app: App, body: dict[str, Any], headers: dict[str, str] | N
     return r, time.monotonic() - t0
 
 
-def sse_events(text: str) -> list[Any]:
-    """The data payloads of an SSE body: parsed JSON, or the raw string (``[DONE]``)."""
-    out: list[Any] = []
-    for line in text.splitlines():
-        if line.startswith("data: "):
-            payload = line[len("data: "):]
-            try:
-                out.append(json.loads(payload))
-            except ValueError:
-                out.append(payload)
-    return out
+sse_events = parse_sse  # the data payloads of an SSE body: parsed JSON, or the raw string ([DONE])
 
 
 def assert_clean_end(r: httpx.Response) -> list[Any]:

@@ -12,6 +12,8 @@ import httpx
 
 from narwhal_serve.sim.app import create_app
 from narwhal_serve.sim.config import SimEngineConfig
+from tests.support.sse import parse_sse  # noqa: F401  (re-exported for the test_sim_* files)
+
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "vllm-0.32.0-cpu"
 CHAT = "/v1/chat/completions"
@@ -22,19 +24,6 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 def load_json(name: str) -> Any:
     return json.loads((FIXTURES / name).read_text())
 
-
-def parse_sse(text: str) -> list[Any]:
-    """Data payloads of an SSE body: parsed JSON, or the raw string (``[DONE]``, malformed lines)."""
-    out: list[Any] = []
-    for block in text.split("\n\n"):
-        for line in block.splitlines():
-            if line.startswith("data: "):
-                payload = line[len("data: "):]
-                try:
-                    out.append(json.loads(payload))
-                except ValueError:
-                    out.append(payload)
-    return out
 
 
 def load_sse(name: str) -> list[Any]:
