@@ -44,9 +44,12 @@ class Breaker:
     def on_fault(self, kind: FaultKind, now: float, cfg: MonitoringConfig, retry_after_s: float | None = None,
                  why: str = "", may_open: bool = True) -> None:
         """``may_open``: the fleet can spare this engine (see :func:`may_open`); otherwise the
-        failure is counted and the breaker opens at the first failure once it can."""
+        failure is counted and the breaker opens at the first failure once it can, and a
+        backpressure window is not started."""
         self.faults_total[kind] = self.faults_total.get(kind, 0) + 1
         if kind == "backpressure":
+            if not may_open:  # the rest of the fleet is out already: the engine keeps taking work
+                return
             hold = cfg.backpressure_s if retry_after_s is None else retry_after_s
             self.backpressure_until = max(self.backpressure_until, now + min(max(hold, 0.0), BACKPRESSURE_CAP_S))
             return

@@ -17,11 +17,12 @@ from narwhal_serve.scheduler.monitor import probe_one
 
 
 def apply_faults(engines: dict[str, EngineState], faults: Iterable[EngineFault], now: float, cfg: NarwhalConfig) -> None:
-    """Count failed attempts against their engines' breakers (never opening more than the fleet
-    can spare: :func:`~narwhal_serve.placement.health.may_open`)."""
+    """Count failed attempts against their engines' breakers, and start backpressure windows —
+    never taking more engines out of work (breaker open or pushing back) than the fleet can spare:
+    :func:`~narwhal_serve.placement.health.may_open`."""
     for f in faults:
         if (e := engines.get(f.engine)) is not None:
-            open_now = sum(1 for x in engines.values() if x.breaker.state != "closed")
+            open_now = sum(1 for x in engines.values() if not x.breaker.takes_work(now))
             spare = may_open(open_now, len(engines), cfg.monitoring)
             e.breaker.on_fault(f.kind, now, cfg.monitoring, f.retry_after_s, f.why, may_open=spare)
 

@@ -211,3 +211,13 @@ async def test_failures_never_open_more_breakers_than_the_fleet_can_spare() -> N
     states = {n: e.breaker.state for n, e in svc.engines.items()}
     assert states == {"u": "open", "p": "closed", "d": "closed"}  # 3 engines: at most one open
     assert svc.engines["p"].breaker.failures == 3  # counted: it opens as soon as it may
+
+
+
+async def test_backpressure_never_takes_more_of_the_fleet_out_than_it_can_spare() -> None:
+    from narwhal_serve.relay.messages import EngineFault
+
+    svc, clock = service()
+    svc.report(Report(faults=[EngineFault(n, "backpressure", "HTTP 429", 5.0) for n in ("u", "p", "d")]))
+    out = [n for n, e in svc.engines.items() if not e.breaker.takes_work(clock.t)]
+    assert out == ["u"]  # 3 engines: one out at a time; the others keep taking work
