@@ -155,6 +155,16 @@ async def vllm_load(c: httpx.AsyncClient, url: str) -> dict[str, float]:
     return {k.split(":", 1)[1]: float(v) for k, v in _GAUGE.findall(r.text)}
 
 
+_GENERATED = re.compile(r'^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+-]+)$', re.M)
+
+
+async def vllm_generated(c: httpx.AsyncClient, url: str) -> float:
+    """The tokens a vLLM server has generated so far (its /metrics)."""
+    r = await c.get(url + "/metrics")
+    r.raise_for_status()
+    return sum(float(v) for v in _GENERATED.findall(r.text))
+
+
 async def wait_vllm_idle(c: httpx.AsyncClient, url: str, timeout_s: float = 30.0) -> dict[str, float]:
     """Poll until the server runs and queues nothing and holds no KV blocks (bounded)."""
     loop = asyncio.get_running_loop()
@@ -169,10 +179,9 @@ async def wait_vllm_idle(c: httpx.AsyncClient, url: str, timeout_s: float = 30.0
         await asyncio.sleep(0.2)
 
 
-async def leave_mid_stream(c: httpx.AsyncClient, url: str, body: dict[str, Any], engine_urls: list[str],
-                           events: int = 3) -> None:
-    """Stream ``body`` through Narwhal, read ``events`` token events, check the engines are busy
-    with it, and leave (close the connection) while it still generates."""
+async def leave_mid_stream(c: httpx.AsyncClient, url: str, body: dict[str, Any], events: int = 1) -> None:
+    """Stream ``body`` through Narwhal, read ``events`` token events and leave (close the
+    connection) while the engine still generates."""
     async with c.stream("POST", url, json=body) as r:
         assert r.status_code == 200
         seen = 0
@@ -181,8 +190,6 @@ async def leave_mid_stream(c: httpx.AsyncClient, url: str, body: dict[str, Any],
                 seen += 1
                 if seen >= events:
                     break
-        busy = [await vllm_load(c, u) for u in engine_urls]
-        assert any(b.get("num_requests_running", 0) >= 1 for b in busy), f"nothing running when the client left: {busy}"
 
 
 async def wait_router_idle(c: httpx.AsyncClient, narwhal: str, timeout_s: float = 15.0) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from tests.e2e.helpers import (
     path_of,
     post,
     stream_events,
+    vllm_generated,
     wait_router_idle,
     wait_vllm_idle,
 )
@@ -138,9 +139,13 @@ async def test_pd_request_moves_kv_and_matches_unified(e2e: E2E, pd: Engines, ro
 async def test_pd_client_leaving_mid_stream_frees_both_engines(e2e: E2E, pd: Engines) -> None:
     """The decode engine aborts the request and the prefill engine holds no KV for it."""
     assert pd.prefill is not None and pd.decode is not None
-    body = long_body("completion", f"leave-{secrets.token_hex(4)}", stream=True, max_tokens=300, ignore_eos=True)
+    body = long_body("completion", f"leave-{secrets.token_hex(4)}", stream=True, max_tokens=340, ignore_eos=True)
     async with httpx.AsyncClient(timeout=60) as c:
-        await leave_mid_stream(c, e2e.narwhal + path_of("completion"), body, [pd.decode.url])
+        before = await vllm_generated(c, pd.decode.url)
+        await leave_mid_stream(c, e2e.narwhal + path_of("completion"), body)
         for server in (pd.decode, pd.prefill):
-            await wait_vllm_idle(c, server.url)
+            await wait_vllm_idle(c, server.url)  # nothing running or waiting, no KV blocks held
+        generated = await vllm_generated(c, pd.decode.url) - before
         await wait_router_idle(c, e2e.narwhal)
+    print(f"P/D: the decode engine generated {generated:.0f} of 340 tokens before the abort")
+    assert 0 < generated < 340

@@ -7,16 +7,23 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import E2E
-from tests.e2e.helpers import body_for, leave_mid_stream, path_of, wait_router_idle, wait_vllm_idle
+from tests.e2e.helpers import body_for, leave_mid_stream, path_of, vllm_generated, wait_router_idle, wait_vllm_idle
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.parametrize("route", ["chat", "completion"])
 async def test_a_client_leaving_mid_stream_aborts_the_vllm_request(e2e: E2E, route: str) -> None:
-    body = body_for(route, stream=True, max_tokens=400, ignore_eos=True)
+    # Top logprobs make each step slow enough on this CPU that the client leaves well before the end
+    # (without them the tiny model ran all 480 tokens before the disconnect could reach it).
+    lp: dict[str, object] = {"logprobs": True, "top_logprobs": 20} if route == "chat" else {"logprobs": 20}
+    body = body_for(route, stream=True, max_tokens=480, ignore_eos=True, **lp)
     async with httpx.AsyncClient(timeout=60) as c:
         await wait_vllm_idle(c, e2e.vllm)
-        await leave_mid_stream(c, e2e.narwhal + path_of(route), body, [e2e.vllm])
-        await wait_vllm_idle(c, e2e.vllm)  # vLLM aborted it: 400 tokens would take seconds more
+        before = await vllm_generated(c, e2e.vllm)
+        await leave_mid_stream(c, e2e.narwhal + path_of(route), body)
+        await wait_vllm_idle(c, e2e.vllm)
+        generated = await vllm_generated(c, e2e.vllm) - before
         await wait_router_idle(c, e2e.narwhal)
+    print(f"{route}: vLLM generated {generated:.0f} of 480 tokens before the abort")
+    assert 0 < generated < 480  # vLLM stopped it: it did not run its 480 tokens to the end
