@@ -58,7 +58,9 @@ def graph() -> Iterator[Graph]:
                 "admission": {"mode": "predictive", "queue_limit": 64, "max_wait_s": 30,
                               "phase_concurrency": {"prefill": 64, "decode": 256}},
                 "sim": {"base_port": sim_base, "engines": SIM_ENGINES},
-                "monitoring": {"scrape_interval_s": 0.5, "stale_after_s": 5.0},
+                # The assembly and admission rows inject per-request faults back to back; breakers
+                # (tested in tests/fault) would take engines out between tests here.
+                "monitoring": {"scrape_interval_s": 0.5, "stale_after_s": 5.0, "breaker_failures": 1000},
                 "deployment": {"ingress_max_replicas": 1, "assembler_max_replicas": 1},
             }
         )
