@@ -24,10 +24,24 @@ from pathlib import Path
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free on ``host`` now and never handed out before by this process.
+
+    The kernel may give the same ephemeral port to two ``bind(0)`` calls in a row once the first
+    socket is closed, and a server started on the first port takes seconds to bind it (vLLM): two
+    servers started back to back would be told the same port.
+    """
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError(f"no free port on {host} that this process has not handed out already")
 
 
 def free_port_run(n: int, start: int = 20000, stop: int = 60000) -> int:

@@ -221,7 +221,7 @@ def test_managed_vllm_serves_restarts_and_rejoins(run: Run) -> None:
                            lambda e: e["eligible"] and e["placement"]["pid"] != old["pid"], START_TIMEOUT_S)
         t_rejoin = time.monotonic() - t_kill
         new = back["placement"]
-        assert new["replica"] != old["replica"] and new["restarts"] == 1 and back["url"] != first["url"]
+        assert new["replica"] != old["replica"] and new["restarts"] == 1
         with pytest.raises(ProcessLookupError):
             os.killpg(old["pid"], 0)  # nothing of the old engine's process group is left (EngineCore too)
         check_routes(c)  # no operator action: it serves again
