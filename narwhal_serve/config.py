@@ -54,6 +54,10 @@ class AdmissionConfig(_Strict):
     max_wait_s: float = Field(30.0, gt=0)
     ttft_budget_s: float = Field(2.0, gt=0)
     max_ttft_budget_s: float = Field(60.0, gt=0)
+    # Time per output token a route may be projected to give a new stream (None: no TPOT judgement);
+    # a request's X-TPOT-Target overrides it, capped at max_tpot_budget_s
+    tpot_budget_s: float | None = Field(None, gt=0)
+    max_tpot_budget_s: float = Field(10.0, gt=0)
     phase_concurrency: PhaseConcurrency = PhaseConcurrency()
     # Each ingress replica admits under a lease of permits from the scheduler, with no scheduler
     # call per request; off: every request asks the scheduler (the pre-lease path, for comparison)
@@ -95,6 +99,27 @@ class EngineConfig(_Strict):
     def names(self) -> list[str]:
         """The names this entry puts in the fleet (several for a managed engine with replicas)."""
         return [self.name] if self.launch is None else slot_names(self.name, self.launch.replicas)
+
+
+class PlacementConfig(_Strict):
+    """How admitted requests are placed (README, "Placement")."""
+
+    # Prefer the engine that holds a request's prompt prefix (its KV blocks), weighed against load
+    # and projected TTFT; the TTFT projection credits the cached tokens
+    prefix_aware: bool = True
+    prefix_block_chars: int = Field(256, ge=8)  # text prompts: one index block per this many characters
+    prefix_block_tokens: int = Field(64, ge=1)  # token-ID prompts: one block per this many tokens
+    prefix_index_blocks: int = Field(4096, ge=0)  # per engine, least recently placed evicted first
+    prefix_view_blocks: int = Field(1024, ge=0)  # of those, the most recent sent to ingress leases
+    prefix_max_blocks: int = Field(128, ge=1)  # blocks hashed per request (its first ones)
+    # Drift: an engine measured slower than its own models (TTFT and TPOT; EWMA of the relative
+    # error) scores worse past drift_penalty_at, and past drift_out_at leaves rotation until
+    # profiling requests show it behaves again (within drift_back_at)
+    drift_penalty_at: float = Field(0.25, gt=0)
+    drift_out_at: float = Field(1.0, gt=0)
+    drift_back_at: float = Field(0.3, gt=0)
+    drift_probe_s: float = Field(1.0, gt=0)  # between profiling requests while out
+    drift_probes: int = Field(3, ge=1)  # good profiling requests in a row to come back
 
 
 class MonitoringConfig(_Strict):
@@ -220,6 +245,7 @@ class NarwhalConfig(_Strict):
     admission: AdmissionConfig = AdmissionConfig()
     engines: tuple[EngineConfig, ...] = ()
     monitoring: MonitoringConfig = MonitoringConfig()
+    placement: PlacementConfig = PlacementConfig()
     ha: HAConfig = HAConfig()
     admin: AdminConfig = AdminConfig()
     sim: SimFleetConfig = SimFleetConfig()

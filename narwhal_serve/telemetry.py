@@ -77,6 +77,15 @@ ENGINE_GAUGES = (
      "Failed attempts on the engine since its last good first token."),
     ("narwhal_engine_backpressure_seconds", "backpressure_for_s",
      "Seconds left in the engine's backpressure window (after its 429/503), when one is open."),
+    ("narwhal_engine_drift_out", "drift_out",
+     "1 while the engine is out of rotation for drift, re-measured by profiling requests."),
+    ("narwhal_engine_drift_outs_total", "drift_outs_total", "Times the engine went out of rotation for drift."),
+    ("narwhal_engine_drift_ttft", "drift_ttft", "EWMA of the engine's (measured - predicted) / predicted TTFT."),
+    ("narwhal_engine_drift_tpot", "drift_tpot", "EWMA of the engine's (measured - predicted) / predicted TPOT."),
+    ("narwhal_engine_decode_tokens_ahead", "decode_tokens_ahead",
+     "Decode tokens still expected from the router's requests at the engine (learned lengths, corrected as tokens arrive)."),
+    ("narwhal_engine_prefix_index_blocks", "prefix_index_blocks",
+     "Prompt-prefix blocks the router believes the engine holds (prefix-aware placement)."),
 )
 
 # Per-engine counters kept as {label value: count} in the engine view: (metric, view key, label, help)
@@ -104,6 +113,8 @@ class Tally:
 
     admitted: int = 0
     goodput: int = 0
+    prefix_hits: int = 0  # admissions placed where a prefix of their prompt was believed cached
+    prefix_cached_tokens: int = 0  # the prompt tokens those placements credited as cached
     ttft_pairs: dict[str, TtftPair] = field(default_factory=dict)
 
     def pair(self, engine: str) -> TtftPair:
@@ -113,6 +124,8 @@ class Tally:
         return {
             "admitted": self.admitted,
             "goodput": self.goodput,
+            "prefix_hits": self.prefix_hits,
+            "prefix_cached_tokens": self.prefix_cached_tokens,
             "ttft_by_engine": [
                 {"engine": k, "n": p.n, "predicted_s_sum": p.predicted_s, "measured_s_sum": p.measured_s}
                 for k, p in sorted(self.ttft_pairs.items())
@@ -207,6 +220,12 @@ def _served(served: dict[str, Any] | None) -> list[str]:
          " (X-TTFT-Target, else admission.ttft_budget_s)."),
         "# TYPE narwhal_goodput_total counter",
         f"narwhal_goodput_total {served['goodput']}",
+        "# HELP narwhal_prefix_hits_total Admissions placed on an engine believed to hold a prefix of their prompt.",
+        "# TYPE narwhal_prefix_hits_total counter",
+        f"narwhal_prefix_hits_total {served.get('prefix_hits', 0)}",
+        "# HELP narwhal_prefix_cached_tokens_total Prompt tokens those placements credited as cached.",
+        "# TYPE narwhal_prefix_cached_tokens_total counter",
+        f"narwhal_prefix_cached_tokens_total {served.get('prefix_cached_tokens', 0)}",
     ]
     rows = served["ttft_by_engine"]
     for name, key, help_text in (

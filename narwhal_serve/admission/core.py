@@ -15,15 +15,18 @@ since (:meth:`FleetView.adjusted`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field, replace
 
 from narwhal_serve.admission.controller import Refusal
 from narwhal_serve.admission.outcomes import Outcome
-from narwhal_serve.admission.predictive import judge
+from narwhal_serve.admission.predictive import judge, judge_tpot
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
 from narwhal_serve.ha.state import backend_unavailable, router_unavailable
-from narwhal_serve.placement.picker import candidate_routes
+from narwhal_serve.placement.picker import MAX_CANDIDATES, candidate_routes
+from narwhal_serve.placement.prefix import matched_blocks
+from narwhal_serve.prediction.decode import DEFAULT_OUTPUT_PRIOR, PRIOR_TPOT_A, expected_output, tpot_at
 from narwhal_serve.prediction.ttft import Projection, linear_ttft, project_linear, slot_wait_s
 from narwhal_serve.protocol.placement import RouteChoice
 
@@ -44,6 +47,12 @@ class EngineFacts:
     external: int = 0  # requests from other clients, as last scraped (EngineState.external)
     pending_prefill_requests: int = 0  # requests routed here and not yet past their first token
     ttft_c: float = 0.0  # seconds per request ahead
+    tpot_a: float = PRIOR_TPOT_A  # TPOT model: a + b · batch (prediction/decode.py)
+    tpot_b: float = 0.0
+    tpot_known: bool = False  # the TPOT model has measurements (no TPOT judgement before)
+    decode_tokens: float = 0.0  # decode tokens still ahead of the router's requests here (corrected as they run)
+    penalty: float = 0.0  # drift: the placement cost is multiplied by 1 + penalty
+    prefix: AbstractSet[int] = frozenset()  # prompt-prefix blocks the engine is believed to hold
 
     def eligible(self, now: float) -> bool:
         return now <= self.eligible_until
@@ -58,12 +67,16 @@ class EngineDelta:
     inflight: int = 0
     pending_prefill_tokens: int = 0
     pending_prefill_requests: int = 0
+    decode_tokens: float = 0.0
+    prefix: frozenset[int] = frozenset()  # blocks placed here (added; the scheduler's index evicts)
 
     def __add__(self, other: "EngineDelta") -> "EngineDelta":
         return EngineDelta(
             self.inflight + other.inflight,
             self.pending_prefill_tokens + other.pending_prefill_tokens,
             self.pending_prefill_requests + other.pending_prefill_requests,
+            self.decode_tokens + other.decode_tokens,
+            self.prefix | other.prefix if other.prefix else self.prefix,
         )
 
 
@@ -75,6 +88,8 @@ class FleetView:
     queued_tokens: int = 0  # prompt tokens waiting in the scheduler's queue
     queued: int = 0  # requests waiting in the scheduler's queue
     epoch: int = 0  # the router lease's fencing token (0: no lease backend), sent to engines
+    outputs: tuple[tuple[str, int, float], ...] = ()  # learned output lengths (OutputLengths.table)
+    output_prior: float = DEFAULT_OUTPUT_PRIOR
 
     def adjusted(self, deltas: Mapping[str, EngineDelta]) -> "FleetView":
         """This view with a holder's own changes since it was taken."""
@@ -86,6 +101,8 @@ class FleetView:
                 inflight=max(0, e.inflight + d.inflight),
                 pending_prefill_tokens=max(0, e.pending_prefill_tokens + d.pending_prefill_tokens),
                 pending_prefill_requests=max(0, e.pending_prefill_requests + d.pending_prefill_requests),
+                decode_tokens=max(0.0, e.decode_tokens + d.decode_tokens),
+                prefix=e.prefix | d.prefix if d.prefix else e.prefix,
             )
             if (d := deltas.get(e.cfg.name)) is not None
             else e
@@ -102,6 +119,11 @@ class FleetView:
 class Ask:
     prompt_tokens: int
     ttft_budget_s: float
+    tpot_budget_s: float | None = None  # None: no TPOT judgement
+    kind: str = "chat"  # route kind: output lengths are learned per kind
+    max_output_tokens: int | None = None
+    prefix: tuple[int, ...] = ()  # the prompt's block hashes (placement/prefix.py)
+    prefix_block_tokens: float = 0.0  # prompt tokens one block stands for
 
 
 @dataclass(frozen=True)
@@ -116,10 +138,24 @@ class Placement:
     predicted_s: float | None
     r_ahead: int = 0  # requests waiting for prefill at that engine, ahead of this one
     ttft_budget_s: float | None = None  # the request's TTFT target (goodput: first token within it)
+    kind: str = "chat"
+    max_output_tokens: int | None = None
+    expected_out: float = 0.0  # expected output tokens (learned), charged to the decode engine
+    decode_engine: str | None = None  # the engine that decodes on routes[0]
+    batch: float = 1.0  # sequences the decode engine runs with this one (the TPOT model's x)
+    predicted_tpot_s: float | None = None
+    cached_tokens: int = 0  # prompt tokens the first-token engine is believed to hold (prefix)
+    prefix: tuple[int, ...] = field(default=(), repr=False)
+    tpot_budget_s: float | None = None
 
     @property
     def engines(self) -> tuple[str, ...]:
         return self.routes[0].engines if self.routes else ()
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens its first-token engine has to prefill (the cached prefix not counted)."""
+        return self.prompt_tokens - self.cached_tokens
 
 
 def _first_token_engine(route: RouteChoice) -> str:
@@ -130,56 +166,148 @@ def _facts(view: FleetView) -> dict[str, EngineFacts]:
     return {e.cfg.name: e for e in view.engines}
 
 
-def _slot_wait(facts: Mapping[str, EngineFacts], route: RouteChoice) -> float:
-    d = facts.get(route.decode.name)
-    return 0.0 if d is None else slot_wait_s(d.in_flight(), d.slots, d.service_s)
+@dataclass(frozen=True)
+class _Scored:
+    index: int
+    route: RouteChoice
+    projection: Projection
+    x: int  # prefill tokens at the first-token engine (uncached part of this prompt included)
+    r: int
+    wait: float
+    cached: int
+    batch: float
+    tpot_s: float
+    tpot_known: bool
+    cost: float  # expected completion time (TTFT + decode), drift-weighted: lower is better
+    shed_s: float  # TPOT over budget: about how long until the decode engine sheds enough
 
 
-def _project(
-    view: FleetView, facts: Mapping[str, EngineFacts], route: RouteChoice, prompt: int
-) -> tuple[Projection, int, int, float] | None:
+def _slot_wait(d: EngineFacts | None, expected_out: float) -> float:
+    """Wait for a sequence slot at the decode engine.  With a TPOT model: the requests beyond its
+    slots drain ``slots`` at a time, each taking its remaining decode (the router's corrected
+    ledger, per request) at the full-batch TPOT; before that, the measured service time."""
+    if d is None:
+        return 0.0
+    if not d.tpot_known or not d.slots:
+        return slot_wait_s(d.in_flight(), d.slots, d.service_s)
+    per_request = d.decode_tokens / d.inflight if d.inflight > 0 and d.decode_tokens > 0 else expected_out
+    service = d.ttft_a + per_request * tpot_at(d.tpot_a, d.tpot_b, d.slots)
+    return slot_wait_s(d.in_flight(), d.slots, service)
+
+
+def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: RouteChoice, ask: Ask,
+           expected_out: float) -> _Scored | None:
     e = facts.get(_first_token_engine(route))
-    if e is None:
+    d = facts.get(route.decode.name)
+    if e is None or d is None:
         return None
-    x = e.pending_prefill_tokens + view.queued_tokens + prompt
+    cached = 0
+    if ask.prefix and e.prefix:
+        cached = min(ask.prompt_tokens - 1, int(matched_blocks(e.prefix, ask.prefix) * ask.prefix_block_tokens))
+        cached = max(0, cached)
+    own = ask.prompt_tokens - cached
+    x = e.pending_prefill_tokens + view.queued_tokens + own
     r = e.pending_prefill_requests + view.queued
-    wait = _slot_wait(facts, route)
-    return project_linear(e.ttft_a, e.ttft_b, x - prompt, prompt, wait, e.ttft_c, r), x, r, wait
+    wait = _slot_wait(d, expected_out)
+    projection = project_linear(e.ttft_a, e.ttft_b, x - own, own, wait, e.ttft_c, r)
+    batch = float(d.in_flight() + 1)
+    if d.slots:
+        batch = min(batch, float(d.slots))
+    tpot = tpot_at(d.tpot_a, d.tpot_b, batch)
+    shed = 0.0
+    if (ask.tpot_budget_s is not None and d.tpot_known and tpot > ask.tpot_budget_s
+            and tpot_at(d.tpot_a, d.tpot_b, 1.0) <= ask.tpot_budget_s):  # shedding load helps
+        over = int((tpot - ask.tpot_budget_s) / d.tpot_b) + 1  # sequences to finish first
+        per_request = d.decode_tokens / d.inflight if d.inflight > 0 and d.decode_tokens > 0 else expected_out
+        shed = over * per_request * tpot / max(batch, 1.0)
+    cost = (projection.projected_s + expected_out * tpot) * (1.0 + max(e.penalty, d.penalty))
+    return _Scored(i, route, projection, x, r, wait, cached, batch, tpot, d.tpot_known, cost, shed)
 
 
-def rank(
-    view: FleetView, prompt_tokens: int, now: float, rotation: int, ttft_budget_s: float | None = None
-) -> tuple[Placement | None, Projection | None]:
-    """Candidate routes, best first (projected TTFT in predictive mode, else load), with the
-    placement record of the best; ``(None, None)`` when no engine is eligible."""
-    routes = candidate_routes([e for e in view.engines if e.eligible(now)], rotation)
+def _tpot_ok(s: _Scored, budget: float | None) -> bool:
+    return budget is None or not s.tpot_known or s.tpot_s <= budget
+
+
+def _placement(ordered: tuple[RouteChoice, ...], best: _Scored | None, facts: Mapping[str, EngineFacts],
+               ask: Ask, expected_out: float) -> Placement:
+    if best is None:
+        return Placement(ordered, None, ask.prompt_tokens, ask.prompt_tokens, 0.0, None, 0, ask.ttft_budget_s,
+                         ask.kind, ask.max_output_tokens, expected_out, ordered[0].decode.name if ordered else None,
+                         prefix=ask.prefix, tpot_budget_s=ask.tpot_budget_s)
+    e = facts[_first_token_engine(best.route)]
+    predicted = best.wait + linear_ttft(e.ttft_a, e.ttft_b, best.x, e.ttft_c, best.r)
+    return Placement(ordered, e.cfg.name, ask.prompt_tokens, best.x, best.wait, predicted, best.r, ask.ttft_budget_s,
+                     ask.kind, ask.max_output_tokens, expected_out, best.route.decode.name, best.batch,
+                     best.tpot_s if best.tpot_known else None, best.cached, ask.prefix, ask.tpot_budget_s)
+
+
+SCORED_ROUTES = 8  # predictive mode projects this many least loaded routes (plus prefix holders)
+
+
+def _engine(view: FleetView, name: str) -> EngineFacts:
+    return next(e for e in view.engines if e.cfg.name == name)
+
+
+def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[RouteChoice], list[_Scored], float]:
+    eligible = [e for e in view.engines if e.eligible(now)]
+    routes = candidate_routes(eligible, rotation, limit=None if view.predictive else MAX_CANDIDATES)
+    if view.predictive and len(routes) > SCORED_ROUTES:
+        # the least loaded few, and any whose first-token engine holds the start of this prompt
+        first = ask.prefix[0] if ask.prefix else None
+        routes = routes[:SCORED_ROUTES] + [
+            r for r in routes[SCORED_ROUTES:]
+            if first is not None and first in (e := _engine(view, _first_token_engine(r))).prefix]
+    expected_out = expected_output(view.outputs, ask.kind, ask.max_output_tokens, view.output_prior)
     if not routes:
-        return None, None
+        return routes, [], expected_out
     facts = _facts(view)
-    scored = [(i, r, _project(view, facts, r, prompt_tokens)) for i, r in enumerate(routes)]
+    scored = [s for i, r in enumerate(routes) if (s := _score(view, facts, i, r, ask, expected_out)) is not None]
+    return routes, scored, expected_out
+
+
+def _rank(view: FleetView, ask: Ask, now: float, rotation: int
+          ) -> tuple[Placement | None, _Scored | None, list[_Scored]]:
+    routes, scored, expected_out = _ranked(view, ask, now, rotation)
+    if not routes:
+        return None, None, []
+    facts = _facts(view)
+    if not scored:
+        return _placement(tuple(routes[:MAX_CANDIDATES]), None, facts, ask, expected_out), None, []
     if view.predictive:
-        scored.sort(key=lambda s: (s[2][0].projected_s if s[2] else float("inf"), s[0]))
-    _, best, proj = scored[0]
-    ordered = tuple(s[1] for s in scored)
-    if proj is None:
-        return Placement(ordered, None, prompt_tokens, prompt_tokens, 0.0, None, 0, ttft_budget_s), None
-    projection, x, r, wait = proj
-    e = facts[_first_token_engine(best)]
-    predicted = wait + linear_ttft(e.ttft_a, e.ttft_b, x, e.ttft_c, r)
-    return Placement(ordered, e.cfg.name, prompt_tokens, x, wait, predicted, r, ttft_budget_s), projection
+        scored.sort(key=lambda s: (not _tpot_ok(s, ask.tpot_budget_s), s.projection.projected_s > ask.ttft_budget_s,
+                                   s.cost, s.index))
+        best = scored[0]
+        # a route over the TPOT target takes no new work (admitted streams keep their speed)
+        ordered = tuple(s.route for s in scored if _tpot_ok(s, ask.tpot_budget_s))[:MAX_CANDIDATES] or (best.route,)
+    else:
+        ordered = tuple(routes[:MAX_CANDIDATES])
+        best = next((s for s in scored if s.route is ordered[0]), scored[0])
+    return _placement(ordered, best, facts, ask, expected_out), best, scored
+
+
+def rank(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[Placement | None, Projection | None]:
+    """Candidate routes, best first, with the placement record of the best; ``(None, None)`` when
+    no engine is eligible.  Predictive mode orders by expected completion time (projected TTFT,
+    prefix credit included, plus expected output × projected TPOT, drift-weighted), routes within
+    the TTFT and TPOT budgets first; open mode by load."""
+    placement, best, _ = _rank(view, ask, now, rotation)
+    return placement, None if best is None else best.projection
 
 
 def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | Refusal:
     """The seed's non-permit rows, in order; a :class:`Placement` when the request may go on."""
     if view.unavailable is not None:
         return Refusal(router_unavailable(view.unavailable), Outcome.REJECTED)
-    placement, projection = rank(view, ask.prompt_tokens, now, rotation, ask.ttft_budget_s)
+    placement, best, scored = _rank(view, ask, now, rotation)
     if placement is None:
         return Refusal(backend_unavailable(), Outcome.REJECTED)
-    if view.predictive and projection is not None:
-        refusal = judge(projection, ask.ttft_budget_s)
+    if view.predictive and best is not None:
+        refusal = judge(best.projection, ask.ttft_budget_s)
         if refusal is not None:
             return refusal
+        if not _tpot_ok(best, ask.tpot_budget_s):
+            assert ask.tpot_budget_s is not None
+            return judge_tpot(best.tpot_s, ask.tpot_budget_s, min((s.shed_s for s in scored if s.shed_s > 0), default=None))
     return placement
 
 
@@ -188,6 +316,9 @@ def charge(placement: Placement) -> dict[str, EngineDelta]:
     out = {name: EngineDelta(inflight=1) for name in placement.engines}
     if placement.first_engine is not None:
         out[placement.first_engine] = out.get(placement.first_engine, EngineDelta()) + EngineDelta(
-            pending_prefill_tokens=placement.prompt_tokens, pending_prefill_requests=1
+            pending_prefill_tokens=placement.prefill_tokens, pending_prefill_requests=1,
+            prefix=frozenset(placement.prefix),
         )
+    if placement.decode_engine is not None and placement.decode_engine in out:
+        out[placement.decode_engine] = out[placement.decode_engine] + EngineDelta(decode_tokens=placement.expected_out)
     return out

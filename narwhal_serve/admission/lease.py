@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from narwhal_serve.admission.controller import NONE, ONE_REQUEST, Permits, Refusal
 from narwhal_serve.admission.core import Ask, EngineDelta, FleetView, Placement, charge, decide
+from narwhal_serve.prediction.decode import remaining_tokens
 from narwhal_serve.scheduler.messages import LeaseGrant, LeasePart, LocalPlacement
 
 
@@ -35,6 +36,8 @@ class _Local:
     placement: Placement
     engines: tuple[str, ...]  # where its in-flight count is charged (moves to the route served)
     prefill_done: bool = False
+    decode_engine: str | None = None  # where its decode work is charged
+    decode_charged: float = 0.0  # that charge, corrected as its tokens arrive
 
 
 def _add(into: dict[str, EngineDelta], more: dict[str, EngineDelta]) -> None:
@@ -91,7 +94,8 @@ class AdmissionLease:
             return None
         self.spare = self.spare - ONE_REQUEST
         self.in_use = self.in_use + ONE_REQUEST
-        self.tickets[ticket_id] = _Local(verdict, verdict.engines)
+        self.tickets[ticket_id] = _Local(verdict, verdict.engines, decode_engine=verdict.decode_engine,
+                                         decode_charged=verdict.expected_out if verdict.decode_engine else 0.0)
         _add(self._deltas, charge(verdict))
         self._placed.append(LocalPlacement(ticket_id, verdict, deadline))
         return verdict
@@ -111,8 +115,23 @@ class AdmissionLease:
         t.prefill_done = True
         self._move(t, engines)
         if t.placement.first_engine is not None:
-            _add(self._deltas, {t.placement.first_engine: EngineDelta(pending_prefill_tokens=-t.placement.prompt_tokens, pending_prefill_requests=-1)})
+            _add(self._deltas, {t.placement.first_engine: EngineDelta(pending_prefill_tokens=-t.placement.prefill_tokens, pending_prefill_requests=-1)})
         self._free(Permits(prefill=1))
+
+    def progress(self, ticket_id: str, tokens: int) -> None:
+        """Decode correction for a local ticket: its remaining decode from the tokens it generated."""
+        t = self.tickets.get(ticket_id)
+        if t is not None:
+            p = t.placement
+            self._recharge(t, t.decode_engine, remaining_tokens(p.expected_out, tokens, p.max_output_tokens))
+
+    def _recharge(self, t: _Local, engine: str | None, amount: float) -> None:
+        if t.decode_engine is not None and t.decode_charged:
+            _add(self._deltas, {t.decode_engine: EngineDelta(decode_tokens=-t.decode_charged)})
+        t.decode_engine, t.decode_charged = engine, 0.0
+        if engine is not None and amount:
+            _add(self._deltas, {engine: EngineDelta(decode_tokens=amount)})
+            t.decode_charged = amount
 
     def release(self, ticket_id: str) -> None:
         t = self.tickets.pop(ticket_id, None)
@@ -122,8 +141,9 @@ class AdmissionLease:
         if not t.prefill_done:
             freed = freed + Permits(prefill=1)
             if t.placement.first_engine is not None:
-                _add(self._deltas, {t.placement.first_engine: EngineDelta(pending_prefill_tokens=-t.placement.prompt_tokens, pending_prefill_requests=-1)})
+                _add(self._deltas, {t.placement.first_engine: EngineDelta(pending_prefill_tokens=-t.placement.prefill_tokens, pending_prefill_requests=-1)})
         _add(self._deltas, {n: EngineDelta(inflight=-1) for n in t.engines})
+        self._recharge(t, None, 0.0)
         self._free(freed)
 
     def _move(self, t: _Local, engines: tuple[str, ...]) -> None:
@@ -131,6 +151,7 @@ class AdmissionLease:
             _add(self._deltas, {n: EngineDelta(inflight=-1) for n in t.engines})
             _add(self._deltas, {n: EngineDelta(inflight=1) for n in engines})
             t.engines = engines
+            self._recharge(t, engines[-1], t.decode_charged)
 
     def _free(self, p: Permits) -> None:
         self.in_use = self.in_use - p

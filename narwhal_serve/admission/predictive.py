@@ -27,3 +27,23 @@ def judge(p: Projection, budget_s: float) -> Refusal | None:
         )
         return Refusal(err.info(), Outcome.REFUSED)
     return None
+
+
+def judge_tpot(projected_s: float, budget_s: float, shed_s: float | None) -> Refusal:
+    """Every route's projected TPOT with this request added is over the TPOT target: refused, so
+    that admitted streams keep their speed.  ``shed_s``: about when the least loaded decode engine
+    will have shed enough sequences (None: not even an idle engine meets it)."""
+    if shed_s is None:
+        err = RateLimited(
+            f"No engine is projected to generate faster than {projected_s * 1000:.1f} ms per output token, "
+            f"over the {budget_s * 1000:.1f} ms TPOT budget even as load drains: raise the target (X-TPOT-Target).",
+            code="tpot_budget_unattainable",
+        )
+        return Refusal(err.info(), Outcome.REFUSED)
+    err = RateLimited(
+        f"Projected time per output token {projected_s * 1000:.1f} ms exceeds the {budget_s * 1000:.1f} ms TPOT "
+        f"budget; retry after the Retry-After delay.",
+        code="tpot_budget_exceeded",
+        retry_after=max(1, round(shed_s)),
+    )
+    return Refusal(err.info(), Outcome.REFUSED)

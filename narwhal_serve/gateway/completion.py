@@ -30,6 +30,7 @@ from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.gateway.responses import error_response
 from narwhal_serve.gateway.streaming import Flow, RelayStreamResponse, close_detached, internal_error, outcome_of
 from narwhal_serve.observability import Observability, RequestTrail
+from narwhal_serve.placement.prefix import request_prefix
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.protocol.requests import ParsedRequest, Route, parse_request
 from narwhal_serve.relay.messages import RelayMessage, RelayStats
@@ -100,6 +101,22 @@ class CompletionHandler:
             return self.cfg.admission.ttft_budget_s
         return min(v, self.cfg.admission.max_ttft_budget_s)
 
+    def _tpot_budget(self, request: Request) -> float | None:
+        v = _seconds_header(request, "x-tpot-target")
+        if v is None:
+            return self.cfg.admission.tpot_budget_s
+        return min(v, self.cfg.admission.max_tpot_budget_s)
+
+    def _ask(self, parsed: ParsedRequest, ttft_budget: float, tpot_budget: float | None) -> Ask:
+        pl = self.cfg.placement
+        prefix: tuple[int, ...] = ()
+        block_tokens = 0.0
+        if pl.prefix_aware and self.cfg.admission.mode == "predictive":
+            prefix, block_tokens = request_prefix(parsed.route, parsed.body, parsed.prompt_token_ids,
+                                                  pl.prefix_block_chars, pl.prefix_block_tokens, pl.prefix_max_blocks)
+        return Ask(parsed.prompt_tokens, ttft_budget, tpot_budget, parsed.route, parsed.max_output_tokens,
+                   prefix, block_tokens)
+
     async def handle(self, request: Request, route: Route) -> Response:
         arrived = self.clock()
         self.reporter.start_once()
@@ -122,6 +139,7 @@ class CompletionHandler:
             parsed = parse_request(route, raw, model=self.cfg.model)
             deadline = self._deadline(request, arrived)
             budget = self._ttft_budget(request)
+            ask = self._ask(parsed, budget, self._tpot_budget(request))
         except BodyIncomplete:
             self.reporter.unsized()
             self.reporter.outcome(Outcome.CANCELLED, "body_incomplete")
@@ -138,7 +156,7 @@ class CompletionHandler:
         gone = asyncio.Event()
         watch = asyncio.get_running_loop().create_task(_watch_disconnect(request, task, gone))
         try:
-            return await self._admitted(trail, echo, parsed, deadline, budget)
+            return await self._admitted(trail, echo, parsed, deadline, ask)
         except asyncio.CancelledError:
             trail.end(Outcome.CANCELLED, "client_disconnected", 499)  # no-op when the flow has ended it
             if gone.is_set() and task is not None and task.uncancel() == 0:
@@ -157,13 +175,13 @@ class CompletionHandler:
         return error_response(err, echo)
 
     async def _admitted(
-        self, trail: RequestTrail, echo: str | None, parsed: ParsedRequest, deadline: float, budget: float
+        self, trail: RequestTrail, echo: str | None, parsed: ParsedRequest, deadline: float, ask: Ask
     ) -> Response:
         rid = trail.request_id
         ticket = f"{rid}/{secrets.token_hex(4)}"
         lease = self.reporter.lease
         if lease is not None:  # admission under the lease: no scheduler call
-            verdict = lease.try_admit(ticket, Ask(parsed.prompt_tokens, budget), deadline, self.clock(), self.mono())
+            verdict = lease.try_admit(ticket, ask, deadline, self.clock(), self.mono())
             if isinstance(verdict, Refusal):
                 return self._refused(trail, verdict.outcome, verdict.error, echo)
             if verdict is not None:
@@ -171,11 +189,11 @@ class CompletionHandler:
                 self.reporter.admission_wait(wait)
                 trail.admitted("lease", wait, verdict.predicted_s, verdict.engines)
                 placed = PlacedRequest(rid, self.cfg.model, parsed, verdict.routes, deadline, trail.traceparent(),
-                                       self._first_token_s(budget, verdict.predicted_s),
+                                       self._first_token_s(ask.ttft_budget_s, verdict.predicted_s),
                                        lease.view.epoch if lease.view is not None else 0)
-                return await self._respond(placed, ticket, parsed, echo, trail)
-        admit_req = AdmitRequest(
-            ticket, deadline, parsed.prompt_tokens, parsed.max_output_tokens, budget,
+                return await self._respond(placed, ticket, parsed, echo, trail, verdict.predicted_s)
+        admit_req = AdmitRequest.of(
+            ticket, deadline, ask,
             lease_id=lease.lease_id if lease is not None else None,
             returned=lease.give_back_spare() if lease is not None else NONE,
             lease_epoch=lease.epoch if lease is not None else 0,
@@ -190,8 +208,8 @@ class CompletionHandler:
         self.reporter.admission_wait(wait)
         trail.admitted("scheduler", wait, result.predicted_ttft_s, result.candidates[0].engines if result.candidates else ())
         placed = PlacedRequest(rid, self.cfg.model, parsed, result.candidates, deadline, trail.traceparent(),
-                               self._first_token_s(budget, result.predicted_ttft_s), result.epoch)
-        return await self._respond(placed, ticket, parsed, echo, trail)
+                               self._first_token_s(ask.ttft_budget_s, result.predicted_ttft_s), result.epoch)
+        return await self._respond(placed, ticket, parsed, echo, trail, result.predicted_ttft_s)
 
     def _first_token_s(self, budget: float, predicted: float | None) -> float:
         """Before headers, how long an attempt may wait for its first token while another route is
@@ -223,12 +241,15 @@ class CompletionHandler:
         task.add_done_callback(on_done)
 
     async def _respond(
-        self, placed: PlacedRequest, ticket: str, parsed: ParsedRequest, rid: str | None, trail: RequestTrail
+        self, placed: PlacedRequest, ticket: str, parsed: ParsedRequest, rid: str | None, trail: RequestTrail,
+        predicted_ttft_s: float | None = None,
     ) -> Response:
         gen = self.backend.relay(placed)
         flow = Flow(lambda msg: self._first_token(ticket, msg), lambda o, r, st, code: self._end(ticket, trail, o, r, st, code),
-                    self.reporter.engine_faults)
+                    self.reporter.engine_faults, lambda n: self.reporter.progress(ticket, n))
         rid_header = {"X-Request-Id": rid} if rid else {}
+        # the TTFT its admission predicted (predictive mode): clients and benchmarks can check it
+        ok_headers = {} if predicted_ttft_s is None else {"X-Narwhal-Predicted-TTFT": f"{predicted_ttft_s:.4f}"}
         try:
             first = await self._first_data(gen, placed.deadline, flow)
         except asyncio.CancelledError:
@@ -247,9 +268,9 @@ class CompletionHandler:
         if not parsed.stream:
             flow.end(Outcome.COMPLETED, "", first.stats)
             close_detached(gen)
-            return Response(first.data, media_type="application/json", headers=rid_header)
+            return Response(first.data, media_type="application/json", headers={**rid_header, **ok_headers})
         sv = self.cfg.serving
-        return RelayStreamResponse(first, gen, flow, sv.stream_keepalive_s, {**SSE_HEADERS, **rid_header},
+        return RelayStreamResponse(first, gen, flow, sv.stream_keepalive_s, {**SSE_HEADERS, **rid_header, **ok_headers},
                                    buffer_bytes=sv.stream_buffer_bytes, write_timeout_s=sv.slow_reader_timeout_s)
 
     def _first_token(self, ticket: str, msg: RelayMessage) -> None:

@@ -75,6 +75,13 @@ class Reporter:
         self._pending.decode_started.append((ticket_id, engines))
         self._queue()
 
+    def progress(self, ticket_id: str, tokens: int) -> None:
+        """A stream's identified output tokens so far (decode correction): rides with the next
+        report, the latest count per ticket."""
+        self._pending.progress[ticket_id] = tokens
+        if self.lease is not None:
+            self.lease.progress(ticket_id, tokens)
+
     def engine_faults(self, faults: tuple[EngineFault, ...]) -> None:
         """Failed attempts, for the engines' breakers: sent at once (they change placement)."""
         self._pending.faults.extend(faults)

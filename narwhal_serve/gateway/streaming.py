@@ -51,17 +51,19 @@ def error_event(err: ErrorInfo) -> bytes:
 class Flow:
     """One admitted request's phase; reports its first token and its end exactly once."""
 
-    __slots__ = ("on_first_token", "on_end", "on_faults", "decoding", "ended")
+    __slots__ = ("on_first_token", "on_end", "on_faults", "on_progress", "decoding", "ended")
 
     def __init__(
         self,
         on_first_token: Callable[[RelayMessage], None],
         on_end: Callable[[Outcome, str, RelayStats | None, int], None],
         on_faults: Callable[[tuple[EngineFault, ...]], None] | None = None,
+        on_progress: Callable[[int], None] | None = None,
     ) -> None:
         self.on_first_token = on_first_token
         self.on_end = on_end
         self.on_faults = on_faults
+        self.on_progress = on_progress  # identified output tokens so far, as they arrive
         self.decoding = False
         self.ended = False
 
@@ -71,6 +73,8 @@ class Flow:
         if msg.first_token and not self.decoding and not msg.final:
             self.decoding = True
             self.on_first_token(msg)
+        if msg.tokens and self.on_progress is not None and not self.ended:
+            self.on_progress(msg.tokens)
 
     def end(self, outcome: Outcome, reason: str, stats: RelayStats | None = None, status: int = 200) -> None:
         """``status``: the HTTP status the client got (200 once stream headers are out)."""

@@ -7,8 +7,13 @@ from dataclasses import dataclass, field
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
 from narwhal_serve.managed.slot import ManagedSlot
+from narwhal_serve.placement.drift import Drift
 from narwhal_serve.placement.health import Breaker
+from narwhal_serve.placement.prefix import PrefixIndex
+from narwhal_serve.prediction.decode import TpotModel
 from narwhal_serve.prediction.ttft import PRIOR_A, PRIOR_B, PrefillModel
+
+PREFIX_INDEX_BLOCKS = 4096  # config.PlacementConfig.prefix_index_blocks (the scheduler sets it)
 
 
 @dataclass
@@ -22,7 +27,10 @@ class EngineState:
     inflight_at_scrape: int = 0  # ``inflight`` when the last /metrics answer arrived
     failures: int = 0  # consecutive scrape failures
     tpot_s: float | None = None  # measured time per output token (EWMA)
-    drift_score: float = 0.0  # EWMA of (measured - predicted) / predicted TTFT: >0 slower than modelled
+    tpot_model: TpotModel = field(default_factory=TpotModel)  # TPOT against the running batch
+    decode_tokens: float = 0.0  # decode tokens still ahead of the router's requests here (corrected ledger)
+    drift: Drift = field(default_factory=Drift)  # measured against its own models; out while re-measured
+    prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(PREFIX_INDEX_BLOCKS))
     pending_prefill_tokens: int = 0  # prompt tokens routed here and not yet past their first token
     pending_prefill_requests: int = 0  # requests routed here and not yet past their first token
     service_s: float | None = None  # measured request duration, first byte to last token (EWMA)
@@ -47,9 +55,10 @@ class EngineState:
 
     def eligible(self, now: float, stale_after_s: float, maintenance: frozenset[str]) -> bool:
         """Healthy, with fresh metrics (stale counts as unusable), not in a maintenance wave, its
-        breaker closed and not pushing back; a managed engine also up (its process running)."""
+        breaker closed and not pushing back, not out for drift; a managed engine also up (its process running)."""
         return (self.healthy and self.fresh(now, stale_after_s) and self.cfg.wave not in maintenance
-                and self.breaker.takes_work(now) and (self.managed is None or self.managed.up))
+                and self.breaker.takes_work(now) and not self.drift.out
+                and (self.managed is None or self.managed.up))
 
     def slots(self) -> int | None:
         """Concurrent sequences the engine runs: configured, or the most seen running while it queued."""
@@ -94,7 +103,11 @@ class EngineState:
             "pending_prefill_requests": self.pending_prefill_requests,
             "slots": self.slots(),
             "service_s": self.service_s,
-            "drift_score": round(self.drift_score, 4),
+            "decode_tokens_ahead": round(self.decode_tokens, 1),
+            "tpot_model": {"a_s": self.tpot_model.a, "b_s_per_sequence": self.tpot_model.b,
+                           "samples": len(self.tpot_model.samples)},
+            "prefix_index_blocks": len(self.prefix),
+            **self.drift.view(now),
             "ttft_model": {"a_s": self.ttft_model.a, "b_s_per_token": self.ttft_model.b,
                            "c_s_per_request_ahead": self.ttft_model.c,
                            "samples": len(self.ttft_model.samples), "prior_a_s": self.ttft_model.prior_a,

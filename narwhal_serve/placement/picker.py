@@ -39,8 +39,9 @@ def load_score(e: Scorable, max_num_seqs_hint: float = 64.0) -> float:
     return min(1.0, max(busy / max_num_seqs_hint, e.load.kv_usage))
 
 
-def candidate_routes(eligible: Sequence[E], rotation: int) -> list[RouteChoice]:
-    """Ordered routes over ``eligible`` engines, best first, at most MAX_CANDIDATES."""
+def candidate_routes(eligible: Sequence[E], rotation: int, limit: int | None = MAX_CANDIDATES) -> list[RouteChoice]:
+    """Ordered routes over ``eligible`` engines, best first by load, at most ``limit`` (None: all,
+    for a caller that ranks them itself)."""
     scored: list[tuple[float, int, RouteChoice]] = []
     unified = [e for e in eligible if e.cfg.role == "unified"]
     prefills = sorted((e for e in eligible if e.cfg.role == "prefill"), key=load_score)
@@ -60,4 +61,4 @@ def candidate_routes(eligible: Sequence[E], rotation: int) -> list[RouteChoice]:
     # rotate tie order so equal scores alternate between routes
     n_routes = len(scored)  # (list.sort empties the list while it sorts)
     scored.sort(key=lambda s: (round(s[0], 3), (s[1] - rotation) % n_routes))
-    return [r for _, _, r in scored[:MAX_CANDIDATES]]
+    return [r for _, _, r in (scored if limit is None else scored[:limit])]

@@ -53,3 +53,4 @@ class RelayMessage:
     stats: RelayStats | None = None
     engines: tuple[str, ...] = ()  # with ``first_token``: the route that produced it
     faults: tuple[EngineFault, ...] = ()  # attempts that failed since the last message
+    tokens: int = 0  # identified output tokens so far (streams: decode correction at the scheduler)

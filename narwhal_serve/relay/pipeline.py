@@ -286,7 +286,8 @@ class Relay:
                 if held and (committed or meter.first is not None):
                     first = not committed
                     committed = True
-                    yield RelayMessage(data=b"".join(held), first_token=first, engines=route.engines)
+                    yield RelayMessage(data=b"".join(held), first_token=first, engines=route.engines,
+                                       tokens=meter.tokens)
                     held = []
         except (EngineFailure, BadEngineResponse, _DeadlinePassed) as exc:
             if not committed:

@@ -1,6 +1,8 @@
 """The scheduler's side of passive engine health: failed attempts reported by ingress replicas
 feed each engine's breaker (:mod:`narwhal_serve.placement.health`), and an engine whose breaker
-has been open its full period gets one probe request of the scheduler's own."""
+has been open its full period gets one probe request of the scheduler's own; an engine whose
+drift score took it out of rotation (:mod:`narwhal_serve.placement.drift`) is re-measured with
+profiling requests until it behaves as measured again."""
 
 from __future__ import annotations
 
@@ -11,9 +13,16 @@ import httpx
 
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.placement.drift import PROFILE_OUTPUT_TOKENS, PROFILE_PROMPT_CHARS
 from narwhal_serve.placement.health import may_open
+from narwhal_serve.prediction.decode import TpotModel
+from narwhal_serve.prediction.ttft import PrefillModel
 from narwhal_serve.relay.messages import EngineFault
-from narwhal_serve.scheduler.monitor import probe_one
+from narwhal_serve.scheduler.monitor import Profile, probe_one, profile_one
+
+
+def _out_of_work(engines: dict[str, EngineState], now: float) -> int:
+    return sum(1 for x in engines.values() if not x.breaker.takes_work(now) or x.drift.out)
 
 
 def apply_faults(engines: dict[str, EngineState], faults: Iterable[EngineFault], now: float, cfg: NarwhalConfig) -> None:
@@ -22,8 +31,7 @@ def apply_faults(engines: dict[str, EngineState], faults: Iterable[EngineFault],
     :func:`~narwhal_serve.placement.health.may_open`."""
     for f in faults:
         if (e := engines.get(f.engine)) is not None:
-            open_now = sum(1 for x in engines.values() if not x.breaker.takes_work(now))
-            spare = may_open(open_now, len(engines), cfg.monitoring)
+            spare = may_open(_out_of_work(engines, now), len(engines), cfg.monitoring)
             e.breaker.on_fault(f.kind, now, cfg.monitoring, f.retry_after_s, f.why, may_open=spare)
 
 
@@ -50,6 +58,74 @@ class Prober:
         e.breaker.on_probe(ok, self.clock(), self.cfg.monitoring, why)
         if ok:
             self.on_closed()
+
+    def cancel(self) -> None:
+        for t in list(self.tasks):
+            t.cancel()
+
+
+def update_drift(engines: dict[str, EngineState], now: float, cfg: NarwhalConfig) -> list[str]:
+    """Take out of rotation the engines whose drift score passed ``placement.drift_out_at`` (as
+    many as the fleet can spare: :func:`~narwhal_serve.placement.health.may_open`); their TTFT and
+    TPOT models start again from their priors, for the profiles to re-measure.  The names taken out."""
+    out: list[str] = []
+    for e in engines.values():
+        if e.drift.should_go_out(cfg.placement) and may_open(_out_of_work(engines, now), len(engines), cfg.monitoring):
+            why = (f"measured TTFT {e.drift.ttft:+.0%} and TPOT {e.drift.tpot:+.0%} against its models "
+                   f"(out past {cfg.placement.drift_out_at:+.0%})")
+            e.drift.go_out(now, why)
+            e.ttft_model = PrefillModel(prior_a=e.ttft_model.prior_a, prior_b=e.ttft_model.prior_b)
+            e.tpot_model = TpotModel(prior_a=e.tpot_model.prior_a, prior_b=e.tpot_model.prior_b)
+            out.append(e.cfg.name)
+    return out
+
+
+def profile_errors(e: EngineState, p: Profile) -> tuple[float, ...]:
+    """A profile's relative errors against the re-measured models (none before they have data),
+    then the profile taught to them."""
+    errors: list[float] = []
+    x = e.pending_prefill_tokens + p.prompt_tokens
+    if e.ttft_model.samples:
+        predicted = e.ttft_model.predict(x, e.pending_prefill_requests)
+        errors.append((p.ttft_s - predicted) / max(predicted, 1e-3))
+    batch = e.in_flight() + 1
+    if p.tpot_s is not None and e.tpot_model.samples:
+        predicted = e.tpot_model.predict(batch)
+        errors.append((p.tpot_s - predicted) / max(predicted, 1e-3))
+    e.ttft_model.observe(x, p.ttft_s, e.pending_prefill_requests)
+    if p.tpot_s is not None:
+        e.tpot_model.observe(batch, p.tpot_s)
+    return tuple(errors)
+
+
+class Profiler:
+    """Profiling requests to engines out for drift: at most one in flight per engine."""
+
+    def __init__(self, cfg: NarwhalConfig, clock: Callable[[], float], on_back: Callable[[], None]) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.on_back = on_back  # called when an engine came back (queued requests may fit)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.sent = 0
+
+    def start_due(self, engines: Iterable[EngineState], client: httpx.AsyncClient) -> None:
+        now = self.clock()
+        for e in engines:
+            if e.drift.profile_due(now):
+                size = PROFILE_PROMPT_CHARS[e.drift.profile_sent(now, self.cfg.placement)]
+                task = asyncio.get_running_loop().create_task(self._profile(e, client, size))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+
+    async def _profile(self, e: EngineState, client: httpx.AsyncClient, size: int) -> None:
+        self.sent += 1
+        timeout = self.cfg.serving.first_token_limit(self.cfg.admission.max_ttft_budget_s)
+        p = await profile_one(client, e, self.cfg.model, size, PROFILE_OUTPUT_TOKENS, timeout, self.clock)
+        errors = profile_errors(e, p) if p.ok else ()
+        if not p.ok:
+            e.drift.last_reason = p.why
+        if e.drift.on_profile(p.ok, errors, self.clock(), self.cfg.placement):
+            self.on_back()
 
     def cancel(self) -> None:
         for t in list(self.tasks):

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from narwhal_serve.admission.core import Placement
 from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.prediction.decode import OutputLengths
 from narwhal_serve.relay.messages import RelayStats
 from narwhal_serve.telemetry import Histogram, Tally
 
@@ -17,16 +18,19 @@ def learn_from(
     histograms: Mapping[str, Histogram],
     tally: Tally | None = None,
     completed: bool = True,
+    outputs: OutputLengths | None = None,
 ) -> None:
-    """What one finished request teaches: TTFT, TPOT and service-time models, drift, histograms,
-    goodput (a completed request whose first token came within its target) and predicted-vs-measured
-    TTFT (``tally``)."""
+    """What one finished request teaches: TTFT, TPOT and service-time models, drift, output lengths
+    (a completed request's identified tokens), histograms, goodput (a completed request whose first
+    token came within its target) and predicted-vs-measured TTFT (``tally``).  Models and drift learn
+    only from a request served where it was placed, on its first attempt."""
+    as_placed = stats.attempts == 1 and stats.engines == p.engines
     if stats.ttft_s is not None:
         histograms["ttft"].observe(stats.ttft_s)
         if tally is not None and completed and p.ttft_budget_s is not None and stats.ttft_s <= p.ttft_budget_s:
             tally.goodput += 1
         e = engines.get(p.first_engine or "")
-        if e is not None and stats.attempts == 1 and stats.engines == p.engines:
+        if e is not None and as_placed:
             # the prefill model learns the TTFT net of the predicted slot wait
             e.ttft_model.observe(p.x_tokens, max(0.0, stats.ttft_s - p.slot_wait_s), p.r_ahead)
             d = engines.get(stats.engines[-1])
@@ -41,12 +45,17 @@ def learn_from(
                 pair.n += 1
                 pair.predicted_s += p.predicted_s
                 pair.measured_s += stats.ttft_s
-            if e is not None:
-                rel = (stats.ttft_s - p.predicted_s) / max(p.predicted_s, 1e-3)
-                e.drift_score = 0.9 * e.drift_score + 0.1 * rel
+            if e is not None and as_placed and not e.drift.out:
+                e.drift.observe_ttft(stats.ttft_s, p.predicted_s)
     if stats.output_tokens > 1:
         tpot = stats.decode_s / (stats.output_tokens - 1)
         histograms["tpot"].observe(tpot)
-        e = engines.get(stats.engines[-1])
-        if e is not None:
-            e.tpot_s = tpot if e.tpot_s is None else 0.8 * e.tpot_s + 0.2 * tpot
+        d = engines.get(stats.engines[-1])
+        if d is not None:
+            d.tpot_s = tpot if d.tpot_s is None else 0.8 * d.tpot_s + 0.2 * tpot
+            if as_placed and p.decode_engine == stats.engines[-1]:
+                if p.predicted_tpot_s is not None and not d.drift.out:
+                    d.drift.observe_tpot(tpot, p.predicted_tpot_s)
+                d.tpot_model.observe(p.batch, tpot)
+    if completed and outputs is not None and stats.output_tokens > 0:
+        outputs.observe(p.kind, p.max_output_tokens, stats.output_tokens)

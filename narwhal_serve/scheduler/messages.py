@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from narwhal_serve.admission.controller import NONE, Permits
-from narwhal_serve.admission.core import FleetView, Placement
+from narwhal_serve.admission.core import Ask, FleetView, Placement
 from narwhal_serve.admission.counters import CounterDelta
 from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.errors import ErrorInfo
@@ -23,6 +24,20 @@ class AdmitRequest:
     lease_id: str | None = None
     returned: Permits = NONE  # spare lease permits the ingress gives back before asking
     lease_epoch: int = 0  # the lease record those permits were reserved under
+    tpot_budget_s: float | None = None
+    kind: str = "chat"
+    prefix: tuple[int, ...] = ()
+    prefix_block_tokens: float = 0.0
+
+    def ask(self) -> Ask:
+        return Ask(self.prompt_tokens, self.ttft_budget_s, self.tpot_budget_s, self.kind, self.max_output_tokens,
+                   self.prefix, self.prefix_block_tokens)
+
+    @classmethod
+    def of(cls, ticket_id: str, request_deadline: float, ask: Ask, **lease: Any) -> "AdmitRequest":
+        return cls(ticket_id, request_deadline, ask.prompt_tokens, ask.max_output_tokens, ask.ttft_budget_s,
+                   tpot_budget_s=ask.tpot_budget_s, kind=ask.kind, prefix=ask.prefix,
+                   prefix_block_tokens=ask.prefix_block_tokens, **lease)
 
 
 @dataclass(frozen=True)
@@ -83,11 +98,12 @@ class Report:
     released: list[tuple[str, RelayStats | None, bool]] = field(default_factory=list)  # (ticket, stats, completed)
     admission_waits: list[float] = field(default_factory=list)
     faults: list[EngineFault] = field(default_factory=list)  # failed attempts (passive health)
+    progress: dict[str, int] = field(default_factory=dict)  # ticket → identified output tokens so far
     lease: LeasePart | None = None
 
     def empty(self) -> bool:
         return (self.counters.empty() and not self.decode_started and not self.released
-                and not self.admission_waits and not self.faults and self.lease is None)
+                and not self.admission_waits and not self.faults and not self.progress and self.lease is None)
 
     def absorb(self, later: "Report") -> None:
         """Append ``later``'s events to this report (order kept)."""
@@ -98,3 +114,4 @@ class Report:
         self.released.extend(later.released)
         self.admission_waits.extend(later.admission_waits)
         self.faults.extend(later.faults)
+        self.progress.update(later.progress)

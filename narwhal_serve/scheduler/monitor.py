@@ -4,6 +4,9 @@ that closes an open circuit breaker."""
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 
@@ -74,3 +77,69 @@ async def probe_one(client: httpx.AsyncClient, e: EngineState, model: str, timeo
                                                        for i in ids):
         return False, "probe answer has no valid token IDs"
     return True, ""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One profiling request's measurements (``ok`` False: ``why`` says what was wrong)."""
+
+    ok: bool
+    why: str = ""
+    prompt_tokens: int = 0
+    ttft_s: float = 0.0
+    tpot_s: float | None = None  # None: fewer than two tokens
+
+
+_PROFILE_TEXT = "Narwhal profiles this engine's prefill and decode speed with a prompt of known size. "
+
+
+async def profile_one(client: httpx.AsyncClient, e: EngineState, model: str, prompt_chars: int, max_tokens: int,
+                      timeout_s: float, clock: Callable[[], float]) -> Profile:
+    """A small streamed completion of a known prompt size: its TTFT and TPOT.  For a vLLM engine
+    every token must come with a valid token ID, and the count of IDs is the count of tokens (a
+    measurement whose ID list is bad is discarded)."""
+    prompt = (_PROFILE_TEXT * (prompt_chars // len(_PROFILE_TEXT) + 1))[:prompt_chars]
+    body: dict[str, object] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                               "ignore_eos": True, "stream_options": {"include_usage": True}}
+    ids_expected = e.cfg.dialect == "vllm"
+    if ids_expected:
+        body["return_token_ids"] = True
+    if e.cfg.dialect == "openai":
+        body.pop("ignore_eos")
+    start = clock()
+    first: float | None = None
+    last = start
+    tokens = 0
+    prompt_tokens = max(1, prompt_chars // 4)
+    try:
+        async with client.stream("POST", e.cfg.base_url + PATHS["completion"], json=body, timeout=timeout_s,
+                                 headers={"X-Request-Id": f"narwhal-profile-{e.cfg.name}"}) as resp:
+            if resp.status_code != 200:
+                return Profile(False, f"profile answered HTTP {resp.status_code}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage")
+                if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+                    prompt_tokens = usage["prompt_tokens"]
+                for choice in chunk.get("choices") or ():
+                    if ids_expected:
+                        ids = choice.get("token_ids")
+                        if not isinstance(ids, list) or not all(
+                                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+                            return Profile(False, "profile answer has no valid token IDs")
+                        n = len(ids)
+                    else:
+                        n = 1 if choice.get("text") else 0
+                    if n:
+                        now = clock()
+                        first = now if first is None else first
+                        last = now
+                        tokens += n
+    except (*TRANSPORT_ERRORS, OSError, ValueError, AttributeError, TypeError) as exc:
+        return Profile(False, f"profile failed: {type(exc).__name__}")
+    if first is None:
+        return Profile(False, "profile produced no token")
+    tpot = (last - first) / (tokens - 1) if tokens > 1 else None
+    return Profile(True, "", prompt_tokens, first - start, tpot)

@@ -25,10 +25,11 @@ from narwhal_serve.config import EngineConfig, NarwhalConfig
 from narwhal_serve.errors import ErrorInfo, NarwhalError
 from narwhal_serve.ha.state import RouterState, backend_unavailable, router_unavailable
 from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.prediction.decode import OutputLengths, remaining_tokens
 from narwhal_serve.relay.messages import RelayStats
 from narwhal_serve.scheduler.ha import RouterHA
 from narwhal_serve.managed.slot import ReplicaReport
-from narwhal_serve.scheduler.health import Prober, apply_faults
+from narwhal_serve.scheduler.health import Profiler, Prober, apply_faults, update_drift
 from narwhal_serve.scheduler.learning import learn_from
 from narwhal_serve.scheduler.leases import LEASE_TTL_S, LeaseLedger
 from narwhal_serve.scheduler.managed import ManagedFleet, initial_engines
@@ -47,6 +48,8 @@ class _Ticket:
     deadline: float
     lease: str | None  # the lease that admitted it, or None (admitted here)
     prefill_done: bool = False
+    decode_engine: str | None = None  # where its decode work is charged
+    decode_charged: float = 0.0  # its share of that engine's decode ledger (corrected as it runs)
 
 
 _CANCELLED = NarwhalError("the client went away while waiting for admission", code="cancelled").info()
@@ -63,6 +66,9 @@ class SchedulerService:
         self.admission = AdmissionController(cfg.admission, cfg.serving)
         self.leases = LeaseLedger(self.admission)
         self.engines: dict[str, EngineState] = initial_engines(cfg)
+        for e in self.engines.values():
+            e.prefix.capacity = cfg.placement.prefix_index_blocks
+        self.outputs = OutputLengths()  # identified output lengths per route kind and max_tokens bucket
         self.managed = ManagedFleet(cfg, self.engines)  # Ray-managed engines' slots (README, "Managed engines")
         # ha.role is the mode of a lone router; with a lease backend the lease decides (role: a hint)
         lone_standby = cfg.ha.role == "standby" and cfg.ha.lease.backend == "none"
@@ -86,6 +92,7 @@ class SchedulerService:
         self._monitor: asyncio.Task[None] | None = None
         self._expiry: asyncio.TimerHandle | None = None
         self.prober = Prober(cfg, clock, lambda: self._pump())
+        self.profiler = Profiler(cfg, clock, lambda: self._pump())  # re-measures engines out for drift
         self._background: set[asyncio.Task[None]] = set()  # immediate scrapes of (re)joined engines
         self._ha: asyncio.Task[None] | None = None
         self.calls = {"admit": 0, "report": 0}  # calls from ingress replicas (/status)
@@ -100,6 +107,7 @@ class SchedulerService:
 
     async def stop(self) -> None:
         self.prober.cancel()
+        self.profiler.cancel()
         for t in list(self._background):
             t.cancel()
         if self._ha is not None:
@@ -125,6 +133,8 @@ class SchedulerService:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self.cfg.monitoring.scrape_timeout_s)
         self.prober.start_due(self.engines.values(), self._client)
+        update_drift(self.engines, self.clock(), self.cfg)
+        self.profiler.start_due(self.engines.values(), self._client)
 
     async def scrape_once(self) -> None:
         if self._client is None:
@@ -148,9 +158,11 @@ class SchedulerService:
         self._pump()
 
     # -- the view every decision is made on ---------------------------------------------------
-    def view(self, now: float, *, queued_tokens: int | None = None) -> FleetView:
+    def view(self, now: float, *, queued_tokens: int | None = None, frozen: bool = False) -> FleetView:
+        """``frozen``: for a lease grant (it crosses the Ray hop: prefix sets copied, not live)."""
         maint = frozenset(self.router.maintenance)
         stale = self.cfg.monitoring.stale_after_s
+        pl = self.cfg.placement
         facts = []
         for e in self.engines.values():
             ok = e.eligible(now, stale, maint) and e.last_ok is not None
@@ -159,6 +171,9 @@ class SchedulerService:
                 load=e.load, pending_prefill_tokens=e.pending_prefill_tokens, ttft_a=e.ttft_model.a,
                 ttft_b=e.ttft_model.b, slots=e.slots(), service_s=e.service_s, external=e.external(),
                 pending_prefill_requests=e.pending_prefill_requests, ttft_c=e.ttft_model.c,
+                tpot_a=e.tpot_model.a, tpot_b=e.tpot_model.b, tpot_known=bool(e.tpot_model.samples),
+                decode_tokens=e.decode_tokens, penalty=e.drift.penalty(pl),
+                prefix=(e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),
             ))
         return FleetView(
             engines=tuple(facts),
@@ -167,6 +182,7 @@ class SchedulerService:
             predictive=self.cfg.admission.mode == "predictive",
             queued_tokens=self._queued_tokens if queued_tokens is None else queued_tokens,
             queued=len(self.admission.queue) if queued_tokens is None else 0,
+            outputs=self.outputs.table(),
         )
 
     def unavailable(self, now: float) -> str | None:
@@ -193,14 +209,37 @@ class SchedulerService:
 
     def _charge(self, tid: str, placement: Placement, deadline: float, lease: str | None) -> None:
         self.tally.admitted += 1
+        if placement.cached_tokens:
+            self.tally.prefix_hits += 1
+            self.tally.prefix_cached_tokens += placement.cached_tokens
         for name in placement.engines:
             if name in self.engines:
                 self.engines[name].inflight += 1
         e = self.engines.get(placement.first_engine or "")
         if e is not None:
-            e.pending_prefill_tokens += placement.prompt_tokens
+            e.pending_prefill_tokens += placement.prefill_tokens
             e.pending_prefill_requests += 1
-        self._tickets[tid] = _Ticket(placement, placement.engines, deadline, lease)
+            if self.cfg.placement.prefix_aware:
+                e.prefix.insert(placement.prefix)
+        t = _Ticket(placement, placement.engines, deadline, lease)
+        self._tickets[tid] = t
+        self._charge_decode(t, placement.decode_engine, placement.expected_out)
+
+    def _charge_decode(self, t: _Ticket, engine: str | None, amount: float) -> None:
+        """Move the ticket's decode charge to ``amount`` on ``engine`` (the ledger stays a sum)."""
+        if t.decode_engine is not None and (old := self.engines.get(t.decode_engine)) is not None:
+            old.decode_tokens = max(0.0, old.decode_tokens - t.decode_charged)
+        t.decode_engine, t.decode_charged = engine, 0.0
+        if engine is not None and (new := self.engines.get(engine)) is not None:
+            new.decode_tokens += amount
+            t.decode_charged = amount
+
+    def _progress(self, tid: str, tokens: int) -> None:
+        """Decode correction: the ticket's remaining decode from the tokens it generated so far."""
+        t = self._tickets.get(tid)
+        if t is not None:
+            p = t.placement
+            self._charge_decode(t, t.decode_engine, remaining_tokens(p.expected_out, tokens, p.max_output_tokens))
 
     def _placed(self, tid: str, placement: Placement, deadline: float) -> AdmitResult:
         self._charge(tid, placement, deadline, None)
@@ -211,7 +250,7 @@ class SchedulerService:
             t.prefill_done = True
             e = self.engines.get(t.placement.first_engine or "")
             if e is not None:
-                e.pending_prefill_tokens = max(0, e.pending_prefill_tokens - t.placement.prompt_tokens)
+                e.pending_prefill_tokens = max(0, e.pending_prefill_tokens - t.placement.prefill_tokens)
                 e.pending_prefill_requests = max(0, e.pending_prefill_requests - 1)
 
     async def admit(self, req: AdmitRequest) -> AdmitResult:
@@ -223,7 +262,7 @@ class SchedulerService:
             self._pump()
             return AdmitResult(error=_CANCELLED)  # the ingress counts the cancellation
         self._rotation += 1
-        verdict = decide(self.view(now), Ask(req.prompt_tokens, req.ttft_budget_s), now, self._rotation)
+        verdict = decide(self.view(now), req.ask(), now, self._rotation)
         if isinstance(verdict, Refusal):
             self._pump()
             return self._refuse(verdict)
@@ -274,9 +313,7 @@ class SchedulerService:
                 continue
             # ranked again now (it waited); nothing queued is ahead of it any more
             self._rotation += 1
-            placement, _ = rank(
-                self.view(now, queued_tokens=0), req.prompt_tokens, now, self._rotation, req.ttft_budget_s
-            )
+            placement, _ = rank(self.view(now, queued_tokens=0), req.ask(), now, self._rotation)
             if placement is None:
                 self.admission.release(t.id)
                 fut.set_result(self._refuse_info(backend_unavailable(), Outcome.REJECTED))
@@ -334,6 +371,8 @@ class SchedulerService:
             if t is not None:
                 self._move(t, engines)
                 self._prefill_done(t)
+        for tid, tokens in rep.progress.items():
+            self._progress(tid, tokens)
         for tid, stats, completed in rep.released:
             self._release(tid, stats, completed)
         for w in rep.admission_waits:
@@ -343,7 +382,7 @@ class SchedulerService:
             return None
         rec, _ = grant_for
         granted, target = self.leases.grant(rec, bool(self.admission.queue))
-        return LeaseGrant(rep.lease.lease_id, rep.lease.generation, self.view(now), now,
+        return LeaseGrant(rep.lease.lease_id, rep.lease.generation, self.view(now, frozen=True), now,
                           self.ha.ingress_ttl(LEASE_TTL_S), granted, target, epoch=rec.epoch)
 
     def _local_placed(self, lp: LocalPlacement, lease_id: str) -> None:
@@ -363,6 +402,7 @@ class SchedulerService:
             if name in self.engines:
                 self.engines[name].inflight += 1
         t.engines = engines
+        self._charge_decode(t, engines[-1], t.decode_charged)
 
     def _release(self, tid: str, stats: RelayStats | None, completed: bool = False) -> None:
         """Idempotent: permits, in-flight and pending-prefill counts of one ticket."""
@@ -373,11 +413,12 @@ class SchedulerService:
         if t.lease is not None and (rec := self.leases.leases.get(t.lease)) is not None:
             rec.tickets.discard(tid)
         self._prefill_done(t)
+        self._charge_decode(t, None, 0.0)
         for name in t.engines:
             if name in self.engines:
                 self.engines[name].inflight -= 1
         if stats is not None:
-            learn_from(stats, t.placement, self.engines, self.histograms, self.tally, completed)
+            learn_from(stats, t.placement, self.engines, self.histograms, self.tally, completed, self.outputs)
 
     def metrics_text(self) -> str:
         return render_metrics(self.snapshot(), self.histograms)
@@ -429,7 +470,8 @@ class SchedulerService:
             raise ValueError("engines with a launch spec are started from the serve config; register a URL")
         if engine.name in self.engines:
             raise ValueError(f"engine {engine.name!r} is already registered")
-        self.engines[engine.name] = EngineState(engine)
+        self.engines[engine.name] = e = EngineState(engine)
+        e.prefix.capacity = self.cfg.placement.prefix_index_blocks
 
     def deregister_engine(self, name: str) -> bool:
         return self.engines.pop(name, None) is not None

@@ -27,6 +27,9 @@ def snapshot(svc: "SchedulerService") -> dict[str, Any]:
         ],
         "gauges": svc.admission.gauges(),
         "served": svc.tally.view(),
+        "output_lengths": [{"route": k, "max_tokens_bucket": b, "mean_tokens": round(m, 2)}
+                           for k, b, m in svc.outputs.table()],
+        "profiles_sent": svc.profiler.sent,
         "scheduler_calls": dict(svc.calls),
         "admission_leases": [
             {"lease": k, "reserved": asdict(r.reserved), "in_use": asdict(r.in_use),

@@ -1,0 +1,129 @@
+"""Prefix-aware placement: which engine already holds a request's prompt prefix (its KV blocks).
+
+Like vLLM's own prefix cache, a prompt is cut into blocks and each block's hash chains the hashes
+before it, so equal hashes mean equal prefixes.  The router cannot see the engine's tokenizer, so
+its blocks are of characters (``placement.prefix_block_chars``; chat messages with their roles) or,
+for a prompt given as token IDs, of tokens (``placement.prefix_block_tokens``).  Hashes are stable
+across processes (BLAKE2b), since ingress replicas and the scheduler compute and compare them.
+
+Each engine has a bounded index (:class:`PrefixIndex`) of the blocks of the prompts the router
+placed there, least recently placed evicted first — a model of the engine's cache, which evicts
+on its own; the TTFT projection credits a match as cached tokens, so a wrong guess costs only a
+prediction that the engine then corrects by measurement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+CHARS_PER_TOKEN = 4.0  # the same estimate the router sizes text prompts with
+
+
+def _chain(blocks: Iterable[bytes]) -> tuple[int, ...]:
+    out: list[int] = []
+    prev = b""
+    for block in blocks:
+        prev = hashlib.blake2b(prev + block, digest_size=8).digest()
+        out.append(int.from_bytes(prev, "big"))
+    return tuple(out)
+
+
+def text_block_hashes(text: str, block_chars: int, max_blocks: int) -> tuple[int, ...]:
+    """Chained hashes of the full ``block_chars``-character blocks of ``text`` (at most ``max_blocks``)."""
+    n = min(len(text) // block_chars, max_blocks)
+    return _chain(text[i * block_chars:(i + 1) * block_chars].encode("utf-8", "surrogatepass") for i in range(n))
+
+
+def id_block_hashes(ids: Sequence[int], block_tokens: int, max_blocks: int) -> tuple[int, ...]:
+    """Chained hashes of the full ``block_tokens``-token blocks of a token-ID prompt."""
+    n = min(len(ids) // block_tokens, max_blocks)
+    return _chain(b"i" + ",".join(map(str, ids[i * block_tokens:(i + 1) * block_tokens])).encode() for i in range(n))
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: their text, in order
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def prompt_text(route: str, body: dict[str, Any]) -> str | None:
+    """The prompt as the prefix index reads it: chat messages with their roles, or the prompt string."""
+    if route == "chat":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list):
+            return None
+        return "".join(f"\x1e{m.get('role', '')}\x1f{_content_text(m.get('content'))}" for m in msgs if isinstance(m, dict))
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return str(prompt[0])
+    return None
+
+
+def request_prefix(route: str, body: dict[str, Any], ids: Sequence[int] | None, block_chars: int,
+                   block_tokens: int, max_blocks: int) -> tuple[tuple[int, ...], float]:
+    """A request's block hashes and the prompt tokens one block stands for."""
+    if ids is not None:
+        return id_block_hashes(ids, block_tokens, max_blocks), float(block_tokens)
+    text = prompt_text(route, body)
+    if text is None:
+        return (), 0.0
+    return text_block_hashes(text, block_chars, max_blocks), block_chars / CHARS_PER_TOKEN
+
+
+def matched_blocks(held: AbstractSet[int], hashes: Sequence[int]) -> int:
+    """Leading blocks of ``hashes`` that ``held`` has (the longest cached prefix)."""
+    n = 0
+    for h in hashes:
+        if h not in held:
+            break
+        n += 1
+    return n
+
+
+class PrefixIndex:
+    """One engine's blocks, bounded to ``capacity``, least recently placed evicted first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._frozen: frozenset[int] | None = frozenset()
+        self._frozen_limit = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def insert(self, hashes: Sequence[int]) -> None:
+        if not hashes or self.capacity <= 0:
+            return
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+        self._frozen = None
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self._frozen = frozenset()
+
+    def held(self) -> AbstractSet[int]:
+        """A live read-only view (for decisions made here)."""
+        return self._blocks.keys()
+
+    def frozen(self, limit: int) -> frozenset[int]:
+        """A copy of the ``limit`` most recently placed blocks, for a fleet view that crosses the Ray
+        hop (cached until the next insert)."""
+        if self._frozen is None or self._frozen_limit != limit:
+            n = min(limit, len(self._blocks))
+            self._frozen = frozenset(itertools.islice(reversed(self._blocks), n)) if n else frozenset()
+            self._frozen_limit = limit
+        return self._frozen

@@ -1,0 +1,124 @@
+"""The decode side of a prediction, learned from identified tokens: TPOT against the running batch,
+output lengths, and what is left of a running request's decode.  Pure: no clock, no I/O.
+
+**TPOT** per decode engine: ``tpot ≈ a + b · batch`` (``batch`` = sequences the engine runs, this
+one included), least squares over the most recent measurements with a prior that fades — the same
+scheme as the TTFT model (:mod:`.ttft`).  A measurement is one finished request's time per output
+token after the first, from its identified tokens (vLLM's token IDs), against the batch it ran in.
+
+**Output lengths** per route kind and ``max_tokens`` bucket (powers of two): a running mean of what
+requests really generated (identified tokens), bounded memory (a handful of buckets per kind).  A
+new request's expected decode work is that mean, never above its ``max_tokens``; before any
+measurement, a prior (``min(max_tokens, DEFAULT_OUTPUT_PRIOR)``).
+
+**Decode correction**: as a request's tokens arrive, its remaining decode is its expected length
+less what it generated; a request that outgrew its expectation is expected to go on for a quarter
+of what it has generated (at least one token), never past its ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PRIOR_TPOT_A = 0.02  # seconds per token with one sequence running
+PRIOR_TPOT_B = 0.0  # seconds per token per further sequence in the batch
+PRIOR_WEIGHT = 4.0
+PRIOR_BATCH_SPAN = 8.0  # the prior holds ``b`` as firmly as measurements spread over this many sequences
+WINDOW = 256
+DEFAULT_OUTPUT_PRIOR = 128.0  # expected output tokens before anything was learned (no max_tokens: this)
+OUTPUT_ALPHA_FLOOR = 0.05  # the running mean forgets: at least this weight on each new length
+MAX_BUCKET = 24  # max_tokens buckets 0 (unset), 1..24 (2^0 .. 2^23 and beyond)
+
+
+@dataclass
+class TpotModel:
+    prior_a: float = PRIOR_TPOT_A
+    prior_b: float = PRIOR_TPOT_B
+    a: float = -1.0
+    b: float = -1.0
+    samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+    def __post_init__(self) -> None:
+        if self.a < 0:
+            self.a = self.prior_a
+        if self.b < 0:
+            self.b = self.prior_b
+
+    def predict(self, batch: float) -> float:
+        return tpot_at(self.a, self.b, batch)
+
+    def observe(self, batch: float, tpot: float) -> None:
+        self.samples.append((max(1.0, batch), max(0.0, tpot)))
+        data = np.array(self.samples, dtype=float).reshape(-1, 2)
+        n = len(data)
+        lam = PRIOR_WEIGHT / (1.0 + n / 8.0) / 2
+        rows = [np.column_stack([np.ones(n), data[:, 0]])]
+        ys = [data[:, 1]]
+        for i, (value, span) in enumerate(((self.prior_a, 1.0), (self.prior_b, PRIOR_BATCH_SPAN))):
+            row = np.zeros((1, 2))
+            row[0, i] = np.sqrt(lam) * span
+            rows.append(row)
+            ys.append(np.array([np.sqrt(lam) * span * value]))
+        sol, *_ = np.linalg.lstsq(np.vstack(rows), np.concatenate(ys), rcond=None)
+        self.a = max(0.0, float(sol[0]))
+        self.b = max(0.0, float(sol[1]))
+
+
+def tpot_at(a: float, b: float, batch: float) -> float:
+    """:meth:`TpotModel.predict` from its coefficients (what crosses to ingress replicas)."""
+    return a + b * max(1.0, batch)
+
+
+def bucket(max_tokens: int | None) -> int:
+    """0 for no ``max_tokens``; else 1 + floor(log2(max_tokens)), capped."""
+    if not max_tokens or max_tokens <= 0:
+        return 0
+    return min(MAX_BUCKET, int(max_tokens).bit_length())
+
+
+OutputKey = tuple[str, int]  # (route kind: "chat" | "completion", max_tokens bucket)
+
+
+@dataclass
+class OutputLengths:
+    """Running mean of identified output lengths per (route kind, ``max_tokens`` bucket)."""
+
+    prior: float = DEFAULT_OUTPUT_PRIOR
+    means: dict[OutputKey, tuple[int, float]] = field(default_factory=dict)  # key → (count, mean)
+
+    def observe(self, kind: str, max_tokens: int | None, output_tokens: int) -> None:
+        key = (kind, bucket(max_tokens))
+        n, mean = self.means.get(key, (0, 0.0))
+        n += 1
+        alpha = max(1.0 / n, OUTPUT_ALPHA_FLOOR)
+        self.means[key] = (n, mean + alpha * (output_tokens - mean))
+
+    def table(self) -> tuple[tuple[str, int, float], ...]:
+        """The learned means, as plain data for a fleet view."""
+        return tuple((k, b, m) for (k, b), (_, m) in sorted(self.means.items()))
+
+
+def expected_output(table: tuple[tuple[str, int, float], ...], kind: str, max_tokens: int | None,
+                    prior: float = DEFAULT_OUTPUT_PRIOR) -> float:
+    """A new request's expected output tokens: the learned mean for its kind and bucket (else the
+    prior), never above its ``max_tokens``, at least one."""
+    b = bucket(max_tokens)
+    mean = next((m for k, kb, m in table if k == kind and kb == b), None)
+    if mean is None:
+        mean = prior
+    if max_tokens:
+        mean = min(mean, float(max_tokens))
+    return max(1.0, mean)
+
+
+def remaining_tokens(expected: float, generated: int, max_tokens: int | None) -> float:
+    """Decode tokens still ahead of a running request (the correction as its tokens arrive)."""
+    left = expected - generated
+    if left < 1.0:
+        left = max(1.0, 0.25 * generated)
+    if max_tokens:
+        left = min(left, float(max(0, max_tokens - generated)))
+    return max(0.0, left)

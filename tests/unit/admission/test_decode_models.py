@@ -1,0 +1,155 @@
+"""The decode-side models on constructed data (prediction/decode.py), the prefix index
+(placement/prefix.py) and the drift state (placement/drift.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from narwhal_serve.config import PlacementConfig
+from narwhal_serve.placement.drift import Drift
+from narwhal_serve.placement.prefix import (
+    PrefixIndex,
+    id_block_hashes,
+    matched_blocks,
+    request_prefix,
+    text_block_hashes,
+)
+from narwhal_serve.prediction.decode import (
+    DEFAULT_OUTPUT_PRIOR,
+    MAX_BUCKET,
+    OutputLengths,
+    TpotModel,
+    bucket,
+    expected_output,
+    remaining_tokens,
+)
+
+
+def test_tpot_model_learns_growth_with_batch() -> None:
+    m = TpotModel()
+    rng = random.Random(1)
+    for _ in range(200):
+        batch = rng.randint(1, 8)
+        m.observe(batch, 0.025 + 0.002 * batch + rng.gauss(0, 0.0005))
+    assert m.predict(1) == pytest.approx(0.027, rel=0.05)
+    assert m.predict(8) == pytest.approx(0.041, rel=0.05)
+
+
+def test_tpot_model_prior_holds_without_spread() -> None:
+    m = TpotModel()
+    assert m.predict(4) == pytest.approx(0.02)  # the prior: no data, no batch dependence
+    for _ in range(20):
+        m.observe(4, 0.05)  # one batch size only: the level moves, the slope stays near the prior
+    assert m.predict(4) == pytest.approx(0.05, rel=0.1)
+    assert m.b < 0.005
+
+
+def test_output_lengths_learn_per_kind_and_bucket() -> None:
+    o = OutputLengths()
+    for n in (90, 110, 100):
+        o.observe("chat", 500, n)
+    for n in (10, 12):
+        o.observe("completion", 500, n)
+    table = o.table()
+    assert expected_output(table, "chat", 300) == pytest.approx(100, rel=0.01)  # same bucket (256..511)
+    assert expected_output(table, "chat", 600) == pytest.approx(DEFAULT_OUTPUT_PRIOR)  # unseen bucket: prior
+    assert expected_output(table, "completion", 400) == pytest.approx(11, rel=0.01)
+    assert expected_output(table, "chat", 260) == pytest.approx(100, rel=0.01)
+    assert expected_output(table, "chat", 64) == pytest.approx(64)  # unseen bucket, prior capped at max_tokens
+    assert expected_output((), "chat", None) == DEFAULT_OUTPUT_PRIOR
+
+
+def test_output_lengths_are_bounded() -> None:
+    o = OutputLengths()
+    for mt in [None, *range(1, 1 << 20, 997), 1 << 40]:
+        o.observe("chat", mt, 3)
+        o.observe("completion", mt, 3)
+    assert len(o.means) <= 2 * (MAX_BUCKET + 1)
+    assert bucket(None) == 0 and bucket(1) == 1 and bucket(1 << 40) == MAX_BUCKET
+
+
+def test_output_mean_forgets_slowly() -> None:
+    o = OutputLengths()
+    for _ in range(200):
+        o.observe("chat", None, 10)
+    for _ in range(60):
+        o.observe("chat", None, 200)  # the workload changed: the mean follows
+    assert expected_output(o.table(), "chat", None) > 150
+
+
+def test_remaining_tokens_correction() -> None:
+    assert remaining_tokens(100, 0, None) == 100
+    assert remaining_tokens(100, 40, None) == 60
+    assert remaining_tokens(100, 160, None) == 40  # outgrew its expectation: a quarter of what it made
+    assert remaining_tokens(100, 160, 170) == 10  # never past max_tokens
+    assert remaining_tokens(100, 170, 170) == 0
+
+
+def test_block_hashes_share_exact_prefixes() -> None:
+    a = text_block_hashes("x" * 64 * 5 + "tail-a", 64, 100)
+    b = text_block_hashes("x" * 64 * 5 + "other-tail", 64, 100)
+    c = text_block_hashes("y" + "x" * 64 * 5, 64, 100)
+    assert a == b and len(a) == 5
+    assert not set(a) & set(c)  # chained: a different first block changes every hash
+    assert text_block_hashes("z" * 1000, 64, 3) == text_block_hashes("z" * 1000, 64, 100)[:3]
+    assert id_block_hashes(list(range(40)), 16, 10) == id_block_hashes(list(range(32)) + [7] * 8, 16, 10)
+    assert len(id_block_hashes(list(range(40)), 16, 10)) == 2
+
+
+def test_request_prefix_reads_messages_with_roles() -> None:
+    sys_prompt = "You are a helpful assistant. " * 40
+    one, per = request_prefix("chat", {"messages": [{"role": "system", "content": sys_prompt},
+                                                    {"role": "user", "content": "hi"}]}, None, 64, 16, 100)
+    two, _ = request_prefix("chat", {"messages": [{"role": "system", "content": sys_prompt},
+                                                  {"role": "user", "content": "bye, and more"}]}, None, 64, 16, 100)
+    as_user, _ = request_prefix("chat", {"messages": [{"role": "user", "content": sys_prompt}]}, None, 64, 16, 100)
+    assert per == 16.0 and len(one) >= 10 and one[:10] == two[:10]
+    assert one[0] != as_user[0]  # the role is part of the prefix
+    parts, _ = request_prefix("chat", {"messages": [{"role": "system", "content": [{"type": "text", "text": sys_prompt}]}]},
+                              None, 64, 16, 100)
+    assert parts[:5] == one[:5]
+    ids, per_ids = request_prefix("completion", {"prompt": [1, 2]}, list(range(100)), 64, 16, 100)
+    assert per_ids == 16.0 and len(ids) == 6
+    assert request_prefix("completion", {"prompt": 5}, None, 64, 16, 100) == ((), 0.0)
+
+
+def test_prefix_index_is_bounded_lru() -> None:
+    idx = PrefixIndex(capacity=8)
+    old = text_block_hashes("a" * 64 * 6, 64, 100)
+    new = text_block_hashes("b" * 64 * 6, 64, 100)
+    idx.insert(old)
+    assert matched_blocks(idx.held(), old) == 6
+    idx.insert(new)
+    assert len(idx) == 8  # the least recently placed blocks went first
+    assert matched_blocks(idx.held(), new) == 6
+    assert matched_blocks(idx.held(), old) == 0  # its first blocks were evicted: no prefix match
+    assert idx.frozen(3) <= set(new) and len(idx.frozen(3)) == 3  # the most recent, for ingress views
+    assert PrefixIndex(0).frozen(10) == frozenset()
+
+
+def test_drift_penalty_out_and_back() -> None:
+    cfg = PlacementConfig(drift_penalty_at=0.25, drift_out_at=1.0, drift_back_at=0.3, drift_probes=3)
+    d = Drift()
+    for _ in range(3):
+        d.observe_ttft(0.1, 0.1)
+    assert d.penalty(cfg) == 0 and not d.should_go_out(cfg)
+    for _ in range(3):
+        d.observe_ttft(0.3, 0.1)  # 3x slower than modelled
+    assert 0 < d.penalty(cfg) and not d.should_go_out(cfg)
+    for _ in range(4):
+        d.observe_tpot(0.09, 0.03)
+    assert d.should_go_out(cfg)
+    d.go_out(10.0, "slow")
+    assert d.out and d.profile_due(10.0) and not d.should_go_out(cfg)
+    d.profile_sent(10.0, cfg)
+    assert not d.profile_due(10.5)  # one profile in flight at a time
+    assert not d.on_profile(True, (), 11.0, cfg)  # nothing to predict from yet
+    assert not d.on_profile(True, (0.1,), 12.0, cfg)
+    assert not d.on_profile(True, (0.6,), 13.0, cfg)  # off its re-measured model: start over
+    assert not d.on_profile(False, (), 14.0, cfg)  # a failed (or bad-ID) profile never counts
+    assert not d.on_profile(True, (0.1, -0.2), 15.0, cfg)
+    assert not d.on_profile(True, (0.05,), 16.0, cfg)
+    assert d.on_profile(True, (0.2,), 17.0, cfg)  # three in a row: back, scores reset
+    assert not d.out and d.score == 0 and d.outs == 1

@@ -1,0 +1,158 @@
+"""Admission decisions under load on constructed fleet views (admission/core.py): TPOT scoring and
+the TPOT refusals, prefix-aware placement, drift penalties, learned output lengths in the slot
+wait and the decode charge; and the scheduler's decode ledger as tokens arrive."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from narwhal_serve.admission.controller import Refusal
+from narwhal_serve.admission.core import Ask, EngineFacts, FleetView, Placement, charge, decide
+from narwhal_serve.config import EngineConfig
+from narwhal_serve.engines.metrics import EngineLoad
+from narwhal_serve.placement.prefix import text_block_hashes
+from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.scheduler.messages import AdmitRequest, Report
+from tests.support.scheduler import scheduler_service
+
+NOW = 1000.0
+
+
+def engine(name: str, **kw: Any) -> EngineFacts:
+    base: dict[str, Any] = dict(
+        cfg=EngineConfig(name=name, url=f"http://127.0.0.1:{abs(hash(name)) % 1000 + 1}", role="unified"),
+        eligible_until=NOW + 5, inflight=0, load=EngineLoad(), pending_prefill_tokens=0, ttft_a=0.02,
+        ttft_b=0.0002, slots=8, service_s=1.0, tpot_a=0.02, tpot_b=0.004, tpot_known=True,
+    )
+    base.update(kw)
+    return EngineFacts(**base)
+
+
+def view(*engines: EngineFacts, **kw: Any) -> FleetView:
+    return FleetView(engines=engines, unavailable=None, predictive=True, **kw)
+
+
+def placed(v: FleetView, ask: Ask) -> Placement:
+    out = decide(v, ask, NOW, 0)
+    assert isinstance(out, Placement), out
+    return out
+
+
+def refused(v: FleetView, ask: Ask) -> Refusal:
+    out = decide(v, ask, NOW, 0)
+    assert isinstance(out, Refusal), out
+    return out
+
+
+def test_lowest_projected_tpot_wins_and_routes_over_the_target_take_no_new_work() -> None:
+    v = view(engine("busy", inflight=6), engine("calm", inflight=1))
+    p = placed(v, Ask(100, 2.0))
+    assert p.engines == ("calm",) and p.predicted_tpot_s == pytest.approx(0.02 + 0.004 * 2)
+    # with a TPOT target of 35 ms the busy engine (projected 0.02 + 0.004·7 = 48 ms) is out of the routes
+    p = placed(v, Ask(100, 2.0, tpot_budget_s=0.035))
+    assert [r.decode.name for r in p.routes] == ["calm"]
+    assert [r.decode.name for r in placed(v, Ask(100, 2.0)).routes] == ["calm", "busy"]
+
+
+def test_every_route_over_the_tpot_target_is_refused_with_an_honest_retry_after() -> None:
+    v = view(engine("a", inflight=6, decode_tokens=600.0), engine("b", inflight=7, decode_tokens=700.0))
+    r = refused(v, Ask(100, 2.0, tpot_budget_s=0.03))
+    assert r.error.code == "tpot_budget_exceeded" and r.error.status == 429
+    # "a" must shed 3 of its 7 sequences (0.02 + 0.004·4 ≤ 0.03 < 0.02 + 0.004·5 ... ) at 100 tokens each
+    assert r.error.retry_after is not None and r.error.retry_after >= 1
+    assert "TPOT" in r.error.message
+
+
+def test_a_tpot_target_no_engine_meets_even_idle_is_refused_without_retry_after() -> None:
+    v = view(engine("a", tpot_a=0.05), engine("b", tpot_a=0.06))
+    r = refused(v, Ask(100, 2.0, tpot_budget_s=0.03))
+    assert r.error.code == "tpot_budget_unattainable" and r.error.retry_after is None
+
+
+def test_no_tpot_judgement_without_measurements_or_target() -> None:
+    v = view(engine("a", inflight=7, tpot_known=False))
+    assert placed(v, Ask(100, 2.0, tpot_budget_s=0.001)).predicted_tpot_s is None
+    assert placed(view(engine("a", inflight=7)), Ask(100, 2.0)).engines == ("a",)
+
+
+def test_prefix_holder_wins_against_load_and_the_projection_credits_its_cached_tokens() -> None:
+    shared = "You are a careful assistant. " * 300  # ~8,700 characters
+    hashes = text_block_hashes(shared + "question one", 256, 128)
+    per_block = 256 / 4
+    prompt = (len(shared) + 12) // 4
+    holder = engine("holder", inflight=1, ttft_b=0.0005, prefix=frozenset(hashes))
+    idle = engine("idle", ttft_b=0.0005)
+    ask = Ask(prompt, 2.0, prefix=hashes, prefix_block_tokens=per_block)
+    p = placed(view(holder, idle), ask)
+    assert p.engines == ("holder",)
+    assert p.cached_tokens == int(len(hashes) * per_block) and p.prefill_tokens == prompt - p.cached_tokens
+    assert p.x_tokens == p.prefill_tokens
+    blind = placed(view(holder, idle), replace(ask, prefix=()))
+    assert blind.engines == ("idle",) and blind.cached_tokens == 0
+    # weighed against load: a holder running far more sequences decodes too slowly to be worth it
+    # (expected completion: 0.02 s + 128 tokens at 0.02 + 0.004·8 s, against 1.1 s + 128 at 0.024 s)
+    assert placed(view(replace(holder, inflight=7), idle), ask).engines == ("idle",)
+    # the prefill charge is the uncached part, and the blocks go to the holder's index
+    d = charge(p)["holder"]
+    assert d.pending_prefill_tokens == p.prefill_tokens and d.prefix == frozenset(hashes)
+
+
+def test_prompt_alone_refusal_counts_only_uncached_tokens() -> None:
+    hashes = text_block_hashes("z" * 40_000, 256, 128)
+    slow = engine("slow", ttft_b=0.001, prefix=frozenset(hashes))
+    ask = Ask(10_000, 2.0, prefix=hashes, prefix_block_tokens=64.0)
+    assert placed(view(slow), ask).cached_tokens == 128 * 64
+    r = refused(view(replace(slow, prefix=frozenset())), ask)  # 10 s of prefill, cold
+    assert r.error.code == "prompt_exceeds_ttft_budget"
+
+
+def test_a_drifting_engine_scores_worse() -> None:
+    v = view(engine("drifting", penalty=1.5), engine("steady", inflight=2))
+    assert placed(v, Ask(100, 2.0)).engines == ("steady",)
+    assert placed(view(engine("drifting"), engine("steady", inflight=2)), Ask(100, 2.0)).engines == ("drifting",)
+
+
+def test_learned_output_lengths_size_the_decode_charge() -> None:
+    v = view(engine("a"), outputs=(("chat", 0, 40.0), ("completion", 0, 300.0)))
+    chat = placed(v, Ask(100, 2.0))
+    comp = placed(v, Ask(100, 2.0, kind="completion"))
+    capped = placed(v, Ask(100, 2.0, kind="completion", max_output_tokens=100))  # bucket 7: the prior, capped
+    assert chat.expected_out == 40 and comp.expected_out == 300 and capped.expected_out == 100
+    assert charge(comp)["a"].decode_tokens == 300
+
+
+def test_slot_wait_follows_the_decode_ledger() -> None:
+    full = dict(inflight=10, slots=8)  # three requests (this one included) wait for a slot
+    short = placed(view(engine("a", decode_tokens=10 * 5.0, **full)), Ask(100, 30.0))
+    long = placed(view(engine("a", decode_tokens=10 * 500.0, **full)), Ask(100, 30.0))
+    tpot_full = 0.02 + 0.004 * 8
+    assert short.slot_wait_s == pytest.approx(3 * (0.02 + 5 * tpot_full) / 8)
+    assert long.slot_wait_s == pytest.approx(3 * (0.02 + 500 * tpot_full) / 8)
+    r = refused(view(engine("a", decode_tokens=10 * 500.0, **full)), Ask(100, 2.0))
+    assert r.error.code == "ttft_budget_exceeded"
+
+
+async def test_scheduler_decode_ledger_is_corrected_as_tokens_arrive_and_ends_at_zero() -> None:
+    svc, clock = scheduler_service({"mode": "predictive"})
+    u = svc.engines["u"]
+    res = await svc.admit(AdmitRequest("t1", clock.t + 60, 10, 1000, 2.0, kind="completion"))
+    assert res.error is None
+    decode = res.candidates[0].decode.name
+    d = svc.engines[decode]
+    assert d.decode_tokens == pytest.approx(128.0)  # the prior: nothing learned yet
+    svc.report(Report(progress={"t1": 100}))
+    assert d.decode_tokens == pytest.approx(28.0)
+    svc.report(Report(progress={"t1": 200}))  # outgrew its expectation
+    assert d.decode_tokens == pytest.approx(50.0)
+    route = res.candidates[0]
+    svc.report(Report(released=[("t1", RelayStats(route.kind, route.engines, 0.05, 230, 2.3, 1), True)]))
+    assert all(e.decode_tokens == 0 for e in svc.engines.values()) and u.inflight == 0
+    # what it generated is what the next completion of that size is expected to generate
+    res = await svc.admit(AdmitRequest("t2", clock.t + 60, 10, 1000, 2.0, kind="completion"))
+    assert svc.engines[res.candidates[0].decode.name].decode_tokens == pytest.approx(230.0)
+    assert svc.snapshot()["output_lengths"] == [{"route": "completion", "max_tokens_bucket": 10, "mean_tokens": 230.0}]
+    svc.report(Report(released=[("t2", None, False)]))
+    assert all(e.decode_tokens == 0 for e in svc.engines.values())
