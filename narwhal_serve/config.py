@@ -118,8 +118,11 @@ class PlacementConfig(_Strict):
     drift_penalty_at: float = Field(0.25, gt=0)
     drift_out_at: float = Field(1.0, gt=0)
     drift_back_at: float = Field(0.3, gt=0)
-    drift_probe_s: float = Field(1.0, gt=0)  # between profiling requests while out
+    drift_probe_s: float = Field(1.0, gt=0)  # between profiling requests (out, or penalized and idle)
     drift_probes: int = Field(3, ge=1)  # good profiling requests in a row to come back
+    # Relative errors are taken against at least these (timer noise on a fast engine is not drift)
+    drift_min_ttft_s: float = Field(0.25, gt=0)
+    drift_min_tpot_s: float = Field(0.02, gt=0)
 
 
 class MonitoringConfig(_Strict):

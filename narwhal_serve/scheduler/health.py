@@ -13,7 +13,7 @@ import httpx
 
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.placement.engines import EngineState
-from narwhal_serve.placement.drift import PROFILE_OUTPUT_TOKENS, PROFILE_PROMPT_CHARS
+from narwhal_serve.placement.drift import PROFILE_OUTPUT_TOKENS, PROFILE_PROMPT_CHARS, ProfileErrors, rel_error
 from narwhal_serve.placement.health import may_open
 from narwhal_serve.prediction.decode import TpotModel
 from narwhal_serve.prediction.ttft import PrefillModel
@@ -80,22 +80,20 @@ def update_drift(engines: dict[str, EngineState], now: float, cfg: NarwhalConfig
     return out
 
 
-def profile_errors(e: EngineState, p: Profile) -> tuple[float, ...]:
-    """A profile's relative errors against the re-measured models (none before they have data),
-    then the profile taught to them."""
-    errors: list[float] = []
+def profile_errors(e: EngineState, p: Profile, cfg: NarwhalConfig) -> ProfileErrors:
+    """A profile's relative errors against the engine's models (none where a model has no data
+    yet: just re-measured), then the profile taught to them."""
     x = e.pending_prefill_tokens + p.prompt_tokens
-    if e.ttft_model.samples:
-        predicted = e.ttft_model.predict(x, e.pending_prefill_requests)
-        errors.append((p.ttft_s - predicted) / max(predicted, 1e-3))
     batch = e.in_flight() + 1
+    ttft = tpot = None
+    if e.ttft_model.samples:
+        ttft = rel_error(p.ttft_s, e.ttft_model.predict(x, e.pending_prefill_requests), cfg.placement.drift_min_ttft_s)
     if p.tpot_s is not None and e.tpot_model.samples:
-        predicted = e.tpot_model.predict(batch)
-        errors.append((p.tpot_s - predicted) / max(predicted, 1e-3))
+        tpot = rel_error(p.tpot_s, e.tpot_model.predict(batch), cfg.placement.drift_min_tpot_s)
     e.ttft_model.observe(x, p.ttft_s, e.pending_prefill_requests)
     if p.tpot_s is not None:
         e.tpot_model.observe(batch, p.tpot_s)
-    return tuple(errors)
+    return ProfileErrors(ttft, tpot)
 
 
 class Profiler:
@@ -111,7 +109,7 @@ class Profiler:
     def start_due(self, engines: Iterable[EngineState], client: httpx.AsyncClient) -> None:
         now = self.clock()
         for e in engines:
-            if e.drift.profile_due(now):
+            if e.drift.profile_due(now, self.cfg.placement):
                 size = PROFILE_PROMPT_CHARS[e.drift.profile_sent(now, self.cfg.placement)]
                 task = asyncio.get_running_loop().create_task(self._profile(e, client, size))
                 self.tasks.add(task)
@@ -121,7 +119,7 @@ class Profiler:
         self.sent += 1
         timeout = self.cfg.serving.first_token_limit(self.cfg.admission.max_ttft_budget_s)
         p = await profile_one(client, e, self.cfg.model, size, PROFILE_OUTPUT_TOKENS, timeout, self.clock)
-        errors = profile_errors(e, p) if p.ok else ()
+        errors = profile_errors(e, p, self.cfg) if p.ok else ProfileErrors()
         if not p.ok:
             e.drift.last_reason = p.why
         if e.drift.on_profile(p.ok, errors, self.clock(), self.cfg.placement):

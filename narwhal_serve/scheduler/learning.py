@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from narwhal_serve.admission.core import Placement
+from narwhal_serve.config import PlacementConfig
+from narwhal_serve.placement.drift import rel_error
 from narwhal_serve.placement.engines import EngineState
 from narwhal_serve.prediction.decode import OutputLengths
 from narwhal_serve.relay.messages import RelayStats
@@ -19,12 +21,15 @@ def learn_from(
     tally: Tally | None = None,
     completed: bool = True,
     outputs: OutputLengths | None = None,
+    now: float = 0.0,
+    placement: PlacementConfig | None = None,
 ) -> None:
     """What one finished request teaches: TTFT, TPOT and service-time models, drift, output lengths
     (a completed request's identified tokens), histograms, goodput (a completed request whose first
     token came within its target) and predicted-vs-measured TTFT (``tally``).  Models and drift learn
     only from a request served where it was placed, on its first attempt."""
     as_placed = stats.attempts == 1 and stats.engines == p.engines
+    pl = placement or PlacementConfig()
     if stats.ttft_s is not None:
         histograms["ttft"].observe(stats.ttft_s)
         if tally is not None and completed and p.ttft_budget_s is not None and stats.ttft_s <= p.ttft_budget_s:
@@ -46,7 +51,7 @@ def learn_from(
                 pair.predicted_s += p.predicted_s
                 pair.measured_s += stats.ttft_s
             if e is not None and as_placed and not e.drift.out:
-                e.drift.observe_ttft(stats.ttft_s, p.predicted_s)
+                e.drift.observe_ttft(rel_error(stats.ttft_s, p.predicted_s, pl.drift_min_ttft_s), now)
     if stats.output_tokens > 1:
         tpot = stats.decode_s / (stats.output_tokens - 1)
         histograms["tpot"].observe(tpot)
@@ -55,7 +60,7 @@ def learn_from(
             d.tpot_s = tpot if d.tpot_s is None else 0.8 * d.tpot_s + 0.2 * tpot
             if as_placed and p.decode_engine == stats.engines[-1]:
                 if p.predicted_tpot_s is not None and not d.drift.out:
-                    d.drift.observe_tpot(tpot, p.predicted_tpot_s)
+                    d.drift.observe_tpot(rel_error(tpot, p.predicted_tpot_s, pl.drift_min_tpot_s), now)
                 d.tpot_model.observe(p.batch, tpot)
     if completed and outputs is not None and stats.output_tokens > 0:
         outputs.observe(p.kind, p.max_output_tokens, stats.output_tokens)

@@ -418,7 +418,8 @@ class SchedulerService:
             if name in self.engines:
                 self.engines[name].inflight -= 1
         if stats is not None:
-            learn_from(stats, t.placement, self.engines, self.histograms, self.tally, completed, self.outputs)
+            learn_from(stats, t.placement, self.engines, self.histograms, self.tally, completed, self.outputs,
+                       self.clock(), self.cfg.placement)
 
     def metrics_text(self) -> str:
         return render_metrics(self.snapshot(), self.histograms)

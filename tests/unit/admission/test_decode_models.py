@@ -8,7 +8,7 @@ import random
 import pytest
 
 from narwhal_serve.config import PlacementConfig
-from narwhal_serve.placement.drift import Drift
+from narwhal_serve.placement.drift import REL_CAP, Drift, ProfileErrors, rel_error
 from narwhal_serve.placement.prefix import (
     PrefixIndex,
     id_block_hashes,
@@ -129,27 +129,39 @@ def test_prefix_index_is_bounded_lru() -> None:
     assert PrefixIndex(0).frozen(10) == frozenset()
 
 
+def test_relative_errors_have_a_floor_and_a_cap() -> None:
+    assert rel_error(0.02, 0.002, 0.25) == pytest.approx(0.072)  # timer noise on a fast engine
+    assert rel_error(3.0, 0.5, 0.25) == REL_CAP  # one outlier counts as at most REL_CAP
+    assert rel_error(0.0, 0.5, 0.25) == -1.0
+
+
 def test_drift_penalty_out_and_back() -> None:
-    cfg = PlacementConfig(drift_penalty_at=0.25, drift_out_at=1.0, drift_back_at=0.3, drift_probes=3)
+    cfg = PlacementConfig(drift_penalty_at=0.25, drift_out_at=1.0, drift_back_at=0.3, drift_probes=3, drift_probe_s=1.0)
     d = Drift()
-    for _ in range(3):
-        d.observe_ttft(0.1, 0.1)
-    assert d.penalty(cfg) == 0 and not d.should_go_out(cfg)
-    for _ in range(3):
-        d.observe_ttft(0.3, 0.1)  # 3x slower than modelled
+    for t in range(3):
+        d.observe_ttft(0.0, float(t))
+    assert d.penalty(cfg) == 0 and not d.should_go_out(cfg) and not d.profile_due(10.0, cfg)
+    d.observe_ttft(REL_CAP, 10.0)
+    d.observe_ttft(REL_CAP, 10.0)  # two measurements 3x slower than modelled
     assert 0 < d.penalty(cfg) and not d.should_go_out(cfg)
-    for _ in range(4):
-        d.observe_tpot(0.09, 0.03)
-    assert d.should_go_out(cfg)
-    d.go_out(10.0, "slow")
-    assert d.out and d.profile_due(10.0) and not d.should_go_out(cfg)
-    d.profile_sent(10.0, cfg)
-    assert not d.profile_due(10.5)  # one profile in flight at a time
-    assert not d.on_profile(True, (), 11.0, cfg)  # nothing to predict from yet
-    assert not d.on_profile(True, (0.1,), 12.0, cfg)
-    assert not d.on_profile(True, (0.6,), 13.0, cfg)  # off its re-measured model: start over
-    assert not d.on_profile(False, (), 14.0, cfg)  # a failed (or bad-ID) profile never counts
-    assert not d.on_profile(True, (0.1, -0.2), 15.0, cfg)
-    assert not d.on_profile(True, (0.05,), 16.0, cfg)
-    assert d.on_profile(True, (0.2,), 17.0, cfg)  # three in a row: back, scores reset
+    # penalized and then taught nothing (placement avoids it): profiled, so evidence keeps coming
+    assert not d.profile_due(10.5, cfg) and d.profile_due(11.0, cfg)
+    d.profile_sent(11.0, cfg)
+    assert not d.profile_due(11.5, cfg)  # one profile in flight at a time
+    assert not d.on_profile(True, ProfileErrors(REL_CAP, REL_CAP), 12.0, cfg)  # counts like a request
+    assert not d.profile_due(12.5, cfg) and d.profile_due(13.0, cfg)
+    assert not d.should_go_out(cfg)  # three TTFT errors at the cap in a row: 0.98
+    d.observe_ttft(REL_CAP, 13.0)
+    assert d.should_go_out(cfg)  # four: out
+    d.go_out(20.0, "slow")
+    assert d.out and d.penalty(cfg) == 0 and d.profile_due(20.0, cfg) and not d.should_go_out(cfg)
+    d.profile_sent(20.0, cfg)
+    assert not d.profile_due(20.5, cfg)
+    assert not d.on_profile(True, ProfileErrors(), 21.0, cfg)  # nothing to predict from yet
+    assert not d.on_profile(True, ProfileErrors(0.1), 22.0, cfg)
+    assert not d.on_profile(True, ProfileErrors(0.6), 23.0, cfg)  # off its re-measured model: start over
+    assert not d.on_profile(False, ProfileErrors(), 24.0, cfg)  # a failed (or bad-ID) profile never counts
+    assert not d.on_profile(True, ProfileErrors(0.1, -0.2), 25.0, cfg)
+    assert not d.on_profile(True, ProfileErrors(0.05), 26.0, cfg)
+    assert d.on_profile(True, ProfileErrors(None, 0.2), 27.0, cfg)  # three in a row: back, scores reset
     assert not d.out and d.score == 0 and d.outs == 1
