@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 
 from narwhal_serve.bench import assembly, decision, ramp, soak, transport, views
 from narwhal_serve.bench.fleet import TARGETS, Fleet, FleetSpec, SimTiming
-from narwhal_serve.bench.goodput import GoodputArgs, run_goodput
+from narwhal_serve.bench.goodput import GoodputArgs, run_goodput_suite
 from narwhal_serve.bench.overhead import OverheadArgs, run_overhead
 from narwhal_serve.bench.report import RequestLog, run_dir, write_json
 from narwhal_serve.bench.stats import Slo
-from narwhal_serve.bench.workload import LengthDist, Workload
+from narwhal_serve.bench.workload import LengthDist, Workload, WorkloadKind
 
 T = TypeVar("T")
 DEFAULT_TARGETS = {
@@ -48,6 +48,20 @@ def _targets(s: str) -> list[str]:
     if bad:
         raise argparse.ArgumentTypeError(f"unknown target(s) {bad}; known: {', '.join(TARGETS)}")
     return ts
+
+
+WORKLOADS: tuple[WorkloadKind, ...] = ("lognormal", "shared-prefix")
+
+
+def _workloads(s: str) -> list[WorkloadKind]:
+    out: list[WorkloadKind] = []
+    for x in (x.strip() for x in s.split(",") if x.strip()):
+        kind = next((w for w in WORKLOADS if w == x), None)
+        if kind is None:
+            raise argparse.ArgumentTypeError(f"unknown workload {x!r}; known: {', '.join(WORKLOADS)}")
+        if kind not in out:
+            out.append(kind)
+    return out
 
 
 def _key_value(s: str) -> tuple[str, str]:
@@ -140,7 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-sigma", type=float, default=0.6)
     g.add_argument("--output-max", type=int, default=128)
     g.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = latency)")
-    g.add_argument("--retry-samples", type=int, default=20, help="refusals retried after Retry-After, per run")
+    g.add_argument("--retry-samples", type=int, default=50,
+                   help="refusals retried once after their Retry-After, at most per run, spread over the window")
+    g.add_argument("--retry-probability", type=float, default=1.0, help="share of refusals eligible for a retry")
+    g.add_argument("--workload", type=_workloads, default=["lognormal"],
+                   help=f"comma list of {', '.join(WORKLOADS)} (each swept in turn, with its own capacity; "
+                        "default %(default)s)")
+    g.add_argument("--prefix-groups", type=int, default=8, help="shared-prefix: groups K")
+    g.add_argument("--prefix-tokens", type=int, default=1500, help="shared-prefix: tokens of each group's prefix")
+    g.add_argument("--suffix-tokens", type=int, default=32, help="shared-prefix: tokens of each prompt's own suffix")
+    g.add_argument("--num-gpu-blocks", type=int,
+                   help="simulated engines' KV/prefix-cache blocks (default: the simulator's 4096; shared-prefix: "
+                        "(ceil(K / engines) + 1) prompts' worth)")
     return p
 
 
@@ -259,13 +284,22 @@ def fleet_spec(ns: argparse.Namespace, budget_s: float) -> FleetSpec:
                      ray_env=tuple(_key_value(kv) for kv in ns.ray_env))
 
 
-def goodput_args(ns: argparse.Namespace) -> GoodputArgs:
-    wl = Workload(LengthDist(ns.prompt_median, ns.prompt_sigma, 8, ns.prompt_max),
-                  LengthDist(ns.output_median, ns.output_sigma, 2, ns.output_max), seed=ns.seed)
+def workload(ns: argparse.Namespace, kind: WorkloadKind) -> Workload:
+    out = LengthDist(ns.output_median, ns.output_sigma, 2, ns.output_max)
+    if kind == "shared-prefix":
+        return Workload(LengthDist(ns.suffix_tokens, 0.0, ns.suffix_tokens, ns.suffix_tokens), out, seed=ns.seed,
+                        prefix_groups=ns.prefix_groups, prefix_tokens=ns.prefix_tokens)
+    return Workload(LengthDist(ns.prompt_median, ns.prompt_sigma, 8, ns.prompt_max), out, seed=ns.seed)
+
+
+def goodput_args(ns: argparse.Namespace, kind: WorkloadKind | None = None) -> GoodputArgs:
+    """The run of workload ``kind`` (default: the first of ``--workload``)."""
+    wl = workload(ns, kind or ns.workload[0])
     return GoodputArgs(slo=Slo(ns.slo_ttft_ms / 1000, ns.slo_tpot_ms / 1000), rates=ns.rates, rates_rps=ns.rates_rps,
                        duration_s=ns.duration_s, drain_s=ns.drain_s, arrival=ns.arrival, burst_size=ns.burst_size,
                        workload=wl, calibrate_s=ns.calibrate_s, calib_concurrency=ns.calib_concurrency,
                        capacity_rps=ns.capacity_rps, warmup_s=ns.warmup_s, retry_samples=ns.retry_samples,
+                       retry_probability=ns.retry_probability, num_gpu_blocks=ns.num_gpu_blocks,
                        api=ns.api, model=ns.model, stream=not ns.no_stream, seed=ns.seed)
 
 
@@ -318,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         targets = ["direct", *targets]  # the calibration run needs the engines directly
     args: GoodputArgs | OverheadArgs = goodput_args(ns) if ns.mode == "goodput" else overhead_args(ns)
     budget = args.slo.ttft_s if isinstance(args, GoodputArgs) else 2.0
+    if isinstance(args, GoodputArgs) and "narwhal-prefix-blind" in targets and "shared-prefix" not in ns.workload:
+        print("narwhal-prefix-blind runs on shared-prefix workloads only (--workload shared-prefix)", file=sys.stderr)
     out = run_dir(ns.out, ns.mode)
     fleet = Fleet(fleet_spec(ns, budget), out / "logs")
     t0 = time.monotonic()
@@ -327,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fleet ready in {time.monotonic() - t0:.1f} s (narwhal {fleet.narwhal_startup_s or 0:.1f} s): "
               f"engines {', '.join(fleet.engine_urls)}", file=sys.stderr)
         if isinstance(args, GoodputArgs):
-            res = run_async(run_goodput(args, fleet, targets))
+            res = run_async(run_goodput_suite([goodput_args(ns, k) for k in ns.workload], fleet, targets))
         else:
             res = run_async(run_overhead(args, fleet, targets))
     finally:
@@ -337,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         log.write(tags, rs)
     meta = {"mode": ns.mode, "argv": sys.argv[1:] if argv is None else argv, "targets": targets,
             "fleet": {"engines": fleet.engine_urls, "spec": repr(fleet.spec)}, "args": repr(args),
+            **({"workloads": ns.workload} if isinstance(args, GoodputArgs) else {}),
             "wall_s": round(time.monotonic() - t0, 1), "narwhal_startup_s": fleet.narwhal_startup_s}
     if isinstance(args, GoodputArgs):
         text, plots = views.goodput_view(res, out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from collections.abc import Callable
@@ -47,9 +48,16 @@ class Shape:
     include_usage: bool = True  # streaming: ask for the usage chunk (stream_options.include_usage)
 
 
+PREDICTED_TTFT_HEADER = "X-Narwhal-Predicted-TTFT"
+
+
 @dataclass
 class RetryPolicy:
-    """Which refusals carrying Retry-After are retried once (the Retry-After accuracy sample)."""
+    """Which refusals carrying Retry-After are retried once (the Retry-After accuracy sample).
+
+    ``take(progress)``, ``progress`` = share of the arrival window gone: at most
+    ``ceil(max_samples * progress)`` taken by then, so a full sample spreads over the window
+    instead of being spent on its first refusals."""
 
     max_samples: int = 20
     probability: float = 0.25
@@ -60,8 +68,9 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
 
-    def take(self) -> bool:
-        if self.taken >= self.max_samples or self._rng.random() >= self.probability:
+    def take(self, progress: float = 1.0) -> bool:
+        quota = min(self.max_samples, math.ceil(self.max_samples * max(0.0, progress)))
+        if self.taken >= quota or self._rng.random() >= self.probability:
             return False
         self.taken += 1
         return True
@@ -84,12 +93,16 @@ def _parse_error(raw: bytes, headers: Any) -> str | None:
     return str(reason) if reason else None
 
 
-def _retry_after(headers: Any) -> float | None:
-    v = headers.get("Retry-After")
+def _float_header(headers: Any, name: str) -> float | None:
+    v = headers.get(name)
     try:
         return float(v) if v is not None else None
     except ValueError:
         return None
+
+
+def _retry_after(headers: Any) -> float | None:
+    return _float_header(headers, "Retry-After")
 
 
 def _chunk_text(choice: dict[str, Any]) -> bool:
@@ -155,6 +168,7 @@ async def send_one(session: aiohttp.ClientSession, ep: Endpoint, shape: Shape, s
         async with session.post(ep.url_for(spec.idx, shape.api), data=body, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=shape.timeout_s)) as resp:
             r.status = resp.status
+            r.predicted_ttft = _float_header(resp.headers, PREDICTED_TTFT_HEADER)
             if resp.status != 200:
                 r.error_code = _parse_error(await resp.read(), resp.headers)
                 r.retry_after = _retry_after(resp.headers)
@@ -220,8 +234,10 @@ async def run_open_loop(session: aiohttp.ClientSession, ep: Endpoint, shape: Sha
         await send_one(session, ep, shape, spec, r, t0)
         if progress is not None:
             progress.record(r)
+        now = time.perf_counter()
         if (retry is not None and r.retry_of is None and r.refused and r.retry_after is not None
-                and time.perf_counter() + r.retry_after < deadline - 1.0 and retry.take()):
+                and now + r.retry_after < deadline - 1.0
+                and retry.take((now - t0) / window if window > 0 else 1.0)):
             rr = _new_result(ep, spec, retry_of=spec.idx)
             results.append(rr)
             spawn(one(spec, rr, r.retry_after))

@@ -5,7 +5,9 @@
   it is the bare single-upstream pass-through; both names use the same process);
 * ``narwhal-open`` / ``narwhal-predictive``: one ``serve run`` hosting both as two applications
   (route prefixes ``/open`` and ``/predictive``) so they share one Ray instance, with ``engines:``
-  naming the bench's fleet (role unified, dialect vllm).
+  naming the bench's fleet (role unified, dialect vllm);
+* ``narwhal-prefix-blind``: ``narwhal-predictive`` with ``placement.prefix_aware: false``
+  (``/prefix-blind``), the baseline of prefix-aware placement.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ from narwhal_serve.bench import procs
 from narwhal_serve.runenv import direct_ingress_env
 from narwhal_serve.bench.client import Endpoint
 
-TARGETS: tuple[str, ...] = ("direct", "proxy", "narwhal-open", "narwhal-predictive", "rr", "narwhal-nolease")
+TARGETS: tuple[str, ...] = ("direct", "proxy", "narwhal-open", "narwhal-predictive", "rr", "narwhal-nolease",
+                            "narwhal-prefix-blind")
 # narwhal-nolease: open admission with a scheduler call per request (admission.ingress_leases off)
 # and plain httpx to the engines — the hot path before leases, measured beside the others
-NARWHAL_PREFIX = {"narwhal-open": "/open", "narwhal-predictive": "/predictive", "narwhal-nolease": "/nolease"}
+NARWHAL_PREFIX = {"narwhal-open": "/open", "narwhal-predictive": "/predictive", "narwhal-nolease": "/nolease",
+                  "narwhal-prefix-blind": "/prefix-blind"}
+PREDICTIVE_TARGETS = frozenset({"narwhal-predictive", "narwhal-prefix-blind"})
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -96,7 +101,7 @@ def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets:
             e["max_num_seqs"] = max_num_seqs
     apps = []
     for t in targets:
-        mode = "predictive" if t == "narwhal-predictive" else "open"
+        mode = "predictive" if t in PREDICTIVE_TARGETS else "open"
         apps.append(narwhal_app({
             "model": model,
             "admission": {"mode": mode, "ttft_budget_s": ttft_budget_s,
@@ -104,6 +109,7 @@ def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets:
                           "ingress_leases": t != "narwhal-nolease"},
             "engines": engines,
             **({"deployment": {"engine_http": "httpx"}} if t == "narwhal-nolease" else {}),
+            **({"placement": {"prefix_aware": False}} if t == "narwhal-prefix-blind" else {}),
         }, t, NARWHAL_PREFIX[t]))
     return serve_config(port, apps)
 
@@ -205,6 +211,25 @@ class Fleet:
             time.sleep(0.2)
         return False
 
+    def reset_caches(self, num_gpu_blocks: int) -> None:
+        """Empty every simulated engine's prefix cache and bound it to ``num_gpu_blocks`` blocks
+        (no-op for external engines)."""
+        if not self.simulated:
+            return
+        import urllib.request
+
+        body = json.dumps({"clear_prefix_cache": True, "num_gpu_blocks": num_gpu_blocks}).encode()
+        for u in self.engine_urls:
+            req = urllib.request.Request(u + "/sim/control", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=5.0) as resp:  # noqa: S310 (127.0.0.1)
+                resp.read()
+
+    def sim_counters(self) -> list[tuple[float, float, float]]:
+        """Per simulated engine: (generation requests received, prefix-cache queried tokens, hit
+        tokens), cumulative; empty for external engines."""
+        return [_sim_counters(u) for u in self.engine_urls] if self.simulated else []
+
     def stop(self) -> None:
         if self.narwhal is not None:
             self.narwhal.stop(first=signal.SIGINT, grace_s=20.0, term_s=10.0)  # SIGINT: serve run shuts Ray down
@@ -223,3 +248,23 @@ def _sim_idle(url: str) -> bool:
         return int(st.get("running", 1)) == 0 and int(st.get("waiting", 1)) == 0
     except (OSError, ValueError):
         return False
+
+
+def _sim_counters(url: str) -> tuple[float, float, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/sim/stats", timeout=5.0) as resp:  # noqa: S310 (127.0.0.1)
+        requests = float(json.loads(resp.read()).get("total_requests", 0))
+    with urllib.request.urlopen(url + "/metrics", timeout=5.0) as resp:  # noqa: S310 (127.0.0.1)
+        text = resp.read().decode()
+    return (requests, prom_value(text, "vllm:prefix_cache_queries_total"),
+            prom_value(text, "vllm:prefix_cache_hits_total"))
+
+
+def prom_value(text: str, name: str) -> float:
+    """Sum of the samples of ``name`` in a Prometheus text exposition (0 when absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -8,14 +8,23 @@
    ``--capacity-rps`` skips both.
 2. **sweep**: for each rate (fractions of ``C``, or ``--rates-rps``) one seeded arrival sequence and
    request set, sent to every target in rotated order; each run lasts ``duration_s`` plus at most
-   ``drain_s`` (later answers are cut and count as failed).  Clients send ``X-TTFT-Target`` = the TTFT
-   SLO (Narwhal's per-request budget; the engines ignore it).  A sample of refusals is retried once
-   after their Retry-After (see ``stats`` for how Retry-After accuracy is defined).
+   ``drain_s`` (later answers are cut and count as failed).  Clients send ``X-TTFT-Target`` and
+   ``X-TPOT-Target`` = the SLO (Narwhal's per-request budgets; the engines ignore them).  Refusals
+   are retried once after their Retry-After, up to ``retry_samples`` per run spread over the window
+   (see ``stats`` for how Retry-After accuracy and the TTFT prediction error are defined).
+
+Several workloads (``lognormal``, ``shared-prefix``) run one after the other over the same fleet,
+each with its own capacity.  Before every run the simulated engines are idle and their prefix
+caches empty; for ``shared-prefix`` each engine's cache holds about ``ceil(K / engines) + 1`` of the
+K group prefixes (:func:`sim_cache_blocks`), so only placement that keeps a group on one engine hits
+it.  ``narwhal-prefix-blind`` runs on shared-prefix workloads only; the **prefix gain** is
+narwhal-predictive's goodput / narwhal-prefix-blind's per load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +36,11 @@ from narwhal_serve.bench.progress import Progress
 from narwhal_serve.bench.report import check
 from narwhal_serve.bench.stats import RequestResult, Slo, ratio, summarize
 from narwhal_serve.bench.workload import Api, Arrival, LengthDist, Workload, arrival_times
+from narwhal_serve.sim.config import SimEngineConfig
 
 CHAT_TEMPLATE_TOKENS = 6  # the simulator's chat template around one user message
+CHAT_LEAD_TOKENS = 3  # of which before the message (<|im_start|> user \n); completions: BOS only
+SIM_DEFAULTS = SimEngineConfig()
 
 
 @dataclass
@@ -45,18 +57,50 @@ class GoodputArgs:
     calib_concurrency: int | None = None
     capacity_rps: float | None = None
     warmup_s: float = 4.0
-    retry_samples: int = 20
+    retry_samples: int = 50
+    retry_probability: float = 1.0
+    num_gpu_blocks: int | None = None  # simulated engines' KV/prefix cache; None: sim_cache_blocks
     api: Api = "chat"
     model: str = "narwhal-sim"
     stream: bool = True
     seed: int = 0
 
 
-def model_capacity(timing: SimTiming, engines: int, wl: Workload, api: Api = "chat") -> float:
-    """Requests per second the simulated fleet completes with every slot busy (no queueing)."""
-    prompt = wl.prompt_len.mean() + (CHAT_TEMPLATE_TOKENS if api == "chat" else 1)
+def model_capacity(timing: SimTiming, engines: int, wl: Workload, api: Api = "chat",
+                   cached_tokens: float = 0.0) -> float:
+    """Requests per second the simulated fleet completes with every slot busy (no queueing);
+    ``cached_tokens`` of every prompt found in the prefix cache."""
+    prompt = wl.mean_prompt_tokens() + (CHAT_TEMPLATE_TOKENS if api == "chat" else 1) - cached_tokens
     service = timing.prefill_s(prompt) + max(0.0, wl.output_len.mean() - 1) * timing.tpot_s(timing.max_num_seqs)
     return engines * timing.max_num_seqs / service
+
+
+def cached_prefix_tokens(wl: Workload, api: Api = "chat", block_size: int = SIM_DEFAULTS.kv_block_size) -> int:
+    """Prompt tokens an engine that holds the group's prefix does not prefill (whole blocks)."""
+    if not wl.prefix_groups:
+        return 0
+    lead = CHAT_LEAD_TOKENS if api == "chat" else 1
+    return (lead + wl.prefix_tokens) // block_size * block_size
+
+
+def sim_cache_blocks(wl: Workload, engines: int, api: Api = "chat",
+                     block_size: int = SIM_DEFAULTS.kv_block_size) -> int:
+    """Prefix-cache blocks per simulated engine: the simulator's default, or for a shared-prefix
+    workload the blocks of ``ceil(K / engines) + 1`` whole prompts: room for the engine's share of
+    the K prefixes and the suffixes passing through, not for all K (unless K is that small)."""
+    if not wl.prefix_groups:
+        return SIM_DEFAULTS.num_gpu_blocks
+    prompt = wl.mean_prompt_tokens() + (CHAT_TEMPLATE_TOKENS if api == "chat" else 1)
+    return (math.ceil(wl.prefix_groups / max(1, engines)) + 1) * math.ceil(prompt / block_size)
+
+
+def engine_delta(before: list[tuple[float, float, float]],
+                 after: list[tuple[float, float, float]]) -> dict[str, Any]:
+    """What the simulated engines saw during one run: requests per engine and the prefix-cache hit
+    rate (hit / queried prompt tokens, all engines)."""
+    d = [tuple(y - x for x, y in zip(b, a)) for b, a in zip(before, after)]
+    queried, hits = sum(e[1] for e in d), sum(e[2] for e in d)
+    return {"requests": [int(e[0]) for e in d], "prefix_hit_rate": round(hits / queried, 4) if queried else None}
 
 
 def rate_plan(a: GoodputArgs, capacity: float) -> list[tuple[float, float]]:
@@ -73,12 +117,27 @@ class GoodputRun:
         self.targets = targets
         self.log: list[tuple[dict[str, Any], list[RequestResult]]] = []
         self.shape = Shape(api=a.api, model=a.model, stream=a.stream, timeout_s=a.duration_s + a.drain_s + 30,
-                           extra_headers=(("X-TTFT-Target", f"{a.slo.ttft_s:g}"),))
+                           extra_headers=(("X-TTFT-Target", f"{a.slo.ttft_s:g}"),
+                                          ("X-TPOT-Target", f"{a.slo.tpot_s:g}")))
+        self.cache_blocks = a.num_gpu_blocks or sim_cache_blocks(a.workload, fleet.spec.engines, a.api)
+        self.engines_seen: dict[str, Any] = {}  # engine_delta of the last open_run
+
+    async def _prepare(self) -> None:
+        """Before a run: engines idle, prefix caches empty (and sized for this workload)."""
+        await asyncio.to_thread(self.fleet.settle)
+        await asyncio.to_thread(self.fleet.reset_caches, self.cache_blocks)
+
+    def _log(self, tags: dict[str, Any], rs: list[RequestResult]) -> None:
+        self.log.append(({**tags, "workload": self.a.workload.kind}, rs))
 
     async def calibrate(self) -> dict[str, Any]:
         a, spec = self.a, self.fleet.spec
         est = model_capacity(spec.timing, spec.engines, a.workload, a.api) if self.fleet.simulated else None
-        out: dict[str, Any] = {"model_rps": round(est, 3) if est else None}
+        out: dict[str, Any] = {"workload": a.workload.kind, "model_rps": round(est, 3) if est else None}
+        if self.fleet.simulated and a.workload.prefix_groups:
+            hot = model_capacity(spec.timing, spec.engines, a.workload, a.api, cached_prefix_tokens(a.workload, a.api))
+            out.update(model_rps_prefix_cached=round(hot, 3), sim_cache_blocks=self.cache_blocks,
+                       prefix_gain_ceiling=ratio(hot, est))
         if a.capacity_rps:
             out.update(capacity_rps=a.capacity_rps, source="flag")
             return out
@@ -86,14 +145,14 @@ class GoodputRun:
         if a.calibrate_s <= 0 and est:
             out.update(capacity_rps=round(est, 3), source="model")
             return out
-        specs = a.workload.specs([0.0] * 20_000, seed_offset=7)
-        await asyncio.to_thread(self.fleet.settle)
+        specs = a.workload.specs([0.0] * (4_000 if a.workload.prefix_groups else 20_000), seed_offset=7)
+        await self._prepare()
         async with make_session() as session:
             with Progress(f"calibrate direct c={conc}") as prog:
                 rs = await run_closed_loop(session, self.fleet.endpoints["direct"], self.shape, specs,
                                            concurrency=conc, duration_s=a.calibrate_s, drain_s=a.drain_s + 20,
                                            progress=prog)
-        self.log.append(({"phase": "calibrate", "target": "direct", "concurrency": conc}, rs))
+        self._log({"phase": "calibrate", "target": "direct", "concurrency": conc}, rs)
         s = summarize(rs, a.slo)
         # Little's law: each client always has one request in flight, so the fleet completes
         # conc / mean latency per second -- free of the ramp and tail of a short window.
@@ -111,51 +170,78 @@ class GoodputRun:
         times = arrival_times(a.arrival, rate, a.duration_s if duration_s is None else duration_s,
                               np.random.default_rng([a.seed, seed_offset]), burst_size=a.burst_size)
         specs = a.workload.specs(times, seed_offset=seed_offset)
-        await asyncio.to_thread(self.fleet.settle)
+        await self._prepare()
+        before = await asyncio.to_thread(self.fleet.sim_counters)
         async with make_session() as session:
             with Progress(f"{label} {target} {rate:.2f} rps", total=len(specs)) as prog:
                 rs = await run_open_loop(session, self.fleet.endpoints[target], self.shape, specs, drain_s=a.drain_s,
-                                         retry=RetryPolicy(a.retry_samples, 0.25, a.seed + seed_offset),
+                                         retry=RetryPolicy(a.retry_samples, a.retry_probability,
+                                                           a.seed + seed_offset),
                                          progress=prog)
-        self.log.append(({"phase": label, "target": target, "rate_rps": rate}, rs))
+        self._log({"phase": label, "target": target, "rate_rps": rate}, rs)
+        self.engines_seen = engine_delta(before, await asyncio.to_thread(self.fleet.sim_counters))
         return rs
 
     async def sweep(self, capacity: float) -> list[dict[str, Any]]:
-        for t in self.targets:
+        wl = self.a.workload
+        targets = [t for t in self.targets if wl.prefix_groups or t != "narwhal-prefix-blind"]
+        for t in targets:
             if t.startswith("narwhal") and self.a.warmup_s > 0:
                 await self.open_run(t, "warmup", 0.3 * capacity, 999, duration_s=self.a.warmup_s)
         rows: list[dict[str, Any]] = []
         for i, (frac, rate) in enumerate(rate_plan(self.a, capacity)):
-            k = i % len(self.targets)
-            for t in self.targets[k:] + self.targets[:k]:
+            k = i % len(targets)
+            for t in targets[k:] + targets[:k]:
                 rs = await self.open_run(t, "sweep", rate, 100 + i)
                 s = summarize(rs, self.a.slo, duration_s=self.a.duration_s)
-                rows.append({"target": t, "load": round(frac, 3), "offered_rps": round(rate, 3),
-                             "goodput_vs_capacity": ratio(s["goodput_rps"], capacity), **s})
+                rows.append({"workload": wl.kind, "target": t, "load": round(frac, 3), "offered_rps": round(rate, 3),
+                             "goodput_vs_capacity": ratio(s["goodput_rps"], capacity), **s,
+                             "engines": self.engines_seen})
         return rows
 
 
-def goodput_checks(rows: list[dict[str, Any]], capacity: float) -> list[dict[str, Any]]:
+OVERLOAD = 1.5  # loads from this fraction of capacity up are checked as overload
+
+
+def goodput_checks(rows: list[dict[str, Any]], capacity: float, label: str = "") -> list[dict[str, Any]]:
+    """ARCHITECTURE targets of one workload's rows (check names start with ``label``)."""
     by = {(r["target"], r["load"]): r for r in rows}
     loads = sorted({r["load"] for r in rows})
     out: list[dict[str, Any]] = []
     if not loads:
         return out
-    top = loads[-1]
     near08 = min(loads, key=lambda x: abs(x - 0.8))
-    pred, rr = by.get(("narwhal-predictive", top)), by.get(("rr", top))
-    if pred is not None:
-        out.append(check(f"predictive goodput / capacity at {top}x", ratio(pred["goodput_rps"], capacity), ">=", 0.9))
-        if rr is not None:
-            out.append(check(f"predictive goodput / rr at {top}x", ratio(pred["goodput_rps"], rr["goodput_rps"]),
-                             ">=", 4.0))
+    if any(t == "narwhal-predictive" for t, _ in by):  # (near08: the load nearest 0.8x, if within 0.2)
+        for x in [x for x in loads if x >= OVERLOAD] or loads[-1:]:
+            pred, rr = by.get(("narwhal-predictive", x)), by.get(("rr", x))
+            if pred is None:
+                continue
+            out.append(check(f"{label}predictive goodput / capacity at {x}x", ratio(pred["goodput_rps"], capacity),
+                             ">=", 0.9))
+            if rr is not None:
+                out.append(check(f"{label}predictive goodput / rr at {x}x",
+                                 ratio(pred["goodput_rps"], rr["goodput_rps"]), ">=", 4.0))
         att = [by[("narwhal-predictive", x)]["slo_attainment_admitted"] for x in loads
                if ("narwhal-predictive", x) in by]
         worst = min((v for v in att if v is not None), default=None)
-        out.append(check("predictive admitted within SLO (worst load)", worst, ">=", 0.99))
+        out.append(check(f"{label}predictive admitted within SLO (worst load)", worst, ">=", 0.99))
         low = by.get(("narwhal-predictive", near08))
-        if low is not None:
-            out.append(check(f"predictive refused at {near08}x", low["refusal_rate"], "<=", 0.01))
+        if low is not None and abs(near08 - 0.8) <= 0.2:
+            out.append(check(f"{label}predictive refused at {near08}x", low["refusal_rate"], "<=", 0.01))
+    return out
+
+
+def prefix_gain(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per shared-prefix load: narwhal-predictive's goodput / narwhal-prefix-blind's."""
+    by = {(r["target"], r["load"]): r for r in rows if r.get("workload") == "shared-prefix"}
+    out: list[dict[str, Any]] = []
+    for x in sorted({load for _, load in by}):
+        aware, blind = by.get(("narwhal-predictive", x)), by.get(("narwhal-prefix-blind", x))
+        if aware is not None and blind is not None:
+            out.append({"load": x, "predictive_goodput_rps": aware["goodput_rps"],
+                        "blind_goodput_rps": blind["goodput_rps"],
+                        "gain": ratio(aware["goodput_rps"], blind["goodput_rps"]),
+                        "predictive_engines": aware.get("engines"), "blind_engines": blind.get("engines")})
     return out
 
 
@@ -166,4 +252,15 @@ async def run_goodput(a: GoodputArgs, fleet: Fleet, targets: list[str]) -> dict[
     if capacity <= 0:
         raise RuntimeError(f"could not estimate SLO capacity: {cal}")
     rows = await run.sweep(capacity)
-    return {"capacity": cal, "rows": rows, "checks": goodput_checks(rows, capacity), "_log": run.log}
+    label = "" if a.workload.kind == "lognormal" else f"{a.workload.kind}: "
+    return {"capacity": cal, "rows": rows, "checks": goodput_checks(rows, capacity, label), "_log": run.log}
+
+
+async def run_goodput_suite(runs: list[GoodputArgs], fleet: Fleet, targets: list[str]) -> dict[str, Any]:
+    """:func:`run_goodput` per workload, one after the other over ``fleet``; merged results
+    (``capacity``: the first workload's, ``capacities``: every workload's)."""
+    parts = [await run_goodput(a, fleet, targets) for a in runs]
+    rows = [r for p in parts for r in p["rows"]]
+    return {"capacity": parts[0]["capacity"], "capacities": [p["capacity"] for p in parts], "rows": rows,
+            "prefix_gain": prefix_gain(rows), "checks": [c for p in parts for c in p["checks"]],
+            "_log": [e for p in parts for e in p["_log"]]}

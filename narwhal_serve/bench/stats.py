@@ -9,17 +9,23 @@ Definitions (also in the JSON output under ``definitions``):
 * **ITL**: gaps between successive text chunks (pooled over requests for percentiles).
 * **admitted**: got HTTP 200 response headers.  **refused**: 429 or 503 (any code).
 * **good**: completed (200, stream ended cleanly) with ``ttft <= slo_ttft`` and ``tpot <= slo_tpot``;
-  **goodput** = good / duration (vLLM ``bench serve --goodput``); **attainment** = good / admitted.
+  **goodput** = good / duration (vLLM ``bench serve --goodput``), counting good retries too (an
+  admitted retry takes the place of a first try; ``goodput_rps_first_try`` leaves them out);
+  **attainment** = good / admitted (first tries).
 * **duration**: for open-loop runs the arrival window (so that goodput at low load equals the
   offered rate times attainment, whatever the length of the tail); for closed-loop runs the span
   first send → last finish.  ``span_s`` and ``goodput_rps_span`` (vLLM's definition: good / span,
   tail included) are reported too.
 * **Retry-After accuracy**: (1) *retry sample*: a sample of refusals carrying Retry-After is sent
-  again, once, after that many seconds; ``retry_success`` = share of those retries that were
-  admitted, ``retry_good`` = share that also met the SLO.  (2) *capacity gap*: for every such
+  again, once, after that many seconds; ``retries_admitted`` of ``retry_sample`` retries were
+  admitted (``retry_success`` = their share, "retries admitted"; ``retries_refused``: refused
+  again), ``retry_good`` = share that also met the SLO.  (2) *capacity gap*: for every such
   refusal, the observed time from the refusal until the next first-try request was admitted;
   reported as the median gap and the share of refusals whose Retry-After was >= the gap
   (``not_early``), and the median overstatement ``retry_after - gap``.
+* **TTFT prediction error**: over admitted requests (first tries and retries) with a first token
+  and an ``X-Narwhal-Predicted-TTFT`` header, ``|ttft - predicted| / ttft``: median ``err_p50`` (and
+  p90); ``bias_p50`` = median ``(predicted - ttft) / ttft`` (< 0: the router under-predicts).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class RequestResult:
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     retry_of: int | None = None  # idx of the refused request this one retries
+    predicted_ttft: float | None = None  # the router's X-Narwhal-Predicted-TTFT (seconds), if sent
 
     @property
     def tpot(self) -> float | None:
@@ -125,8 +132,10 @@ def run_duration(results: Iterable[RequestResult]) -> float:
 
 
 def summarize(results: Sequence[RequestResult], slo: Slo, duration_s: float | None = None) -> dict[str, Any]:
-    """The report of one run (first tries only; retries are judged by :func:`retry_after_accuracy`)."""
+    """The report of one run: first tries, except that good retries count towards goodput (retries
+    are judged by :func:`retry_after_accuracy`)."""
     first = [r for r in results if r.retry_of is None]
+    good_retries = sum(slo.met(r) for r in results if r.retry_of is not None)
     span = run_duration(first)
     dur = span if duration_s is None else duration_s
     ok = [r for r in first if r.ok]
@@ -149,7 +158,8 @@ def summarize(results: Sequence[RequestResult], slo: Slo, duration_s: float | No
         "arrived_rps": round(per_s(n), 3),
         "throughput_rps": round(per_s(len(ok)), 3),
         "output_tok_per_s": round(per_s(sum(r.output_tokens for r in ok)), 1),
-        "goodput_rps": round(per_s(len(good)), 3),
+        "goodput_rps": round(per_s(len(good) + good_retries), 3),
+        "goodput_rps_first_try": round(per_s(len(good)), 3),
         "slo_attainment_admitted": round(len(good) / len(admitted), 4) if admitted else None,
         "refusal_rate": round(len(refused) / n, 4) if n else None,
         "status_counts": dict(Counter(str(r.status) for r in first)),
@@ -160,6 +170,7 @@ def summarize(results: Sequence[RequestResult], slo: Slo, duration_s: float | No
         "e2e_ms": dist_ms([r.e2e for r in ok if r.e2e is not None]),
         "refusal_latency_ms": dist_ms([r.e2e for r in refused if r.e2e is not None]),
         "retry_after": retry_after_accuracy(results, slo),
+        "ttft_prediction": ttft_prediction_error(results),
     }
 
 
@@ -187,11 +198,26 @@ def retry_after_accuracy(results: Sequence[RequestResult], slo: Slo) -> dict[str
         "refusals_with_retry_after": len(with_ra),
         "retry_after_s": dist_s([r.retry_after for r in with_ra if r.retry_after is not None]),
         "retry_sample": len(retries),
+        "retries_admitted": sum(r.admitted for r in retries),
+        "retries_refused": sum(r.refused for r in retries),
         "retry_success": round(sum(r.admitted for r in retries) / len(retries), 4) if retries else None,
         "retry_good": round(sum(slo.met(r) for r in retries) / len(retries), 4) if retries else None,
         "gap_median_s": _round(percentile([g for _, g in gaps], 50)),
         "not_early": round(sum(ra >= g for ra, g in gaps) / len(gaps), 4) if gaps else None,
         "overstatement_median_s": _round(percentile(over, 50)),
+    }
+
+
+def ttft_prediction_error(results: Sequence[RequestResult]) -> dict[str, Any]:
+    """How far the router's predicted TTFT was from the measured one (see the definitions)."""
+    pairs = [(r.ttft, r.predicted_ttft) for r in results
+             if r.admitted and r.ttft is not None and r.ttft > 0 and r.predicted_ttft is not None]
+    err = [abs(t - p) / t for t, p in pairs]
+    return {
+        "n": len(pairs),
+        "err_p50": _round(percentile(err, 50), 4),
+        "err_p90": _round(percentile(err, 90), 4),
+        "bias_p50": _round(percentile([(p - t) / t for t, p in pairs], 50), 4),
     }
 
 

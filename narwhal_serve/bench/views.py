@@ -47,14 +47,67 @@ def overhead_view(res: dict[str, Any]) -> tuple[str, list[Path]]:
     return "\n".join(parts), []
 
 
+def _cap_line(cap: dict[str, Any]) -> str:
+    line = (f"\n## {cap.get('workload', 'lognormal')}: SLO capacity {cap.get('capacity_rps')} req/s "
+            f"({cap.get('source')}; timing model {cap.get('model_rps')} req/s; calibration throughput "
+            f"{cap.get('throughput_rps')} req/s at c={cap.get('concurrency')})")
+    if cap.get("model_rps_prefix_cached") is not None:
+        line += (f"\n   every prefix cached: {cap['model_rps_prefix_cached']} req/s (prefix gain ceiling "
+                 f"{cap.get('prefix_gain_ceiling')}x); prefix cache {cap.get('sim_cache_blocks')} blocks per engine")
+    return line
+
+
+def admission_table(rows: list[dict[str, Any]]) -> str:
+    """The admission issue's per-run measures: refused share, retries admitted, TTFT prediction error."""
+    def frac(k: int, n: int, f: float | None) -> str:
+        return f"{k}/{n} ({f:.2f})" if f is not None else f"{k}/{n}"
+
+    return table(
+        ["load", "target", "refused", "refused share", "retries admitted", "retry good", "ttft pred err p50",
+         "p90", "bias p50", "pred n"],
+        [[r["load"], r["target"], r["refused"], r["refusal_rate"],
+          frac((ra := r["retry_after"])["retries_admitted"], ra["retry_sample"], ra["retry_success"]),
+          ra["retry_good"], (p := r["ttft_prediction"])["err_p50"], p["err_p90"], p["bias_p50"], p["n"]]
+         for r in rows], nd=3)
+
+
+def _hits(engines: dict[str, Any] | None) -> str:
+    v = (engines or {}).get("prefix_hit_rate")
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _per_engine(engines: dict[str, Any] | None) -> str:
+    return ",".join(str(n) for n in (engines or {}).get("requests", [])) or "-"
+
+
 def goodput_view(res: dict[str, Any], out: Path) -> tuple[str, list[Path]]:
-    cap = res["capacity"]
-    parts = [f"\n## SLO capacity: {cap.get('capacity_rps')} req/s ({cap.get('source')}; timing model "
-             f"{cap.get('model_rps')} req/s; calibration throughput {cap.get('throughput_rps')} req/s at "
-             f"c={cap.get('concurrency')})"]
-    rows = res["rows"]
-    parts.append("\n## rate sweep (ms; goodput = SLO-meeting completions per second of arrival window; "
-                 "gp span = per second of first send..last finish, vLLM's; RA = Retry-After sample)")
+    parts: list[str] = []
+    plots: list[Path] = []
+    for cap in res.get("capacities") or [res["capacity"]]:
+        kind = cap.get("workload", "lognormal")
+        rows = [r for r in res["rows"] if r.get("workload", "lognormal") == kind]
+        text, ps = _goodput_workload(cap, rows, out, "" if kind == "lognormal" else f"-{kind}")
+        parts.append(text)
+        plots += ps
+    gain = res.get("prefix_gain")
+    if gain:
+        parts.append("\n## prefix gain (shared-prefix: narwhal-predictive goodput / narwhal-prefix-blind)")
+        parts.append(table(["load", "predictive", "prefix-blind", "gain", "cache hits pred / blind",
+                            "requests per engine pred / blind"],
+                           [[g["load"], g["predictive_goodput_rps"], g["blind_goodput_rps"], g["gain"],
+                             f"{_hits(g['predictive_engines'])} / {_hits(g['blind_engines'])}",
+                             f"{_per_engine(g['predictive_engines'])} / {_per_engine(g['blind_engines'])}"]
+                            for g in gain], nd=3))
+    parts.append("\n## ARCHITECTURE targets")
+    parts.append(checks_table(res["checks"]))
+    return "\n".join(parts), plots
+
+
+def _goodput_workload(cap: dict[str, Any], rows: list[dict[str, Any]], out: Path,
+                      suffix: str) -> tuple[str, list[Path]]:
+    parts = [_cap_line(cap)]
+    parts.append("\n## rate sweep (ms; goodput = SLO-meeting completions, good retries included, per second of "
+                 "arrival window; gp span = per second of first send..last finish, vLLM's; RA = Retry-After sample)")
     parts.append(table(
         ["load", "rps", "target", "n", "arrived", "thru", "goodput", "/cap", "gp span", "attain", "refused", "failed", "ttft p50",
          "ttft p99", "tpot p99", "itl p99", "RA n", "RA retry ok", "RA not early", "RA over s"],
@@ -75,17 +128,18 @@ def goodput_view(res: dict[str, Any], out: Path) -> tuple[str, list[Path]]:
                 ratio_rows.append([x, t, g, stats.ratio(g, d), stats.ratio(g, rr)])
     parts.append("\n## goodput ratios")
     parts.append(table(["load", "target", "goodput", "/direct", "/rr"], ratio_rows, nd=3))
-    parts.append("\n## ARCHITECTURE targets")
-    parts.append(checks_table(res["checks"]))
+    parts.append("\n## admission (refused share; retries admitted after Retry-After; |TTFT - predicted| / TTFT)")
+    parts.append(admission_table(rows))
     series_g: dict[str, list[tuple[float, float | None]]] = {}
     series_t: dict[str, list[tuple[float, float | None]]] = {}
     for r in rows:
         series_g.setdefault(r["target"], []).append((r["offered_rps"], r["goodput_rps"]))
         series_t.setdefault(r["target"], []).append((r["offered_rps"], r["ttft_ms"]["p99"]))
     plots = [p for p in (
-        plot_lines(out / "goodput.png", f"goodput vs offered load (capacity {cap.get('capacity_rps')} req/s)",
+        plot_lines(out / f"goodput{suffix}.png",
+                   f"goodput vs offered load (capacity {cap.get('capacity_rps')} req/s){suffix}",
                    "offered load (req/s)", "goodput (req/s meeting TTFT and TPOT SLOs)", series_g),
-        plot_lines(out / "ttft_p99.png", "p99 TTFT vs offered load", "offered load (req/s)", "p99 TTFT (ms)",
-                   series_t, log_y=True),
+        plot_lines(out / f"ttft_p99{suffix}.png", f"p99 TTFT vs offered load{suffix}", "offered load (req/s)",
+                   "p99 TTFT (ms)", series_t, log_y=True),
     ) if p is not None]
     return "\n".join(parts), plots

@@ -2,12 +2,15 @@
 
 Everything is seeded and pure (no clock, no I/O), so a workload can be rebuilt exactly from its
 parameters.  Prompts are made of 3-letter words, each one token for the simulator's tokenizer and
-about one (``chars / 4``) for Narwhal's sizing; every prompt starts with words of its own, so the
-simulated prefix cache never shortens a prefill.
+about one (``chars / 4``) for Narwhal's sizing.  In the default (``lognormal``) workload every prompt
+starts with words of its own, so the simulated prefix cache never shortens a prefill; in the
+``shared-prefix`` one (``prefix_groups > 0``) every prompt is one of K fixed group prefixes followed
+by words of its own, so an engine that served the group before prefills only the suffix.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import string
 from dataclasses import dataclass
@@ -17,6 +20,7 @@ import numpy as np
 
 Arrival = Literal["poisson", "constant", "burst"]
 Api = Literal["chat", "completions"]
+WorkloadKind = Literal["lognormal", "shared-prefix"]
 
 _LETTERS = np.array(list(string.ascii_lowercase))
 
@@ -85,6 +89,7 @@ class RequestSpec:
     prompt_tokens: int
     output_tokens: int
     prompt: str
+    group: int | None = None  # shared-prefix workload: the prompt's prefix group
 
 
 def make_prompt(rng: np.random.Generator, n_tokens: int) -> str:
@@ -93,18 +98,47 @@ def make_prompt(rng: np.random.Generator, n_tokens: int) -> str:
     return " ".join("".join(w) for w in letters)
 
 
+@functools.lru_cache(maxsize=64)
+def group_prefix(seed: int, group: int, n_tokens: int) -> str:
+    """The common prefix of ``group``: ``n_tokens`` words fixed by ``(seed, group)`` alone."""
+    return make_prompt(np.random.default_rng([seed, 0x5EED, group]), n_tokens)
+
+
 @dataclass(frozen=True)
 class Workload:
+    """Lognormal prompt and output lengths; with ``prefix_groups`` K > 0, each prompt is the
+    ``prefix_tokens``-word prefix of one of K groups (uniformly drawn) plus ``prompt_len`` words of
+    its own (the suffix)."""
+
     prompt_len: LengthDist
     output_len: LengthDist
     seed: int = 0
+    prefix_groups: int = 0
+    prefix_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prefix_groups < 0 or self.prefix_tokens < 0 or (self.prefix_groups > 0) != (self.prefix_tokens > 0):
+            raise ValueError(f"bad shared prefix: {self.prefix_groups} groups of {self.prefix_tokens} tokens")
+
+    @property
+    def kind(self) -> WorkloadKind:
+        return "shared-prefix" if self.prefix_groups else "lognormal"
+
+    def mean_prompt_tokens(self) -> float:
+        return self.prefix_tokens + self.prompt_len.mean()
 
     def specs(self, times: list[float], seed_offset: int = 0) -> list[RequestSpec]:
         rng = np.random.default_rng([self.seed, seed_offset])
         n = len(times)
         prompts = self.prompt_len.sample(rng, n)
         outputs = self.output_len.sample(rng, n)
-        return [RequestSpec(i, t, p, o, make_prompt(rng, p)) for i, (t, p, o) in enumerate(zip(times, prompts, outputs))]
+        if not self.prefix_groups:
+            return [RequestSpec(i, t, p, o, make_prompt(rng, p))
+                    for i, (t, p, o) in enumerate(zip(times, prompts, outputs))]
+        groups = [int(g) for g in rng.integers(0, self.prefix_groups, size=n)]
+        return [RequestSpec(i, t, self.prefix_tokens + p, o,
+                            group_prefix(self.seed, g, self.prefix_tokens) + " " + make_prompt(rng, p), g)
+                for i, (t, p, o, g) in enumerate(zip(times, prompts, outputs, groups))]
 
     def closed_loop_specs(self, n: int, seed_offset: int = 0) -> list[RequestSpec]:
         """``n`` requests without send times (closed-loop clients take them in order)."""
