@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from narwhal_serve.admission.outcomes import Outcome
+from narwhal_serve.admission.retry import Reservation
 from narwhal_serve.config import AdmissionConfig, ServingConfig
 from narwhal_serve.errors import ErrorInfo, RateLimited, TerminalExpiry
 
@@ -82,6 +83,7 @@ class Enqueued:
 class Refusal:
     error: ErrorInfo
     outcome: Outcome
+    reserve: Reservation | None = None  # room to keep for this client's retry (admission/retry.py)
 
     @property
     def reason(self) -> str:

@@ -21,13 +21,14 @@ from dataclasses import dataclass, field, replace
 from narwhal_serve.admission.controller import Refusal
 from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.admission.predictive import judge, judge_tpot
+from narwhal_serve.admission.retry import RETRY_GRACE_S, Reservation, reserved_at
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
 from narwhal_serve.ha.state import backend_unavailable, router_unavailable
 from narwhal_serve.placement.picker import MAX_CANDIDATES, candidate_routes
 from narwhal_serve.placement.prefix import matched_blocks
 from narwhal_serve.prediction.decode import DEFAULT_OUTPUT_PRIOR, PRIOR_TPOT_A, expected_output, tpot_at
-from narwhal_serve.prediction.ttft import Projection, linear_ttft, project_linear, slot_wait_s
+from narwhal_serve.prediction.ttft import Projection, linear_ttft, project_linear, slot_wait_s, with_margin
 from narwhal_serve.protocol.placement import RouteChoice
 
 
@@ -53,6 +54,7 @@ class EngineFacts:
     decode_tokens: float = 0.0  # decode tokens still ahead of the router's requests here (corrected as they run)
     penalty: float = 0.0  # drift: the placement cost is multiplied by 1 + penalty
     prefix: AbstractSet[int] = frozenset()  # prompt-prefix blocks the engine is believed to hold
+    ttft_margin: float = 0.0  # a projection here is judged with this relative margin (prediction/ttft.py)
 
     def eligible(self, now: float) -> bool:
         return now <= self.eligible_until
@@ -90,6 +92,7 @@ class FleetView:
     epoch: int = 0  # the router lease's fencing token (0: no lease backend), sent to engines
     outputs: tuple[tuple[str, int, float], ...] = ()  # learned output lengths (OutputLengths.table)
     output_prior: float = DEFAULT_OUTPUT_PRIOR
+    reservations: tuple[Reservation, ...] = ()  # room kept for refused clients' retries (admission/retry.py)
 
     def adjusted(self, deltas: Mapping[str, EngineDelta]) -> "FleetView":
         """This view with a holder's own changes since it was taken."""
@@ -124,6 +127,8 @@ class Ask:
     max_output_tokens: int | None = None
     prefix: tuple[int, ...] = ()  # the prompt's block hashes (placement/prefix.py)
     prefix_block_tokens: float = 0.0  # prompt tokens one block stands for
+    retry: bool = False  # a client's retry (it may use the room reserved for retries)
+    reserves: bool = False  # the client retries after Retry-After: a TTFT refusal reserves room
 
 
 @dataclass(frozen=True)
@@ -196,7 +201,7 @@ def _slot_wait(d: EngineFacts | None, expected_out: float) -> float:
 
 
 def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: RouteChoice, ask: Ask,
-           expected_out: float) -> _Scored | None:
+           expected_out: float, now: float) -> _Scored | None:
     e = facts.get(_first_token_engine(route))
     d = facts.get(route.decode.name)
     if e is None or d is None:
@@ -209,7 +214,11 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
     x = e.pending_prefill_tokens + view.queued_tokens + own
     r = e.pending_prefill_requests + view.queued
     wait = _slot_wait(d, expected_out)
-    projection = project_linear(e.ttft_a, e.ttft_b, x - own, own, wait, e.ttft_c, r)
+    held_tokens = held_requests = 0
+    if view.reservations and not ask.retry:  # room kept for retries due before this one's first token
+        held_tokens, held_requests = reserved_at(view.reservations, e.cfg.name, now, ask.ttft_budget_s)
+    raw = project_linear(e.ttft_a, e.ttft_b, x - own + held_tokens, own, wait, e.ttft_c, r + held_requests)
+    projection = replace(raw, projected_s=with_margin(raw.projected_s, e.ttft_margin))
     batch = float(d.in_flight() + 1)
     if d.slots:
         batch = min(batch, float(d.slots))
@@ -261,7 +270,7 @@ def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[
     if not routes:
         return routes, [], expected_out
     facts = _facts(view)
-    scored = [s for i, r in enumerate(routes) if (s := _score(view, facts, i, r, ask, expected_out)) is not None]
+    scored = [s for i, r in enumerate(routes) if (s := _score(view, facts, i, r, ask, expected_out, now)) is not None]
     return routes, scored, expected_out
 
 
@@ -304,6 +313,12 @@ def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | 
     if view.predictive and best is not None:
         refusal = judge(best.projection, ask.ttft_budget_s)
         if refusal is not None:
+            retry_after = refusal.error.retry_after
+            if ask.reserves and retry_after is not None:
+                due = now + retry_after
+                held = Reservation("", _first_token_engine(best.route), due, due + RETRY_GRACE_S,
+                                   max(0, ask.prompt_tokens - best.cached))
+                return replace(refusal, reserve=held)
             return refusal
         if not _tpot_ok(best, ask.tpot_budget_s):
             assert ask.tpot_budget_s is not None

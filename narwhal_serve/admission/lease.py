@@ -19,10 +19,11 @@ view says the router or the whole fleet is unavailable: that view is up to one r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from narwhal_serve.admission.controller import NONE, ONE_REQUEST, Permits, Refusal
 from narwhal_serve.admission.core import Ask, EngineDelta, FleetView, Placement, charge, decide
+from narwhal_serve.admission.retry import Reservation, earliest
 from narwhal_serve.prediction.decode import remaining_tokens
 from narwhal_serve.scheduler.messages import LeaseGrant, LeasePart, LocalPlacement
 
@@ -67,6 +68,8 @@ class AdmissionLease:
     _placed: list[LocalPlacement] = field(default_factory=list)
     _to_return: Permits = NONE
     _sent: dict[int, _Sent] = field(default_factory=dict)
+    _reserved: list[Reservation] = field(default_factory=list)  # since the last cut
+    _consumed: list[str] = field(default_factory=list)  # since the last cut
 
     # -- admission ----------------------------------------------------------------------------
     def valid(self, mono: float) -> bool:
@@ -79,7 +82,15 @@ class AdmissionLease:
         for s in self._sent.values():
             _add(deltas, s.deltas)
         _add(deltas, self._deltas)
-        return self.view.adjusted(deltas)
+        view = self.view.adjusted(deltas)
+        mine = [r for s in self._sent.values() for r in s.part.reserved] + self._reserved
+        taken = {i for s in self._sent.values() for i in s.part.consumed} | set(self._consumed)
+        if mine or taken:
+            known = {r.id for r in view.reservations}
+            held = tuple(r for r in view.reservations if r.id not in taken) + tuple(
+                r for r in mine if r.id not in known and r.id not in taken)
+            view = replace(view, reservations=held)
+        return view
 
     def try_admit(self, ticket_id: str, ask: Ask, deadline: float, now: float, mono: float) -> Placement | Refusal | None:
         """A placement (permits taken), a refusal (counted by the caller), or None: ask the scheduler."""
@@ -89,7 +100,13 @@ class AdmissionLease:
         self.rotation += 1
         verdict = decide(view, ask, now, self.rotation)
         if isinstance(verdict, Refusal):
-            return None if verdict.reason in _STATE_REFUSALS else verdict
+            if verdict.reason in _STATE_REFUSALS:
+                return None
+            if verdict.reserve is not None:
+                kept = replace(verdict.reserve, id=ticket_id)
+                self._reserved.append(kept)
+                verdict = replace(verdict, reserve=kept)
+            return verdict
         if not self.spare.covers(ONE_REQUEST):
             return None
         self.spare = self.spare - ONE_REQUEST
@@ -98,6 +115,8 @@ class AdmissionLease:
                                          decode_charged=verdict.expected_out if verdict.decode_engine else 0.0)
         _add(self._deltas, charge(verdict))
         self._placed.append(LocalPlacement(ticket_id, verdict, deadline))
+        if ask.retry and (r := earliest(view.reservations, now)) is not None:
+            self._consumed.append(r.id)  # the retry takes the room kept for it
         return verdict
 
     def give_back_spare(self) -> Permits:
@@ -173,9 +192,11 @@ class AdmissionLease:
             self._to_return = self._to_return + back
             self.spare = self.spare - back
         self.generation += 1
-        part = LeasePart(self.lease_id, self.generation, self.epoch, self._placed, self._to_return, self.in_use)
+        part = LeasePart(self.lease_id, self.generation, self.epoch, self._placed, self._to_return, self.in_use,
+                         self._reserved, self._consumed)
         self._sent[self.generation] = _Sent(part, self._deltas)
         self._placed, self._to_return, self._deltas = [], NONE, {}
+        self._reserved, self._consumed = [], []
         return part
 
     def restore(self, generation: int) -> None:
@@ -185,6 +206,8 @@ class AdmissionLease:
             return
         self._placed = s.part.placed + self._placed
         self._to_return = self._to_return + s.part.returned
+        self._reserved = s.part.reserved + self._reserved
+        self._consumed = s.part.consumed + self._consumed
         merged = dict(s.deltas)
         _add(merged, self._deltas)
         self._deltas = merged

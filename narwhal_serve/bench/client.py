@@ -51,12 +51,18 @@ class Shape:
 PREDICTED_TTFT_HEADER = "X-Narwhal-Predicted-TTFT"
 
 
+RETRY_COUNT_HEADER = "X-Stainless-Retry-Count"  # what the official OpenAI SDKs send (0, then the retry count)
+
+
 @dataclass
 class RetryPolicy:
-    """Which refusals carrying Retry-After are retried once (the Retry-After accuracy sample).
+    """Which clients retry a refusal once after its Retry-After (the Retry-After accuracy sample).
 
+    ``wants(idx)``: whether request ``idx``'s client is a retrying one (drawn with ``probability``,
+    the same draw for every target); it says so as the OpenAI SDKs do, with
+    ``X-Stainless-Retry-Count: 0`` (and 1 on its retry), so a router may keep room for it.
     ``take(progress)``, ``progress`` = share of the arrival window gone: at most
-    ``ceil(max_samples * progress)`` taken by then, so a full sample spreads over the window
+    ``ceil(max_samples * progress)`` retries by then, so a capped sample spreads over the window
     instead of being spent on its first refusals."""
 
     max_samples: int = 20
@@ -68,9 +74,12 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
 
+    def wants(self, idx: int) -> bool:
+        return random.Random(self.seed * 1_000_003 + idx).random() < self.probability
+
     def take(self, progress: float = 1.0) -> bool:
         quota = min(self.max_samples, math.ceil(self.max_samples * max(0.0, progress)))
-        if self.taken >= quota or self._rng.random() >= self.probability:
+        if self.taken >= quota:
             return False
         self.taken += 1
         return True
@@ -157,11 +166,13 @@ def request_body(shape: Shape, spec: RequestSpec, extra: dict[str, Any] | None =
 
 
 async def send_one(session: aiohttp.ClientSession, ep: Endpoint, shape: Shape, spec: RequestSpec,
-                   r: RequestResult, t0: float, extra: dict[str, Any] | None = None) -> None:
+                   r: RequestResult, t0: float, extra: dict[str, Any] | None = None,
+                   headers_extra: dict[str, str] | None = None) -> None:
     """Send ``spec`` to ``ep`` and fill ``r`` in place (so a cancelled request keeps what it had);
     ``extra``: more body fields (e.g. the simulator's ``sim``)."""
     body = request_body(shape, spec, extra)
-    headers = {"Content-Type": "application/json", **dict(ep.headers), **dict(shape.extra_headers)}
+    headers = {"Content-Type": "application/json", **dict(ep.headers), **dict(shape.extra_headers),
+               **(headers_extra or {})}
     t_send = time.perf_counter()
     r.sent = t_send - t0
     try:
@@ -231,11 +242,13 @@ async def run_open_loop(session: aiohttp.ClientSession, ep: Endpoint, shape: Sha
     async def one(spec: RequestSpec, r: RequestResult, delay: float = 0.0) -> None:
         if delay > 0:
             await asyncio.sleep(delay)
-        await send_one(session, ep, shape, spec, r, t0)
+        retrying = retry is not None and retry.wants(spec.idx)
+        count = {RETRY_COUNT_HEADER: "0" if r.retry_of is None else "1"} if retrying else None
+        await send_one(session, ep, shape, spec, r, t0, headers_extra=count)
         if progress is not None:
             progress.record(r)
         now = time.perf_counter()
-        if (retry is not None and r.retry_of is None and r.refused and r.retry_after is not None
+        if (retry is not None and retrying and r.retry_of is None and r.refused and r.retry_after is not None
                 and now + r.retry_after < deadline - 1.0
                 and retry.take((now - t0) / window if window > 0 else 1.0)):
             rr = _new_result(ep, spec, retry_of=spec.idx)

@@ -57,7 +57,7 @@ class GoodputArgs:
     calib_concurrency: int | None = None
     capacity_rps: float | None = None
     warmup_s: float = 4.0
-    retry_samples: int = 50
+    retry_samples: int = 1000
     retry_probability: float = 1.0
     num_gpu_blocks: int | None = None  # simulated engines' KV/prefix cache; None: sim_cache_blocks
     api: Api = "chat"

@@ -21,6 +21,7 @@ from fastapi.responses import Response
 
 from narwhal_serve.admission.controller import NONE, Refusal
 from narwhal_serve.admission.core import Ask
+from narwhal_serve.admission.retry import retry_count
 from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.errors import BodyTimeout, ErrorInfo, InvalidApiKey, InvalidRequest, NarwhalError, TerminalExpiry
@@ -107,7 +108,9 @@ class CompletionHandler:
             return self.cfg.admission.tpot_budget_s
         return min(v, self.cfg.admission.max_tpot_budget_s)
 
-    def _ask(self, parsed: ParsedRequest, ttft_budget: float, tpot_budget: float | None) -> Ask:
+    def _ask(self, parsed: ParsedRequest, ttft_budget: float, tpot_budget: float | None, retries: int | None) -> Ask:
+        """What admission judges: sizes, targets, the prompt's prefix blocks, and whether the client
+        retries (``X-Stainless-Retry-Count``: admission/retry.py)."""
         pl = self.cfg.placement
         prefix: tuple[int, ...] = ()
         block_tokens = 0.0
@@ -115,7 +118,7 @@ class CompletionHandler:
             prefix, block_tokens = request_prefix(parsed.route, parsed.body, parsed.prompt_token_ids,
                                                   pl.prefix_block_chars, pl.prefix_block_tokens, pl.prefix_max_blocks)
         return Ask(parsed.prompt_tokens, ttft_budget, tpot_budget, parsed.route, parsed.max_output_tokens,
-                   prefix, block_tokens)
+                   prefix, block_tokens, retry=bool(retries), reserves=retries is not None)
 
     async def handle(self, request: Request, route: Route) -> Response:
         arrived = self.clock()
@@ -139,7 +142,7 @@ class CompletionHandler:
             parsed = parse_request(route, raw, model=self.cfg.model)
             deadline = self._deadline(request, arrived)
             budget = self._ttft_budget(request)
-            ask = self._ask(parsed, budget, self._tpot_budget(request))
+            ask = self._ask(parsed, budget, self._tpot_budget(request), retry_count(request.headers.get("x-stainless-retry-count")))
         except BodyIncomplete:
             self.reporter.unsized()
             self.reporter.outcome(Outcome.CANCELLED, "body_incomplete")

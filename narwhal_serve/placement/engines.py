@@ -11,7 +11,7 @@ from narwhal_serve.placement.drift import Drift
 from narwhal_serve.placement.health import Breaker
 from narwhal_serve.placement.prefix import PrefixIndex
 from narwhal_serve.prediction.decode import TpotModel
-from narwhal_serve.prediction.ttft import PRIOR_A, PRIOR_B, PrefillModel
+from narwhal_serve.prediction.ttft import PRIOR_A, PRIOR_B, ErrorWindow, PrefillModel
 
 PREFIX_INDEX_BLOCKS = 4096  # config.PlacementConfig.prefix_index_blocks (the scheduler sets it)
 
@@ -31,6 +31,7 @@ class EngineState:
     decode_tokens: float = 0.0  # decode tokens still ahead of the router's requests here (corrected ledger)
     drift: Drift = field(default_factory=Drift)  # measured against its own models; out while re-measured
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(PREFIX_INDEX_BLOCKS))
+    ttft_errors: ErrorWindow = field(default_factory=ErrorWindow)  # the margin a projection is judged with
     pending_prefill_tokens: int = 0  # prompt tokens routed here and not yet past their first token
     pending_prefill_requests: int = 0  # requests routed here and not yet past their first token
     service_s: float | None = None  # measured request duration, first byte to last token (EWMA)
@@ -111,6 +112,7 @@ class EngineState:
             "ttft_model": {"a_s": self.ttft_model.a, "b_s_per_token": self.ttft_model.b,
                            "c_s_per_request_ahead": self.ttft_model.c,
                            "samples": len(self.ttft_model.samples), "prior_a_s": self.ttft_model.prior_a,
+                           "margin": round(self.ttft_errors.margin, 4),
                            "prior_b_s_per_token": self.ttft_model.prior_b},
             "token_accounting": self.token_accounting(),
             "managed": self.managed is not None,

@@ -114,3 +114,28 @@ def project_linear(
         prompt_alone_s=linear_ttft(a, b, prompt_tokens),
         projected_s=wait_s + linear_ttft(a, b, pending_tokens + prompt_tokens, c, pending_requests),
     )
+
+
+MARGIN_FLOOR_S = 0.25  # errors are relative to at least this (a fast request's jitter is not uncertainty)
+ERROR_WINDOW = 256
+
+
+@dataclass
+class ErrorWindow:
+    """An engine's recent TTFT prediction errors, relative to max(predicted, MARGIN_FLOOR_S); the
+    margin admission adds to a projection is their ``quantile`` (≥ 0): a projection is judged at
+    ``projected + margin · max(projected, floor)``, so that admitted requests meet their budget
+    with that confidence, not half the time."""
+
+    quantile: float = 0.95
+    errors: deque[float] = field(default_factory=lambda: deque(maxlen=ERROR_WINDOW))
+    margin: float = 0.0
+
+    def observe(self, measured: float, predicted: float) -> None:
+        self.errors.append((measured - predicted) / max(predicted, MARGIN_FLOOR_S))
+        if len(self.errors) >= 8:
+            self.margin = max(0.0, float(np.quantile(np.fromiter(self.errors, float), self.quantile)))
+
+
+def with_margin(projected_s: float, margin: float) -> float:
+    return projected_s + margin * max(projected_s, MARGIN_FLOOR_S)

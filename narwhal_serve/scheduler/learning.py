@@ -52,6 +52,7 @@ def learn_from(
                 pair.measured_s += stats.ttft_s
             if e is not None and as_placed and not e.drift.out:
                 e.drift.observe_ttft(rel_error(stats.ttft_s, p.predicted_s, pl.drift_min_ttft_s), now)
+                e.ttft_errors.observe(stats.ttft_s, p.predicted_s)
     if stats.output_tokens > 1:
         tpot = stats.decode_s / (stats.output_tokens - 1)
         histograms["tpot"].observe(tpot)

@@ -9,6 +9,7 @@ from narwhal_serve.admission.controller import NONE, Permits
 from narwhal_serve.admission.core import Ask, FleetView, Placement
 from narwhal_serve.admission.counters import CounterDelta
 from narwhal_serve.admission.outcomes import Outcome
+from narwhal_serve.admission.retry import Reservation
 from narwhal_serve.errors import ErrorInfo
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.relay.messages import EngineFault, RelayStats
@@ -28,16 +29,18 @@ class AdmitRequest:
     kind: str = "chat"
     prefix: tuple[int, ...] = ()
     prefix_block_tokens: float = 0.0
+    retry: bool = False
+    reserves: bool = False
 
     def ask(self) -> Ask:
         return Ask(self.prompt_tokens, self.ttft_budget_s, self.tpot_budget_s, self.kind, self.max_output_tokens,
-                   self.prefix, self.prefix_block_tokens)
+                   self.prefix, self.prefix_block_tokens, self.retry, self.reserves)
 
     @classmethod
     def of(cls, ticket_id: str, request_deadline: float, ask: Ask, **lease: Any) -> "AdmitRequest":
         return cls(ticket_id, request_deadline, ask.prompt_tokens, ask.max_output_tokens, ask.ttft_budget_s,
                    tpot_budget_s=ask.tpot_budget_s, kind=ask.kind, prefix=ask.prefix,
-                   prefix_block_tokens=ask.prefix_block_tokens, **lease)
+                   prefix_block_tokens=ask.prefix_block_tokens, retry=ask.retry, reserves=ask.reserves, **lease)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class LeasePart:
     placed: list[LocalPlacement] = field(default_factory=list)
     returned: Permits = NONE
     in_use: Permits = NONE
+    reserved: list[Reservation] = field(default_factory=list)  # room kept for refused clients' retries
+    consumed: list[str] = field(default_factory=list)  # reservations retries took
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -21,6 +21,7 @@ from narwhal_serve.admission.controller import AdmissionController, Enqueued, Gr
 from narwhal_serve.admission.core import Ask, EngineFacts, FleetView, Placement, decide, rank
 from narwhal_serve.admission.counters import Counters
 from narwhal_serve.admission.outcomes import Outcome
+from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation, earliest
 from narwhal_serve.config import EngineConfig, NarwhalConfig
 from narwhal_serve.errors import ErrorInfo, NarwhalError
 from narwhal_serve.ha.state import RouterState, backend_unavailable, router_unavailable
@@ -68,6 +69,7 @@ class SchedulerService:
         self.engines: dict[str, EngineState] = initial_engines(cfg)
         for e in self.engines.values():
             e.prefix.capacity = cfg.placement.prefix_index_blocks
+            e.ttft_errors.quantile = cfg.admission.ttft_confidence
         self.outputs = OutputLengths()  # identified output lengths per route kind and max_tokens bucket
         self.managed = ManagedFleet(cfg, self.engines)  # Ray-managed engines' slots (README, "Managed engines")
         # ha.role is the mode of a lone router; with a lease backend the lease decides (role: a hint)
@@ -87,6 +89,7 @@ class SchedulerService:
         self._tickets: dict[str, _Ticket] = {}  # admitted and not yet released
         self._queued_tokens = 0
         self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self.reservations: OrderedDict[str, Reservation] = OrderedDict()  # room kept for retries (admission/retry.py)
         self._rotation = 0
         self._client: httpx.AsyncClient | None = None
         self._monitor: asyncio.Task[None] | None = None
@@ -172,7 +175,7 @@ class SchedulerService:
                 ttft_b=e.ttft_model.b, slots=e.slots(), service_s=e.service_s, external=e.external(),
                 pending_prefill_requests=e.pending_prefill_requests, ttft_c=e.ttft_model.c,
                 tpot_a=e.tpot_model.a, tpot_b=e.tpot_model.b, tpot_known=bool(e.tpot_model.samples),
-                decode_tokens=e.decode_tokens, penalty=e.drift.penalty(pl),
+                decode_tokens=e.decode_tokens, penalty=e.drift.penalty(pl), ttft_margin=e.ttft_errors.margin,
                 prefix=(e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),
             ))
         return FleetView(
@@ -183,7 +186,18 @@ class SchedulerService:
             queued_tokens=self._queued_tokens if queued_tokens is None else queued_tokens,
             queued=len(self.admission.queue) if queued_tokens is None else 0,
             outputs=self.outputs.table(),
+            reservations=self._live_reservations(now),
         )
+
+    def _live_reservations(self, now: float) -> tuple[Reservation, ...]:
+        for rid in [k for k, r in self.reservations.items() if not r.live(now)]:
+            del self.reservations[rid]
+        return tuple(self.reservations.values())
+
+    def _reserve(self, r: Reservation) -> None:
+        self.reservations[r.id] = r
+        while len(self.reservations) > MAX_RESERVATIONS:
+            self.reservations.popitem(last=False)
 
     def unavailable(self, now: float) -> str | None:
         """Why the router refuses everything now (SPEC §3 /ready reasons), or None: its lease
@@ -262,14 +276,19 @@ class SchedulerService:
             self._pump()
             return AdmitResult(error=_CANCELLED)  # the ingress counts the cancellation
         self._rotation += 1
-        verdict = decide(self.view(now), req.ask(), now, self._rotation)
+        view = self.view(now)
+        verdict = decide(view, req.ask(), now, self._rotation)
         if isinstance(verdict, Refusal):
+            if verdict.reserve is not None:
+                self._reserve(replace(verdict.reserve, id=req.ticket_id))
             self._pump()
             return self._refuse(verdict)
         decision = self.admission.offer(req.ticket_id, now, req.request_deadline)
         if isinstance(decision, Refusal):
             self._pump()
             return self._refuse(decision)
+        if req.retry and (r := earliest(view.reservations, now)) is not None:
+            self.reservations.pop(r.id, None)  # the retry takes the room kept for it
         if isinstance(decision, Grant):
             return self._placed(req.ticket_id, verdict, req.request_deadline)
         return await self._wait(decision, req)
@@ -360,6 +379,10 @@ class SchedulerService:
             self.leases.returned(part.lease_id, part.returned, part.epoch)
             for lp in part.placed:
                 self._local_placed(lp, part.lease_id)
+            for r in part.reserved:
+                self._reserve(r)
+            for rid in part.consumed:
+                self.reservations.pop(rid, None)
             grant_for = (rec, fresh)
         apply_faults(self.engines, rep.faults, now, self.cfg)
         for tid, engines in rep.decode_started:
@@ -473,6 +496,7 @@ class SchedulerService:
             raise ValueError(f"engine {engine.name!r} is already registered")
         self.engines[engine.name] = e = EngineState(engine)
         e.prefix.capacity = self.cfg.placement.prefix_index_blocks
+        e.ttft_errors.quantile = self.cfg.admission.ttft_confidence
 
     def deregister_engine(self, name: str) -> bool:
         return self.engines.pop(name, None) is not None

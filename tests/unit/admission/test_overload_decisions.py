@@ -156,3 +156,85 @@ async def test_scheduler_decode_ledger_is_corrected_as_tokens_arrive_and_ends_at
     assert svc.snapshot()["output_lengths"] == [{"route": "completion", "max_tokens_bucket": 10, "mean_tokens": 230.0}]
     svc.report(Report(released=[("t2", None, False)]))
     assert all(e.decode_tokens == 0 for e in svc.engines.values())
+
+
+# -- Retry-After a client can trust: room kept for retries (admission/retry.py) -------------------
+
+def busy(**kw: Any) -> EngineFacts:
+    """One engine whose projection for a 100-token prompt is 1.5 s (budget 2 s): 1.5 = 0.02 + 0.0002·x."""
+    return engine("e", pending_prefill_tokens=7300, **kw)
+
+
+def test_a_ttft_refusal_reserves_room_for_a_client_that_retries() -> None:
+    v = view(engine("e", pending_prefill_tokens=20_000))  # 4 s projected
+    plain = refused(v, Ask(100, 2.0))
+    assert plain.error.code == "ttft_budget_exceeded" and plain.reserve is None  # not a retrying client
+    r = refused(v, Ask(100, 2.0, reserves=True))
+    assert r.reserve is not None and r.error.retry_after is not None
+    assert (r.reserve.engine, r.reserve.tokens) == ("e", 100)
+    assert r.reserve.due == NOW + r.error.retry_after and r.reserve.until > r.reserve.due
+
+
+def test_reserved_room_is_taken_by_retries_not_by_new_requests() -> None:
+    from narwhal_serve.admission.retry import Reservation
+
+    due_soon = Reservation("r1", "e", NOW + 0.5, NOW + 2.5, 3000)  # 0.6 s of prefill, due within the budget
+    v = view(busy(), reservations=(due_soon,))
+    assert placed(view(busy()), Ask(100, 2.0)).engines == ("e",)  # without it: 1.5 s, admitted
+    assert refused(v, Ask(100, 2.0)).error.code == "ttft_budget_exceeded"  # 2.1 s with the room kept
+    assert placed(v, Ask(100, 2.0, retry=True)).engines == ("e",)  # a retry may use it
+    later = Reservation("r2", "e", NOW + 5.0, NOW + 7.0, 3000)  # due after this one's first token
+    gone = Reservation("r3", "e", NOW - 3.0, NOW - 1.0, 3000)  # its client never came back
+    assert placed(view(busy(), reservations=(later, gone)), Ask(100, 2.0)).engines == ("e",)
+
+
+async def test_holders_keep_reservations_and_retries_take_them() -> None:
+    from narwhal_serve.admission.lease import AdmissionLease
+
+    svc, clock = scheduler_service({"mode": "predictive", "ttft_budget_s": 2.0})
+    for e in svc.engines.values():
+        e.pending_prefill_tokens = 20_000  # every route projected over 4 s
+    res = await svc.admit(AdmitRequest("s1", clock.t + 60, 100, 16, 2.0, reserves=True))
+    assert res.error is not None and res.error.code == "ttft_budget_exceeded"
+    assert list(svc.reservations) == ["s1"]
+    # an ingress lease: its own refusal reserves too, and its report hands the reservation over
+    lease = AdmissionLease("i1")
+    lease.apply(svc.report(Report(lease=lease.cut(0.0))), clock.t, 0.0)  # type: ignore[arg-type]
+    refusal = lease.try_admit("l1", Ask(100, 2.0, reserves=True), clock.t + 60, clock.t, 0.0)
+    assert isinstance(refusal, Refusal) and refusal.reserve is not None and refusal.reserve.id == "l1"
+    view_now = lease.current_view()
+    assert view_now is not None and {r.id for r in view_now.reservations} == {"s1", "l1"}
+    lease.apply(svc.report(Report(lease=lease.cut(0.0))), clock.t, 0.0)  # type: ignore[arg-type]
+    assert set(svc.reservations) == {"s1", "l1"}
+    # the load drains; a retry through the lease takes the earliest reservation
+    for e in svc.engines.values():
+        e.pending_prefill_tokens = 0
+    lease.apply(svc.report(Report(lease=lease.cut(0.0))), clock.t, 0.0)  # type: ignore[arg-type]
+    got = lease.try_admit("l2", Ask(100, 2.0, retry=True, reserves=True), clock.t + 60, clock.t, 0.0)
+    assert isinstance(got, Placement)
+    view_now = lease.current_view()
+    assert view_now is not None and {r.id for r in view_now.reservations} == {"l1"}
+    lease.apply(svc.report(Report(lease=lease.cut(0.0))), clock.t, 0.0)  # type: ignore[arg-type]
+    assert set(svc.reservations) == {"l1"}
+    # a retry through the scheduler takes the other; unclaimed ones are dropped after their grace
+    res = await svc.admit(AdmitRequest("s2", clock.t + 60, 100, 16, 2.0, retry=True, reserves=True))
+    assert res.error is None and not svc.reservations
+    await svc.admit(AdmitRequest("s3", clock.t + 60, 100, 16, 2.0, reserves=True))  # admitted: nothing kept
+    assert not svc.reservations
+
+
+def test_projections_are_judged_with_the_engines_prediction_margin() -> None:
+    from narwhal_serve.prediction.ttft import ErrorWindow
+
+    w = ErrorWindow(quantile=0.9)
+    for i in range(100):  # measured up to 40 % over the prediction, uniformly
+        w.observe(1.0 * (1 + 0.4 * i / 99), 1.0)
+    assert w.margin == pytest.approx(0.36, abs=0.01)
+    quiet = ErrorWindow()
+    for _ in range(50):
+        quiet.observe(0.03, 0.01)  # a fast request's jitter: relative to the 0.25 s floor, small
+    assert quiet.margin < 0.1
+    assert placed(view(busy()), Ask(100, 2.0)).predicted_s == pytest.approx(1.5, rel=0.01)
+    r = refused(view(busy(ttft_margin=w.margin)), Ask(100, 2.0))  # 1.5 s · 1.36 = 2.04 s
+    assert r.error.code == "ttft_budget_exceeded" and r.error.retry_after == 1
+    assert placed(view(busy(ttft_margin=w.margin)), Ask(100, 2.1)).predicted_s == pytest.approx(1.5, rel=0.01)

@@ -74,7 +74,11 @@ def test_error_and_retry_after_parsing() -> None:
 def test_retry_policy_is_bounded() -> None:
     p = RetryPolicy(max_samples=3, probability=1.0)
     assert [p.take() for _ in range(5)] == [True, True, True, False, False]
-    assert not RetryPolicy(probability=0.0).take()
+    # which clients retry is drawn per request, the same for every target (and seed)
+    assert not any(RetryPolicy(probability=0.0).wants(i) for i in range(50))
+    assert all(RetryPolicy(probability=1.0).wants(i) for i in range(50))
+    half = [RetryPolicy(probability=0.5, seed=3).wants(i) for i in range(200)]
+    assert half == [RetryPolicy(probability=0.5, seed=3).wants(i) for i in range(200)] and 60 < sum(half) < 140
 
 
 def test_endpoint_round_robin() -> None:

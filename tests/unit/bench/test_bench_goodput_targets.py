@@ -297,7 +297,7 @@ def test_cli_workloads_and_retry_defaults() -> None:
     assert (a.workload.kind, a.workload.prefix_groups, a.workload.prefix_tokens) == ("shared-prefix", 6, 1000)
     assert a.workload.mean_prompt_tokens() == 1020
     assert goodput_args(ns, "lognormal").workload.kind == "lognormal"
-    assert (a.retry_samples, a.retry_probability, a.num_gpu_blocks) == (50, 1.0, None)
+    assert (a.retry_samples, a.retry_probability, a.num_gpu_blocks) == (1000, 1.0, None)
     assert build_parser().parse_args(["goodput"]).workload == ["lognormal"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["goodput", "--workload", "nope"])
