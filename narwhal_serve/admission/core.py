@@ -187,17 +187,18 @@ class _Scored:
     shed_s: float  # TPOT over budget: about how long until the decode engine sheds enough
 
 
-def _slot_wait(d: EngineFacts | None, expected_out: float) -> float:
+def _slot_wait(d: EngineFacts | None, expected_out: float, held: int = 0) -> float:
     """Wait for a sequence slot at the decode engine.  With a TPOT model: the requests beyond its
     slots drain ``slots`` at a time, each taking its remaining decode (the router's corrected
-    ledger, per request) at the full-batch TPOT; before that, the measured service time."""
+    ledger, per request) at the full-batch TPOT; before that, the measured service time.
+    ``held``: requests reserved there for retries, counted as already queued."""
     if d is None:
         return 0.0
     if not d.tpot_known or not d.slots:
-        return slot_wait_s(d.in_flight(), d.slots, d.service_s)
+        return slot_wait_s(d.in_flight() + held, d.slots, d.service_s)
     per_request = d.decode_tokens / d.inflight if d.inflight > 0 and d.decode_tokens > 0 else expected_out
     service = d.ttft_a + per_request * tpot_at(d.tpot_a, d.tpot_b, d.slots)
-    return slot_wait_s(d.in_flight(), d.slots, service)
+    return slot_wait_s(d.in_flight() + held, d.slots, service)
 
 
 def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: RouteChoice, ask: Ask,
@@ -213,10 +214,11 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
     own = ask.prompt_tokens - cached
     x = e.pending_prefill_tokens + view.queued_tokens + own
     r = e.pending_prefill_requests + view.queued
-    wait = _slot_wait(d, expected_out)
-    held_tokens = held_requests = 0
+    held_tokens = held_requests = held_slots = 0
     if view.reservations and not ask.retry:  # room kept for retries due before this one's first token
         held_tokens, held_requests = reserved_at(view.reservations, e.cfg.name, now, ask.ttft_budget_s)
+        held_slots = held_requests if d is e else reserved_at(view.reservations, d.cfg.name, now, ask.ttft_budget_s)[1]
+    wait = _slot_wait(d, expected_out, held_slots)
     raw = project_linear(e.ttft_a, e.ttft_b, x - own + held_tokens, own, wait, e.ttft_c, r + held_requests)
     projection = replace(raw, projected_s=with_margin(raw.projected_s, e.ttft_margin))
     batch = float(d.in_flight() + 1)

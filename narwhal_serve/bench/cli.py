@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = latency)")
     g.add_argument("--retry-samples", type=int, default=1000,
                    help="refusals retried once after their Retry-After, at most per run, spread over the window")
-    g.add_argument("--retry-probability", type=float, default=1.0,
+    g.add_argument("--retry-probability", type=float, default=0.2,
                    help="share of clients that retry (they send X-Stainless-Retry-Count, as the OpenAI SDKs do)")
     g.add_argument("--workload", type=_workloads, default=["lognormal"],
                    help=f"comma list of {', '.join(WORKLOADS)} (each swept in turn, with its own capacity; "

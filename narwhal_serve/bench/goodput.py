@@ -58,7 +58,7 @@ class GoodputArgs:
     capacity_rps: float | None = None
     warmup_s: float = 4.0
     retry_samples: int = 1000
-    retry_probability: float = 1.0
+    retry_probability: float = 0.2
     num_gpu_blocks: int | None = None  # simulated engines' KV/prefix cache; None: sim_cache_blocks
     api: Api = "chat"
     model: str = "narwhal-sim"

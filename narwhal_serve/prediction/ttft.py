@@ -117,6 +117,8 @@ def project_linear(
 
 
 MARGIN_FLOOR_S = 0.25  # errors are relative to at least this (a fast request's jitter is not uncertainty)
+MARGIN_PRIOR = 0.25  # the margin before an engine's errors are known
+MARGIN_PRIOR_WEIGHT = 16.0
 ERROR_WINDOW = 256
 
 
@@ -129,12 +131,15 @@ class ErrorWindow:
 
     quantile: float = 0.95
     errors: deque[float] = field(default_factory=lambda: deque(maxlen=ERROR_WINDOW))
-    margin: float = 0.0
+    margin: float = MARGIN_PRIOR
 
     def observe(self, measured: float, predicted: float) -> None:
+        """The margin: the quantile of the errors, blended with MARGIN_PRIOR while they are few
+        (as MARGIN_PRIOR_WEIGHT errors would weigh)."""
         self.errors.append((measured - predicted) / max(predicted, MARGIN_FLOOR_S))
-        if len(self.errors) >= 8:
-            self.margin = max(0.0, float(np.quantile(np.fromiter(self.errors, float), self.quantile)))
+        n = len(self.errors)
+        q = max(0.0, float(np.quantile(np.fromiter(self.errors, float), self.quantile)))
+        self.margin = (n * q + MARGIN_PRIOR_WEIGHT * MARGIN_PRIOR) / (n + MARGIN_PRIOR_WEIGHT)
 
 
 def with_margin(projected_s: float, margin: float) -> float:

@@ -210,7 +210,7 @@ async def test_client_sends_slo_headers_records_prediction_and_retries(
     specs = Workload(LengthDist(8, 0.0, 8, 8), LengthDist(2, 0.0, 2, 2)).specs([0.0])
     async with make_session() as s:
         rs = await run_open_loop(s, Endpoint("nw", (url,)), shape, specs, drain_s=2.0,
-                                 retry=RetryPolicy(a.retry_samples, a.retry_probability))
+                                 retry=RetryPolicy(a.retry_samples, 1.0))
     assert [(r.retry_of, r.status) for r in rs] == [(None, 429), (0, 200)]
     assert rs[0].retry_after == 0.2 and rs[0].predicted_ttft is None
     assert rs[1].ok and rs[1].predicted_ttft == 0.125 and rs[1].sent >= 0.2
@@ -297,7 +297,7 @@ def test_cli_workloads_and_retry_defaults() -> None:
     assert (a.workload.kind, a.workload.prefix_groups, a.workload.prefix_tokens) == ("shared-prefix", 6, 1000)
     assert a.workload.mean_prompt_tokens() == 1020
     assert goodput_args(ns, "lognormal").workload.kind == "lognormal"
-    assert (a.retry_samples, a.retry_probability, a.num_gpu_blocks) == (1000, 1.0, None)
+    assert (a.retry_samples, a.retry_probability, a.num_gpu_blocks) == (1000, 0.2, None)
     assert build_parser().parse_args(["goodput"]).workload == ["lognormal"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["goodput", "--workload", "nope"])
