@@ -55,6 +55,7 @@ class EngineFacts:
     penalty: float = 0.0  # drift: the placement cost is multiplied by 1 + penalty
     prefix: AbstractSet[int] = frozenset()  # prompt-prefix blocks the engine is believed to hold
     ttft_margin: float = 0.0  # a projection here is judged with this relative margin (prediction/ttft.py)
+    prefix_credit: float = 1.0  # share of a prefix match credited as cached (measured hit rate)
 
     def eligible(self, now: float) -> bool:
         return now <= self.eligible_until
@@ -149,7 +150,8 @@ class Placement:
     decode_engine: str | None = None  # the engine that decodes on routes[0]
     batch: float = 1.0  # sequences the decode engine runs with this one (the TPOT model's x)
     predicted_tpot_s: float | None = None
-    cached_tokens: int = 0  # prompt tokens the first-token engine is believed to hold (prefix)
+    cached_tokens: int = 0  # prompt tokens credited as held by the first-token engine (prefix)
+    matched_tokens: int = 0  # the prefix match those were credited from (learning: hit or miss)
     prefix: tuple[int, ...] = field(default=(), repr=False)
     tpot_budget_s: float | None = None
 
@@ -180,6 +182,7 @@ class _Scored:
     r: int
     wait: float
     cached: int
+    matched: int  # prompt tokens of the prefix match (``cached`` is the credited share)
     batch: float
     tpot_s: float
     tpot_known: bool
@@ -207,10 +210,10 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
     d = facts.get(route.decode.name)
     if e is None or d is None:
         return None
-    cached = 0
+    cached = matched = 0
     if ask.prefix and e.prefix:
-        cached = min(ask.prompt_tokens - 1, int(matched_blocks(e.prefix, ask.prefix) * ask.prefix_block_tokens))
-        cached = max(0, cached)
+        matched = max(0, min(ask.prompt_tokens - 1, int(matched_blocks(e.prefix, ask.prefix) * ask.prefix_block_tokens)))
+        cached = int(matched * e.prefix_credit)
     own = ask.prompt_tokens - cached
     x = e.pending_prefill_tokens + view.queued_tokens + own
     r = e.pending_prefill_requests + view.queued
@@ -232,7 +235,7 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
         per_request = d.decode_tokens / d.inflight if d.inflight > 0 and d.decode_tokens > 0 else expected_out
         shed = over * per_request * tpot / max(batch, 1.0)
     cost = (projection.projected_s + expected_out * tpot) * (1.0 + max(e.penalty, d.penalty))
-    return _Scored(i, route, projection, x, r, wait, cached, batch, tpot, d.tpot_known, cost, shed)
+    return _Scored(i, route, projection, x, r, wait, cached, matched, batch, tpot, d.tpot_known, cost, shed)
 
 
 def _tpot_ok(s: _Scored, budget: float | None) -> bool:
@@ -249,7 +252,7 @@ def _placement(ordered: tuple[RouteChoice, ...], best: _Scored | None, facts: Ma
     predicted = best.wait + linear_ttft(e.ttft_a, e.ttft_b, best.x, e.ttft_c, best.r)
     return Placement(ordered, e.cfg.name, ask.prompt_tokens, best.x, best.wait, predicted, best.r, ask.ttft_budget_s,
                      ask.kind, ask.max_output_tokens, expected_out, best.route.decode.name, best.batch,
-                     best.tpot_s if best.tpot_known else None, best.cached, ask.prefix, ask.tpot_budget_s)
+                     best.tpot_s if best.tpot_known else None, best.cached, best.matched, ask.prefix, ask.tpot_budget_s)
 
 
 SCORED_ROUTES = 8  # predictive mode projects this many least loaded routes (plus prefix holders)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 _NAMES = {
@@ -20,13 +21,31 @@ class EngineLoad:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    kv_tokens: int = 0  # KV-cache capacity in tokens (vllm:cache_config_info); 0: not reported
+
+
+_CACHE_INFO = "vllm:cache_config_info{"
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def _kv_tokens(line: str) -> int:
+    """block_size × num_gpu_blocks from vLLM's cache-config info gauge (0 when absent or odd)."""
+    labels = dict(_LABEL.findall(line[len(_CACHE_INFO):line.rfind("}")]))
+    try:
+        return max(0, int(labels["block_size"]) * int(labels["num_gpu_blocks"]))
+    except (KeyError, ValueError):
+        return 0
 
 
 def parse_engine_metrics(text: str) -> EngineLoad:
     """Sum each known gauge over its label sets; unknown lines are ignored."""
     acc = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
+    kv_tokens = 0
     for line in text.splitlines():
         if not line or line[0] == "#":
+            continue
+        if line.startswith(_CACHE_INFO):
+            kv_tokens += _kv_tokens(line)  # one line per engine core (data parallel: summed)
             continue
         name_end = len(line)
         for i, c in enumerate(line):
@@ -44,4 +63,4 @@ def parse_engine_metrics(text: str) -> EngineLoad:
             acc[key] = max(acc[key], value)
         else:
             acc[key] += value
-    return EngineLoad(acc["running"], acc["waiting"], acc["kv_usage"])
+    return EngineLoad(acc["running"], acc["waiting"], acc["kv_usage"], kv_tokens)

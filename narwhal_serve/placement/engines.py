@@ -9,7 +9,7 @@ from narwhal_serve.engines.metrics import EngineLoad
 from narwhal_serve.managed.slot import ManagedSlot
 from narwhal_serve.placement.drift import Drift
 from narwhal_serve.placement.health import Breaker
-from narwhal_serve.placement.prefix import PrefixIndex
+from narwhal_serve.placement.prefix import CREDIT_PRIOR, PrefixIndex
 from narwhal_serve.prediction.decode import TpotModel
 from narwhal_serve.prediction.ttft import PRIOR_A, PRIOR_B, ErrorWindow, PrefillModel
 
@@ -32,6 +32,7 @@ class EngineState:
     drift: Drift = field(default_factory=Drift)  # measured against its own models; out while re-measured
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(PREFIX_INDEX_BLOCKS))
     ttft_errors: ErrorWindow = field(default_factory=ErrorWindow)  # the margin a projection is judged with
+    prefix_credit: float = CREDIT_PRIOR  # share of believed prefix hits that measured like hits (EWMA)
     pending_prefill_tokens: int = 0  # prompt tokens routed here and not yet past their first token
     pending_prefill_requests: int = 0  # requests routed here and not yet past their first token
     service_s: float | None = None  # measured request duration, first byte to last token (EWMA)
@@ -108,6 +109,8 @@ class EngineState:
             "tpot_model": {"a_s": self.tpot_model.a, "b_s_per_sequence": self.tpot_model.b,
                            "samples": len(self.tpot_model.samples)},
             "prefix_index_blocks": len(self.prefix),
+            "prefix_index_capacity": self.prefix.capacity,
+            "prefix_credit": round(self.prefix_credit, 4),
             **self.drift.view(now),
             "ttft_model": {"a_s": self.ttft_model.a, "b_s_per_token": self.ttft_model.b,
                            "c_s_per_request_ahead": self.ttft_model.c,

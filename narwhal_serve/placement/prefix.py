@@ -22,6 +22,24 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 CHARS_PER_TOKEN = 4.0  # the same estimate the router sizes text prompts with
+KV_SHARE = 0.8  # of an engine's KV cache, what the index assumes cached prefixes keep (running sequences use the rest)
+CREDIT_PRIOR = 0.8  # how often a believed prefix hit is a real one, before any measurement
+CREDIT_EWMA = 0.1
+
+
+def index_capacity(configured: int, kv_tokens: int, block_tokens: float) -> int:
+    """Blocks an engine's index keeps: the configured cap, or what the engine's KV cache holds
+    (``vllm:cache_config_info``: block_size × num_gpu_blocks) if it says less — an index that
+    remembers more than the engine keeps would credit prefixes the engine evicted."""
+    if kv_tokens <= 0 or block_tokens <= 0:
+        return configured
+    return max(1, min(configured, int(kv_tokens * KV_SHARE / block_tokens)))
+
+
+def was_hit(measured: float, predicted_hit: float, predicted_miss: float) -> bool:
+    """Whether a request credited with a cached prefix behaved like a hit: its measured TTFT is
+    closer to the prediction with the credit than to the one without."""
+    return abs(measured - predicted_hit) <= abs(measured - predicted_miss)
 
 
 def _chain(blocks: Iterable[bytes]) -> tuple[int, ...]:
@@ -110,6 +128,13 @@ class PrefixIndex:
         while len(self._blocks) > self.capacity:
             self._blocks.popitem(last=False)
         self._frozen = None
+
+    def resize(self, capacity: int) -> None:
+        if capacity != self.capacity:
+            self.capacity = capacity
+            while len(self._blocks) > max(0, capacity):
+                self._blocks.popitem(last=False)
+            self._frozen = None
 
     def clear(self) -> None:
         self._blocks.clear()

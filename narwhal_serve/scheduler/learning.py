@@ -8,6 +8,7 @@ from narwhal_serve.admission.core import Placement
 from narwhal_serve.config import PlacementConfig
 from narwhal_serve.placement.drift import rel_error
 from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.placement.prefix import CREDIT_EWMA, was_hit
 from narwhal_serve.prediction.decode import OutputLengths
 from narwhal_serve.relay.messages import RelayStats
 from narwhal_serve.telemetry import Histogram, Tally
@@ -36,8 +37,17 @@ def learn_from(
             tally.goodput += 1
         e = engines.get(p.first_engine or "")
         if e is not None and as_placed:
-            # the prefill model learns the TTFT net of the predicted slot wait
-            e.ttft_model.observe(p.x_tokens, max(0.0, stats.ttft_s - p.slot_wait_s), p.r_ahead)
+            # the prefill model learns the TTFT net of the predicted slot wait, at the prefill work
+            # the request really brought: with a prefix credit, as a hit or as a miss, whichever
+            # the measurement is closer to (and the engine's credit learns how often it was a hit)
+            net = max(0.0, stats.ttft_s - p.slot_wait_s)
+            x = p.x_tokens
+            if p.matched_tokens:
+                x_hit, x_miss = x - (p.matched_tokens - p.cached_tokens), x + p.cached_tokens
+                hit = was_hit(net, e.ttft_model.predict(x_hit, p.r_ahead), e.ttft_model.predict(x_miss, p.r_ahead))
+                x = x_hit if hit else x_miss
+                e.prefix_credit += CREDIT_EWMA * ((1.0 if hit else 0.0) - e.prefix_credit)
+            e.ttft_model.observe(x, net, p.r_ahead)
             d = engines.get(stats.engines[-1])
             if d is not None:
                 dur = stats.ttft_s + stats.decode_s

@@ -26,6 +26,7 @@ from narwhal_serve.config import EngineConfig, NarwhalConfig
 from narwhal_serve.errors import ErrorInfo, NarwhalError
 from narwhal_serve.ha.state import RouterState, backend_unavailable, router_unavailable
 from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.placement.prefix import CHARS_PER_TOKEN, index_capacity
 from narwhal_serve.prediction.decode import OutputLengths, remaining_tokens
 from narwhal_serve.relay.messages import RelayStats
 from narwhal_serve.scheduler.ha import RouterHA
@@ -145,6 +146,10 @@ class SchedulerService:
         await scrape_all(
             self._client, list(self.engines.values()), self.clock(), self.cfg.monitoring.scrape_timeout_s
         )
+        pl = self.cfg.placement
+        for e in self.engines.values():  # an index never remembers more than the engine's KV cache holds
+            e.prefix.resize(index_capacity(pl.prefix_index_blocks, e.load.kv_tokens,
+                                           pl.prefix_block_chars / CHARS_PER_TOKEN))
         self.router.started = True
         self.ha.last_pass = self.clock()
         self._pump()  # engines may have become eligible for queued requests
@@ -176,6 +181,7 @@ class SchedulerService:
                 pending_prefill_requests=e.pending_prefill_requests, ttft_c=e.ttft_model.c,
                 tpot_a=e.tpot_model.a, tpot_b=e.tpot_model.b, tpot_known=bool(e.tpot_model.samples),
                 decode_tokens=e.decode_tokens, penalty=e.drift.penalty(pl), ttft_margin=e.ttft_errors.margin,
+                prefix_credit=e.prefix_credit,
                 prefix=(e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),
             ))
         return FleetView(

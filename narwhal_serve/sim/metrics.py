@@ -42,6 +42,11 @@ def render_metrics(engine: Engine) -> str:
     lines.append(f"{name}{_labels(base, reason='capacity')} {_fmt(sched.waiting)}")
     lines.append(f"{name}{_labels(base, reason='deferred')} {_fmt(0)}")
     gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.kv_usage())
+    name = "vllm:cache_config_info"
+    lines += [f"# HELP {name} Information of the LLMEngine CacheConfig", f"# TYPE {name} gauge"]
+    info = _labels(base, block_size=str(engine.cfg.kv_block_size), num_gpu_blocks=str(engine.cfg.num_gpu_blocks),
+                   enable_prefix_caching="True")
+    lines.append(f"{name}{info} 1.0")
     counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
             engine.cache.queries * engine.cfg.kv_block_size)
     counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",

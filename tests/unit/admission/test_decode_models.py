@@ -165,3 +165,43 @@ def test_drift_penalty_out_and_back() -> None:
     assert not d.on_profile(True, ProfileErrors(0.05), 26.0, cfg)
     assert d.on_profile(True, ProfileErrors(None, 0.2), 27.0, cfg)  # three in a row: back, scores reset
     assert not d.out and d.score == 0 and d.outs == 1
+
+
+def test_the_index_never_remembers_more_than_the_engines_kv_cache() -> None:
+    from narwhal_serve.engines.metrics import parse_engine_metrics
+    from narwhal_serve.placement.prefix import index_capacity
+
+    text = ('vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="950"} 1.0\n'
+            'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n')
+    load = parse_engine_metrics(text)
+    assert load.kv_tokens == 15_200 and load.running == 2
+    assert parse_engine_metrics('vllm:cache_config_info{engine="0"} 1.0\n').kv_tokens == 0
+    assert index_capacity(4096, load.kv_tokens, 64.0) == int(15_200 * 0.8 / 64)
+    assert index_capacity(4096, 0, 64.0) == 4096  # not reported: the configured cap
+    idx = PrefixIndex(10)
+    idx.insert(text_block_hashes("q" * 64 * 10, 64, 100))
+    idx.resize(4)
+    assert len(idx) == 4 and idx.capacity == 4
+
+
+def test_a_credited_prefix_is_learned_as_a_hit_or_a_miss() -> None:
+    from narwhal_serve.admission.core import Placement
+    from narwhal_serve.config import EngineConfig
+    from narwhal_serve.placement.engines import EngineState
+    from narwhal_serve.protocol.placement import RouteChoice
+    from narwhal_serve.relay.messages import RelayStats
+    from narwhal_serve.scheduler.learning import learn_from
+    from narwhal_serve.telemetry import Histogram
+
+    cfg = EngineConfig(name="e", url="http://127.0.0.1:9", role="unified")
+    e = EngineState(cfg)
+    e.ttft_model.a, e.ttft_model.b = 0.02, 0.0003  # 3,000 uncached tokens: 0.92 s; 32: 0.03 s
+    route = RouteChoice(kind="single", decode=cfg)
+    p = Placement((route,), "e", 3032, 32, 0.0, 0.03, cached_tokens=3000, matched_tokens=3000)
+    hists = {k: Histogram() for k in ("ttft", "tpot", "ttft_prediction_error", "ttft_predicted")}
+    credit = e.prefix_credit
+    learn_from(RelayStats("single", ("e",), 0.95, 1, 0.0, 1), p, {"e": e}, hists)  # the engine had evicted it
+    assert e.prefix_credit < credit and e.ttft_model.samples[-1][0] == 3032  # learned at its full prefill
+    credit = e.prefix_credit
+    learn_from(RelayStats("single", ("e",), 0.04, 1, 0.0, 1), p, {"e": e}, hists)
+    assert e.prefix_credit > credit and e.ttft_model.samples[-1][0] == 32
