@@ -288,8 +288,10 @@ def _rank(view: FleetView, ask: Ask, now: float, rotation: int
     if not scored:
         return _placement(tuple(routes[:MAX_CANDIDATES]), None, facts, ask, expected_out), None, []
     if view.predictive:
+        # within the targets, the engine holding the longest prefix of the prompt first (its cache
+        # is worth more than a shorter queue elsewhere as long as the targets hold), then cost
         scored.sort(key=lambda s: (not _tpot_ok(s, ask.tpot_budget_s), s.projection.projected_s > ask.ttft_budget_s,
-                                   s.cost, s.index))
+                                   -s.matched, s.cost, s.index))
         best = scored[0]
         # a route over the TPOT target takes no new work (admitted streams keep their speed)
         ordered = tuple(s.route for s in scored if _tpot_ok(s, ask.tpot_budget_s))[:MAX_CANDIDATES] or (best.route,)
@@ -337,7 +339,6 @@ def charge(placement: Placement) -> dict[str, EngineDelta]:
     if placement.first_engine is not None:
         out[placement.first_engine] = out.get(placement.first_engine, EngineDelta()) + EngineDelta(
             pending_prefill_tokens=placement.prefill_tokens, pending_prefill_requests=1,
-            prefix=frozenset(placement.prefix),
         )
     if placement.decode_engine is not None and placement.decode_engine in out:
         out[placement.decode_engine] = out[placement.decode_engine] + EngineDelta(decode_tokens=placement.expected_out)

@@ -137,8 +137,9 @@ class SchedulerService:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self.cfg.monitoring.scrape_timeout_s)
         self.prober.start_due(self.engines.values(), self._client)
-        update_drift(self.engines, self.clock(), self.cfg)
-        self.profiler.start_due(self.engines.values(), self._client)
+        if self.cfg.admission.mode == "predictive":  # open mode judges nothing by the engines' models
+            update_drift(self.engines, self.clock(), self.cfg)
+            self.profiler.start_due(self.engines.values(), self._client)
 
     async def scrape_once(self) -> None:
         if self._client is None:
@@ -171,6 +172,7 @@ class SchedulerService:
         maint = frozenset(self.router.maintenance)
         stale = self.cfg.monitoring.stale_after_s
         pl = self.cfg.placement
+        predictive = self.cfg.admission.mode == "predictive"
         facts = []
         for e in self.engines.values():
             ok = e.eligible(now, stale, maint) and e.last_ok is not None
@@ -180,7 +182,8 @@ class SchedulerService:
                 ttft_b=e.ttft_model.b, slots=e.slots(), service_s=e.service_s, external=e.external(),
                 pending_prefill_requests=e.pending_prefill_requests, ttft_c=e.ttft_model.c,
                 tpot_a=e.tpot_model.a, tpot_b=e.tpot_model.b, tpot_known=bool(e.tpot_model.samples),
-                decode_tokens=e.decode_tokens, penalty=e.drift.penalty(pl), ttft_margin=e.ttft_errors.margin,
+                decode_tokens=e.decode_tokens, penalty=e.drift.penalty(pl) if predictive else 0.0,
+                ttft_margin=e.ttft_errors.margin,
                 prefix_credit=e.prefix_credit,
                 prefix=(e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),
             ))
@@ -188,7 +191,7 @@ class SchedulerService:
             engines=tuple(facts),
             unavailable=self.unavailable(now),
             epoch=self.ha.epoch(),
-            predictive=self.cfg.admission.mode == "predictive",
+            predictive=predictive,
             queued_tokens=self._queued_tokens if queued_tokens is None else queued_tokens,
             queued=len(self.admission.queue) if queued_tokens is None else 0,
             outputs=self.outputs.table(),
@@ -239,8 +242,6 @@ class SchedulerService:
         if e is not None:
             e.pending_prefill_tokens += placement.prefill_tokens
             e.pending_prefill_requests += 1
-            if self.cfg.placement.prefix_aware:
-                e.prefix.insert(placement.prefix)
         t = _Ticket(placement, placement.engines, deadline, lease)
         self._tickets[tid] = t
         self._charge_decode(t, placement.decode_engine, placement.expected_out)
@@ -399,6 +400,9 @@ class SchedulerService:
             t = self._tickets.get(tid)
             if t is not None:
                 self._move(t, engines)
+                if not t.prefill_done and engines == t.placement.engines and self.cfg.placement.prefix_aware \
+                        and (e := self.engines.get(t.placement.first_engine or "")) is not None:
+                    e.prefix.insert(t.placement.prefix)  # its prefill is done: the engine holds its blocks now
                 self._prefill_done(t)
         for tid, tokens in rep.progress.items():
             self._progress(tid, tokens)

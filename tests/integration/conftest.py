@@ -61,6 +61,8 @@ def graph() -> Iterator[Graph]:
                 # The assembly and admission rows inject per-request faults back to back; breakers
                 # (tested in tests/fault) would take engines out between tests here.
                 "monitoring": {"scrape_interval_s": 0.5, "stale_after_s": 5.0, "breaker_failures": 1000},
+                # nor drift (tested in test_overload_graph.py): injected slow first tokens are not a slow engine
+                "placement": {"drift_out_at": 1000.0},
                 "deployment": {"ingress_max_replicas": 1, "assembler_max_replicas": 1},
             }
         )

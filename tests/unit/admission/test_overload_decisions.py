@@ -92,12 +92,15 @@ def test_prefix_holder_wins_against_load_and_the_projection_credits_its_cached_t
     assert p.x_tokens == p.prefill_tokens
     blind = placed(view(holder, idle), replace(ask, prefix=()))
     assert blind.engines == ("idle",) and blind.cached_tokens == 0
-    # weighed against load: a holder running far more sequences decodes too slowly to be worth it
-    # (expected completion: 0.02 s + 128 tokens at 0.02 + 0.004·8 s, against 1.1 s + 128 at 0.024 s)
-    assert placed(view(replace(holder, inflight=7), idle), ask).engines == ("idle",)
-    # the prefill charge is the uncached part, and the blocks go to the holder's index
+    # weighed against load: the holder wins while it meets the targets, even far busier...
+    assert placed(view(replace(holder, inflight=7), idle), ask).engines == ("holder",)
+    # ...not once its queue would break the TTFT target, or its batch the TPOT target
+    assert placed(view(replace(holder, pending_prefill_tokens=5000), idle), ask).engines == ("idle",)
+    assert placed(view(replace(holder, inflight=7), idle), replace(ask, tpot_budget_s=0.04)).engines == ("idle",)
+    # the prefill charge is the uncached part; the blocks reach the index only once its prefill is
+    # done (first token): until then a request with the same prefix would find nothing cached
     d = charge(p)["holder"]
-    assert d.pending_prefill_tokens == p.prefill_tokens and d.prefix == frozenset(hashes)
+    assert d.pending_prefill_tokens == p.prefill_tokens and d.prefix == frozenset()
 
 
 def test_prompt_alone_refusal_counts_only_uncached_tokens() -> None:
@@ -250,3 +253,25 @@ def test_reserved_requests_hold_sequence_slots_too() -> None:
     held = Reservation("r", "e", NOW + 0.5, NOW + 2.5, 10)
     assert placed(view(full, reservations=(held,)), Ask(100, 30.0)).slot_wait_s == pytest.approx(2 * base)
     assert placed(view(full, reservations=(held,)), Ask(100, 30.0, retry=True)).slot_wait_s == pytest.approx(base)
+
+
+async def test_the_index_learns_a_prefix_when_its_prefill_is_done() -> None:
+    from narwhal_serve.admission.lease import AdmissionLease
+
+    svc, clock = scheduler_service({"mode": "predictive"})
+    hashes = text_block_hashes("s" * 2048, 256, 128)
+    ask = Ask(600, 2.0, prefix=hashes, prefix_block_tokens=64.0)
+    lease = AdmissionLease("i1")
+    lease.apply(svc.report(Report(lease=lease.cut(0.0))), clock.t, 0.0)  # type: ignore[arg-type]
+    p = lease.try_admit("a", ask, clock.t + 60, clock.t, 0.0)
+    assert isinstance(p, Placement) and p.cached_tokens == 0
+    again = lease.try_admit("b", ask, clock.t + 60, clock.t, 0.0)  # still prefilling: nothing to credit
+    assert isinstance(again, Placement) and again.cached_tokens == 0
+    lease.first_token("a", p.engines)  # the lease's own view knows at once
+    third = lease.try_admit("c", ask, clock.t + 60, clock.t, 0.0)
+    assert isinstance(third, Placement) and third.engines == p.engines and third.matched_tokens == len(hashes) * 64
+    holder = svc.engines[p.first_engine or ""]
+    part = lease.cut(0.0)
+    assert len(holder.prefix) == 0
+    svc.report(Report(lease=part, decode_started=[("a", p.engines)]))
+    assert len(holder.prefix) == len(hashes)  # and the scheduler's once the first token is reported
