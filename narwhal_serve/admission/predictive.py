@@ -8,24 +8,22 @@ from narwhal_serve.errors import RateLimited
 from narwhal_serve.prediction.ttft import Projection
 
 
+def _refused(message: str, code: str, wait_s: float | None = None) -> Refusal:
+    """A predictive refusal (429); ``wait_s``: its honest Retry-After, rounded, at least 1 s."""
+    retry_after = None if wait_s is None else max(1, round(wait_s))
+    return Refusal(RateLimited(message, code=code, retry_after=retry_after).info(), Outcome.REFUSED)
+
+
 def judge(p: Projection, budget_s: float) -> Refusal | None:
     """None to admit; else the refusal with its honest Retry-After."""
     if p.prompt_alone_s > budget_s:
-        err = RateLimited(
-            f"The prompt alone needs about {p.prompt_alone_s:.2f} s to first token, over the "
-            f"{budget_s:.2f} s TTFT budget: shorten the prompt or raise the target (X-TTFT-Target).",
-            code="prompt_exceeds_ttft_budget",
-        )
-        return Refusal(err.info(), Outcome.REFUSED)
+        return _refused(f"The prompt alone needs about {p.prompt_alone_s:.2f} s to first token, over the "
+                        f"{budget_s:.2f} s TTFT budget: shorten the prompt or raise the target (X-TTFT-Target).",
+                        "prompt_exceeds_ttft_budget")
     if p.projected_s > budget_s:
         overrun = p.projected_s - budget_s
-        err = RateLimited(
-            f"Projected time to first token {p.projected_s:.2f} s exceeds the {budget_s:.2f} s budget "
-            f"by {overrun:.2f} s; retry after the Retry-After delay.",
-            code="ttft_budget_exceeded",
-            retry_after=max(1, round(overrun)),
-        )
-        return Refusal(err.info(), Outcome.REFUSED)
+        return _refused(f"Projected time to first token {p.projected_s:.2f} s exceeds the {budget_s:.2f} s budget "
+                        f"by {overrun:.2f} s; retry after the Retry-After delay.", "ttft_budget_exceeded", overrun)
     return None
 
 
@@ -34,16 +32,9 @@ def judge_tpot(projected_s: float, budget_s: float, shed_s: float | None) -> Ref
     that admitted streams keep their speed.  ``shed_s``: about when the least loaded decode engine
     will have shed enough sequences (None: not even an idle engine meets it)."""
     if shed_s is None:
-        err = RateLimited(
-            f"No engine is projected to generate faster than {projected_s * 1000:.1f} ms per output token, "
-            f"over the {budget_s * 1000:.1f} ms TPOT budget even as load drains: raise the target (X-TPOT-Target).",
-            code="tpot_budget_unattainable",
-        )
-        return Refusal(err.info(), Outcome.REFUSED)
-    err = RateLimited(
-        f"Projected time per output token {projected_s * 1000:.1f} ms exceeds the {budget_s * 1000:.1f} ms TPOT "
-        f"budget; retry after the Retry-After delay.",
-        code="tpot_budget_exceeded",
-        retry_after=max(1, round(shed_s)),
-    )
-    return Refusal(err.info(), Outcome.REFUSED)
+        return _refused(f"No engine is projected to generate faster than {projected_s * 1000:.1f} ms per output "
+                        f"token, over the {budget_s * 1000:.1f} ms TPOT budget even as load drains: raise the "
+                        f"target (X-TPOT-Target).", "tpot_budget_unattainable")
+    return _refused(f"Projected time per output token {projected_s * 1000:.1f} ms exceeds the "
+                    f"{budget_s * 1000:.1f} ms TPOT budget; retry after the Retry-After delay.",
+                    "tpot_budget_exceeded", shed_s)

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from narwhal_serve.prediction.ttft import fit_with_prior
+
 PRIOR_TPOT_A = 0.02  # seconds per token with one sequence running
 PRIOR_TPOT_B = 0.0  # seconds per token per further sequence in the batch
-PRIOR_WEIGHT = 4.0
 PRIOR_BATCH_SPAN = 8.0  # the prior holds ``b`` as firmly as measurements spread over this many sequences
 WINDOW = 256
 DEFAULT_OUTPUT_PRIOR = 128.0  # expected output tokens before anything was learned (no max_tokens: this)
@@ -53,16 +54,7 @@ class TpotModel:
     def observe(self, batch: float, tpot: float) -> None:
         self.samples.append((max(1.0, batch), max(0.0, tpot)))
         data = np.array(self.samples, dtype=float).reshape(-1, 2)
-        n = len(data)
-        lam = PRIOR_WEIGHT / (1.0 + n / 8.0) / 2
-        rows = [np.column_stack([np.ones(n), data[:, 0]])]
-        ys = [data[:, 1]]
-        for i, (value, span) in enumerate(((self.prior_a, 1.0), (self.prior_b, PRIOR_BATCH_SPAN))):
-            row = np.zeros((1, 2))
-            row[0, i] = np.sqrt(lam) * span
-            rows.append(row)
-            ys.append(np.array([np.sqrt(lam) * span * value]))
-        sol, *_ = np.linalg.lstsq(np.vstack(rows), np.concatenate(ys), rcond=None)
+        sol = fit_with_prior(data[:, :1], data[:, 1], ((self.prior_a, 1.0), (self.prior_b, PRIOR_BATCH_SPAN)))
         self.a = max(0.0, float(sol[0]))
         self.b = max(0.0, float(sol[1]))
 

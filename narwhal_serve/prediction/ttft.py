@@ -36,6 +36,23 @@ PRIOR_REQUEST_SPAN = 2.0
 WINDOW = 256
 
 
+def fit_with_prior(features: np.ndarray, y: np.ndarray, prior: tuple[tuple[float, float], ...]) -> np.ndarray:
+    """Least squares of ``y`` on ``[1, features]``, regularized toward ``prior`` (per coefficient:
+    its value and the spread of data that would hold it as firmly), with a weight that fades as
+    data arrive (``PRIOR_WEIGHT`` pseudo-observations with none)."""
+    n, k = len(y), len(prior)
+    lam = PRIOR_WEIGHT / (1.0 + n / 8.0) / 2
+    rows = [np.column_stack([np.ones(n), features])]
+    ys = [y]
+    for i, (value, span) in enumerate(prior):
+        row = np.zeros((1, k))
+        row[0, i] = np.sqrt(lam) * span
+        rows.append(row)
+        ys.append(np.array([np.sqrt(lam) * span * value]))
+    sol, *_ = np.linalg.lstsq(np.vstack(rows), np.concatenate(ys), rcond=None)
+    return np.asarray(sol, dtype=float)
+
+
 @dataclass
 class PrefillModel:
     prior_a: float = PRIOR_A
@@ -60,18 +77,8 @@ class PrefillModel:
 
     def _fit(self) -> None:
         data = np.array(self.samples, dtype=float).reshape(-1, 3)
-        n = len(data)
-        lam = PRIOR_WEIGHT / (1.0 + n / 8.0) / 2  # the prior's weight, fading with data
-        rows = [np.column_stack([np.ones(n), data[:, 0], data[:, 1]])]
-        ys = [data[:, 2]]
-        # the prior as regularization toward (prior_a, prior_b, PRIOR_C)
-        for i, (value, span) in enumerate(((self.prior_a, 1.0), (self.prior_b, PRIOR_SLOPE_SPAN),
-                                           (PRIOR_C, PRIOR_REQUEST_SPAN))):
-            row = np.zeros((1, 3))
-            row[0, i] = np.sqrt(lam) * span
-            rows.append(row)
-            ys.append(np.array([np.sqrt(lam) * span * value]))
-        sol, *_ = np.linalg.lstsq(np.vstack(rows), np.concatenate(ys), rcond=None)
+        sol = fit_with_prior(data[:, :2], data[:, 2], ((self.prior_a, 1.0), (self.prior_b, PRIOR_SLOPE_SPAN),
+                                                       (PRIOR_C, PRIOR_REQUEST_SPAN)))
         self.a = max(0.0, float(sol[0]))
         self.b = max(1e-7, float(sol[1]))
         self.c = max(0.0, float(sol[2]))
