@@ -205,7 +205,10 @@ def _slot_wait(d: EngineFacts | None, expected_out: float, held: int = 0) -> flo
 
 
 def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: RouteChoice, ask: Ask,
-           expected_out: float, now: float) -> _Scored | None:
+           expected_out: float, now: float, cold_tpot: tuple[float, float] | None) -> _Scored | None:
+    """``cold_tpot``: the TPOT model an engine with no measurement yet is ranked with (the best
+    measured one's: a cold engine must not look worse than the fleet, or it never gets the traffic
+    that would measure it)."""
     e = facts.get(_first_token_engine(route))
     d = facts.get(route.decode.name)
     if e is None or d is None:
@@ -228,13 +231,15 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
     if d.slots:
         batch = min(batch, float(d.slots))
     tpot = tpot_at(d.tpot_a, d.tpot_b, batch)
+    ranked_tpot = tpot if d.tpot_known or cold_tpot is None else tpot_at(*cold_tpot, batch)
     shed = 0.0
     if (ask.tpot_budget_s is not None and d.tpot_known and tpot > ask.tpot_budget_s
             and tpot_at(d.tpot_a, d.tpot_b, 1.0) <= ask.tpot_budget_s):  # shedding load helps
         over = int((tpot - ask.tpot_budget_s) / d.tpot_b) + 1  # sequences to finish first
         per_request = d.decode_tokens / d.inflight if d.inflight > 0 and d.decode_tokens > 0 else expected_out
         shed = over * per_request * tpot / max(batch, 1.0)
-    cost = (projection.projected_s + expected_out * tpot) * (1.0 + max(e.penalty, d.penalty))
+    # ranked by the projection itself; the margin is for judging it against the target
+    cost = (raw.projected_s + expected_out * ranked_tpot) * (1.0 + max(e.penalty, d.penalty))
     return _Scored(i, route, projection, x, r, wait, cached, matched, batch, tpot, d.tpot_known, cost, shed)
 
 
@@ -275,7 +280,10 @@ def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[
     if not routes:
         return routes, [], expected_out
     facts = _facts(view)
-    scored = [s for i, r in enumerate(routes) if (s := _score(view, facts, i, r, ask, expected_out, now)) is not None]
+    known = [(f.tpot_a, f.tpot_b) for f in view.engines if f.tpot_known]
+    cold = min(known, key=lambda ab: tpot_at(ab[0], ab[1], 1.0)) if known else None
+    scored = [s for i, r in enumerate(routes)
+              if (s := _score(view, facts, i, r, ask, expected_out, now, cold)) is not None]
     return routes, scored, expected_out
 
 

@@ -90,7 +90,8 @@ async def test_shared_prefix_requests_go_to_the_engine_that_holds_it(app: App) -
             r = await c.post("/v1/chat/completions", json=body)
             assert r.status_code == 200
         snap = await status(app.url)
-    assert snap["served"]["prefix_hits"] - before == 6 and snap["served"]["prefix_cached_tokens"] > 6 * 900
+    # credited as cached (scaled by the engine's measured hit rate, which timing noise can lower)
+    assert snap["served"]["prefix_hits"] - before == 6 and snap["served"]["prefix_cached_tokens"] > 6 * 300
     served = {}
     for name in ENGINES:
         reqs = (await sim_stats(app, name))["requests"]

@@ -275,3 +275,11 @@ async def test_the_index_learns_a_prefix_when_its_prefill_is_done() -> None:
     assert len(holder.prefix) == 0
     svc.report(Report(lease=part, decode_started=[("a", p.engines)]))
     assert len(holder.prefix) == len(hashes)  # and the scheduler's once the first token is reported
+
+
+def test_a_cold_engine_is_ranked_like_the_best_measured_one_not_by_its_prior() -> None:
+    warm = engine("warm", inflight=1, tpot_a=0.004, tpot_b=0.001)
+    cold = engine("cold", tpot_known=False, ttft_margin=0.25)  # the 20 ms TPOT prior, no errors known
+    # ranked by its prior (20 ms/token) it would never get the traffic that would measure it
+    assert placed(view(warm, cold), Ask(100, 2.0)).engines == ("cold",)
+    assert placed(view(replace(warm, inflight=0), replace(cold, inflight=1)), Ask(100, 2.0)).engines == ("warm",)
