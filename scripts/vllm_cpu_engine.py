@@ -69,7 +69,19 @@ MODEL_SPEC: dict[str, int] = {
     "builder_version": 1,
 }
 
+# The model worker inside the engine-core process, one OpenMP thread.  On the CPU, vLLM otherwise
+# runs its worker as a separate process (its "mp" executor; pinned to core 0 by default) that talks
+# to the engine core through a spinning shared-memory queue.  On this 2-core machine, under load from
+# anything else (Ray, the router), its streams then stall: a 480-token stream's headers or first
+# token sent only after its last token was computed, gaps of 150-600 ms, most streams with two busy
+# loops beside the engine, and some even idle.  A client that left mid-stream could not stop
+# anything.  VLLM_ENABLE_V1_MULTIPROCESSING=0 lets the CPU platform keep its single-process ("uni")
+# executor (the API server and the engine core stay separate processes): under the same load, 24
+# streams' first tokens came within 72 ms, one gap of 148 ms, the rest under 30 ms, at the same
+# tokens/s.  (Unpinning alone did not help.)
 SERVER_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "OMP_NUM_THREADS": "1",
     "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_LOOPBACK_IP": "127.0.0.1",
     "HF_HUB_OFFLINE": "1",
