@@ -156,17 +156,21 @@ def kill_mid_stream(url: str, pid: int, streams: int = 4) -> tuple[str, float]:
     """SIGKILL the engine once long streams on it have started; what their clients saw.
 
     A stream that had already left the engine by the kill (the tiny model is fast) finishes
-    normally; one cut at the engine ends with one error event and [DONE]; one still before its
-    first token gets a 502 (there is no other engine to retry on)."""
+    normally; one cut at the engine ends with one error event and [DONE]; one placed but still
+    before its first token gets a 502 (there is no other engine to retry on); one that reaches the
+    router after it saw the engine die (the first stream can start before the last is sent) gets
+    the 503 every new request gets until the engine rejoins."""
     body = body_for("completion", max_tokens=480, ignore_eos=True, return_token_ids=True, stream=True)
     started = threading.Event()
 
     def one() -> list[str]:
         with httpx.Client(base_url=url, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as s:
-            if s.status_code != 200:  # failed before its first token: nowhere else to go
+            if s.status_code != 200:  # before its first token: nowhere else to go
                 s.read()
-                assert s.status_code == 502 and s.json()["error"]["code"] == "bad_engine_response", s.text
-                return ["before headers"]
+                code = s.json()["error"]["code"]
+                assert (s.status_code, code) in {(502, "bad_engine_response"), (503, "backend_unavailable")}, s.text
+                assert s.status_code == 502 or s.headers.get("retry-after") == "1", s.headers
+                return ["before headers", str(s.status_code)]
             events = []
             for ln in s.iter_lines():
                 if ln.startswith("data: "):
@@ -181,16 +185,17 @@ def kill_mid_stream(url: str, pid: int, streams: int = 4) -> tuple[str, float]:
         t_kill = time.monotonic()
         results = [f.result(timeout=120) for f in futures]
     cut = 0
-    early = sum(1 for events in results if events == ["before headers"])
+    early = [events[1] for events in results if events[0] == "before headers"]
     for events in results:
-        if events == ["before headers"]:
+        if events[0] == "before headers":
             continue
         assert events and events[-1] == "[DONE]", events[-3:]  # never a silent truncation
         errors = [json.loads(x)["error"] for x in events[:-1] if "error" in json.loads(x)]
         assert len(errors) <= 1 and all(e["code"] == "bad_engine_response" and e["message"] for e in errors), errors
         cut += len(errors)
-    return (f"of {streams} streams in flight, {cut} cut with an error event and [DONE], {early} failed before "
-            f"headers (502), {streams - cut - early} had finished"), t_kill
+    return (f"of {streams} streams sent, {cut} cut with an error event and [DONE], {early.count('502')} failed "
+            f"before headers (502), {early.count('503')} came after the engine was seen down (503), "
+            f"{streams - cut - len(early)} had finished"), t_kill
 
 
 def test_managed_vllm_serves_restarts_and_rejoins(run: Run) -> None:
