@@ -103,6 +103,19 @@ def goodput_view(res: dict[str, Any], out: Path) -> tuple[str, list[Path]]:
     return "\n".join(parts), plots
 
 
+def invalid_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """A line per run in which the engine (or Narwhal) called requests invalid: such a run measures
+    the workload's mistake (on a real engine, usually prompt + max_tokens over its context), not
+    admission; every target counts those requests as failed."""
+    out = []
+    for r in rows:
+        bad = int(r.get("status_counts", {}).get("400", 0))
+        if bad:
+            out.append(f"WARNING: {bad} of {r['offered']} requests to {r['target']} at {r['load']}x were refused as "
+                       "invalid (400): check that the prompts plus max_tokens fit the engine's context")
+    return out
+
+
 def _goodput_workload(cap: dict[str, Any], rows: list[dict[str, Any]], out: Path,
                       suffix: str) -> tuple[str, list[Path]]:
     parts = [_cap_line(cap)]
@@ -116,6 +129,7 @@ def _goodput_workload(cap: dict[str, Any], rows: list[dict[str, Any]], out: Path
           r["ttft_ms"]["p50"], r["ttft_ms"]["p99"], r["tpot_ms"]["p99"], r["itl_ms"]["p99"],
           r["retry_after"]["retry_sample"], r["retry_after"]["retry_success"], r["retry_after"]["not_early"],
           r["retry_after"]["overstatement_median_s"]] for r in rows]))
+    parts.extend(invalid_warnings(rows))
     loads = sorted({r["load"] for r in rows})
     by = {(r["target"], r["load"]): r for r in rows}
     ratio_rows = []

@@ -301,3 +301,12 @@ def test_cli_workloads_and_retry_defaults() -> None:
     assert build_parser().parse_args(["goodput"]).workload == ["lognormal"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["goodput", "--workload", "nope"])
+
+
+def test_a_run_with_invalid_requests_says_so() -> None:
+    from narwhal_serve.bench.views import invalid_warnings
+
+    rows = [{"target": "direct", "load": 2.0, "offered": 972, "status_counts": {"200": 580, "400": 392}},
+            {"target": "narwhal-predictive", "load": 2.0, "offered": 972, "status_counts": {"200": 300, "429": 672}}]
+    lines = invalid_warnings(rows)
+    assert len(lines) == 1 and "392 of 972 requests to direct at 2.0x" in lines[0] and "context" in lines[0]
