@@ -83,17 +83,21 @@ class Held:
         self.body = b""
         self.ended_at: float | None = None  # loop time the exchange ended (in full or not)
         self._task = asyncio.get_running_loop().create_task(self._run(url, body, headers or {}))
-        self._task.add_done_callback(lambda _: setattr(self, "ended_at", asyncio.get_running_loop().time()))
 
     async def _run(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
-        async with httpx.AsyncClient(timeout=60) as c:
-            async with c.stream("POST", url, json=body, headers=headers) as r:
-                self.result = r
-                parts = []
-                async for part in r.aiter_raw():
-                    parts.append(part)
-                    self.first_chunk.set()
-                self.body = b"".join(parts)
+        # ``ended_at`` is set inside the task, not by a done callback: a callback runs one loop
+        # step after the task ends, so a waiter finding the task already done could read None.
+        try:
+            async with httpx.AsyncClient(timeout=60) as c:
+                async with c.stream("POST", url, json=body, headers=headers) as r:
+                    self.result = r
+                    parts = []
+                    async for part in r.aiter_raw():
+                        parts.append(part)
+                        self.first_chunk.set()
+                    self.body = b"".join(parts)
+        finally:
+            self.ended_at = asyncio.get_running_loop().time()
 
     def failed(self) -> BaseException | None:
         """The exception that ended the request early, if it did."""
