@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from narwhal_serve.admission.controller import Refusal
 from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.admission.predictive import judge, judge_tpot
-from narwhal_serve.admission.retry import RETRY_GRACE_S, Reservation, reserved_at
+from narwhal_serve.admission.retry import BOOKED_SHARE, RETRY_GRACE_S, Reservation, reserved_at
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
 from narwhal_serve.ha.state import backend_unavailable, router_unavailable
@@ -287,6 +287,24 @@ def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[
     return routes, scored, expected_out
 
 
+SPILL_SHARE = 0.5  # a spill that loses the cached prefix of at least this share of the prompt is guarded
+
+
+def _guarded_spill(s: _Scored, held: int, ask: Ask, facts: Mapping[str, EngineFacts]) -> bool:
+    """Whether placing on ``s`` would spill a prompt away from the engine holding its prefix
+    (``held`` credited tokens there; ``s`` at least ``SPILL_SHARE`` of the prompt fewer) onto an
+    engine with no free sequence slot.  Such a spill costs that engine the whole prefill again
+    (for a long shared prefix, several cached requests' worth of its time) and plants the prefix
+    there, evicting others' that its own traffic would have hit: under saturation it lowers
+    goodput.  So a guarded spill ranks last: the request goes to its holder, or is judged (and
+    refused, with an honest Retry-After) on the holder's projection.  An engine with a free slot
+    may take the spill (the slot would idle otherwise; a hot prefix spreads this way)."""
+    if (held - s.cached) < SPILL_SHARE * ask.prompt_tokens:
+        return False
+    e = facts[_first_token_engine(s.route)]
+    return e.slots is not None and 0 < e.slots <= e.in_flight()
+
+
 def _rank(view: FleetView, ask: Ask, now: float, rotation: int
           ) -> tuple[Placement | None, _Scored | None, list[_Scored]]:
     routes, scored, expected_out = _ranked(view, ask, now, rotation)
@@ -296,10 +314,12 @@ def _rank(view: FleetView, ask: Ask, now: float, rotation: int
     if not scored:
         return _placement(tuple(routes[:MAX_CANDIDATES]), None, facts, ask, expected_out), None, []
     if view.predictive:
-        # within the targets, the engine holding the longest prefix of the prompt first (its cache
-        # is worth more than a shorter queue elsewhere as long as the targets hold), then cost
-        scored.sort(key=lambda s: (not _tpot_ok(s, ask.tpot_budget_s), s.projection.projected_s > ask.ttft_budget_s,
-                                   -s.matched, s.cost, s.index))
+        # a guarded spill (below) last; within the targets, the engine holding the longest prefix
+        # of the prompt first (its cache is worth more than a shorter queue elsewhere as long as
+        # the targets hold), then cost
+        held = max(s.cached for s in scored)
+        scored.sort(key=lambda s: (_guarded_spill(s, held, ask, facts), not _tpot_ok(s, ask.tpot_budget_s),
+                                   s.projection.projected_s > ask.ttft_budget_s, -s.matched, s.cost, s.index))
         best = scored[0]
         # a route over the TPOT target takes no new work (admitted streams keep their speed)
         ordered = tuple(s.route for s in scored if _tpot_ok(s, ask.tpot_budget_s))[:MAX_CANDIDATES] or (best.route,)
@@ -331,9 +351,13 @@ def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | 
             retry_after = refusal.error.retry_after
             if ask.reserves and retry_after is not None:
                 due = now + retry_after
-                held = Reservation("", _first_token_engine(best.route), due, due + RETRY_GRACE_S,
-                                   max(0, ask.prompt_tokens - best.cached))
-                return replace(refusal, reserve=held)
+                name = _first_token_engine(best.route)
+                tokens = max(0, ask.prompt_tokens - best.cached)
+                booked_tokens, booked = reserved_at(view.reservations, name, due, 0.0)  # live and due by then
+                e = _facts(view)[name]
+                if linear_ttft(e.ttft_a, e.ttft_b, booked_tokens + tokens, e.ttft_c, booked) \
+                        <= BOOKED_SHARE * ask.ttft_budget_s:  # room for it is not booked up already
+                    return replace(refusal, reserve=Reservation("", name, due, due + RETRY_GRACE_S, tokens))
             return refusal
         if not _tpot_ok(best, ask.tpot_budget_s):
             assert ask.tpot_budget_s is not None

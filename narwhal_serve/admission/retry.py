@@ -7,6 +7,13 @@ the refused request's prefill work on the engine it was judged on, due when its 
 ends (until ``RETRY_GRACE_S`` later): new requests see that work as already queued once it falls
 within their own TTFT budget; a retry does not, and takes the earliest reservation.
 
+Reservations are bounded: a refusal keeps room only while the prefill already booked at that
+engine, due by its own due time, plus its own stays within ``BOOKED_SHARE`` of its TTFT budget
+(at the engine's measured prefill speed).  Past that it keeps none (its ``Retry-After`` is as
+honest, its retry takes its chances): unbounded, every refusal of long prompts made the next
+new request look further over budget, and refusals snowballed until an idle fleet refused
+almost everything but retries.
+
 Only clients that say they retry get a reservation: those that send ``X-Stainless-Retry-Count`` —
 the official OpenAI SDKs send it with every request (0, then the retry count), honour
 ``Retry-After`` on 429 and retry twice by default.  A request with a count of 1 or more is a retry.
@@ -19,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 RETRY_GRACE_S = 2.0  # a reservation whose client has not come back this long after its due time is dropped
+BOOKED_SHARE = 0.5  # reservations at an engine never book more than this share of a TTFT budget of prefill
 MAX_RESERVATIONS = 1024  # held at once (the oldest dropped first)
 
 

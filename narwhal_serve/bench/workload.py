@@ -99,9 +99,14 @@ def make_prompt(rng: np.random.Generator, n_tokens: int) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def group_prefix(seed: int, group: int, n_tokens: int) -> str:
-    """The common prefix of ``group``: ``n_tokens`` words fixed by ``(seed, group)`` alone."""
-    return make_prompt(np.random.default_rng([seed, 0x5EED, group]), n_tokens)
+def group_prefix(seed: int, group: int, n_tokens: int, phase: int = 0) -> str:
+    """The common prefix of ``group``: ``n_tokens`` words fixed by ``(seed, group, phase)`` alone.
+
+    Each phase of a run (``Workload.specs``' ``seed_offset``) has its own prefixes: the benchmark
+    empties the engines' prefix caches between phases, and a router that remembered where the
+    last phase's prefixes went would otherwise start each phase crediting caches the engines no
+    longer have (a state no deployment reaches), learning a false miss rate from it."""
+    return make_prompt(np.random.default_rng([seed, 0x5EED, group, phase]), n_tokens)
 
 
 @dataclass(frozen=True)
@@ -137,7 +142,7 @@ class Workload:
                     for i, (t, p, o) in enumerate(zip(times, prompts, outputs))]
         groups = [int(g) for g in rng.integers(0, self.prefix_groups, size=n)]
         return [RequestSpec(i, t, self.prefix_tokens + p, o,
-                            group_prefix(self.seed, g, self.prefix_tokens) + " " + make_prompt(rng, p), g)
+                            group_prefix(self.seed, g, self.prefix_tokens, seed_offset) + " " + make_prompt(rng, p), g)
                 for i, (t, p, o, g) in enumerate(zip(times, prompts, outputs, groups))]
 
     def closed_loop_specs(self, n: int, seed_offset: int = 0) -> list[RequestSpec]:

@@ -103,6 +103,35 @@ def test_prefix_holder_wins_against_load_and_the_projection_credits_its_cached_t
     assert d.pending_prefill_tokens == p.prefill_tokens and d.prefix == frozenset()
 
 
+def test_a_long_cached_prefix_is_not_spilled_onto_a_busy_engine() -> None:
+    shared = "You are a careful assistant. " * 300
+    hashes = text_block_hashes(shared + "question one", 256, 128)
+    per_block = 256 / 4
+    prompt = (len(shared) + 12) // 4
+    ask = Ask(prompt, 2.0, prefix=hashes, prefix_block_tokens=per_block)
+    # the holder's queue breaks the TTFT target; the other engine would meet it, prefilling the
+    # whole prompt again, but it runs a full batch (8 of 8 slots): no spill, the holder's refusal
+    holder = engine("holder", ttft_b=0.0005, prefix=frozenset(hashes), pending_prefill_tokens=5000)
+    busy = engine("busy", ttft_b=0.0005, inflight=8)
+    r = refused(view(holder, busy), ask)
+    assert r.error.code == "ttft_budget_exceeded" and r.error.retry_after is not None
+    held = decide(view(holder), ask, NOW, 0)  # the same judgement as the holder alone
+    assert isinstance(held, Refusal) and held.error.retry_after == r.error.retry_after
+    # an engine with a free slot takes the spill (it would idle otherwise), as before
+    assert placed(view(holder, replace(busy, inflight=7)), ask).engines == ("busy",)
+    # a short shared part (under half the prompt) is no reason to wait for its holder
+    short = Ask(prompt * 3, 20.0, prefix=hashes, prefix_block_tokens=per_block)
+    assert placed(view(replace(holder, pending_prefill_tokens=60_000), busy), short).engines == ("busy",)
+    # a holder over the TPOT target: the refusal is the holder's TPOT one, not a spill onto a
+    # busy engine that would meet both targets
+    tpot = replace(ask, tpot_budget_s=0.04)
+    r = refused(view(replace(holder, pending_prefill_tokens=0, inflight=7), replace(busy, tpot_b=0.0)), tpot)
+    assert r.error.code == "tpot_budget_exceeded"
+    # a guarded spill stays a fallback route after the holder (failover), never the first choice
+    p = placed(view(replace(holder, pending_prefill_tokens=0), busy), ask)
+    assert [r.decode.name for r in p.routes] == ["holder", "busy"]
+
+
 def test_prompt_alone_refusal_counts_only_uncached_tokens() -> None:
     hashes = text_block_hashes("z" * 40_000, 256, 128)
     slow = engine("slow", ttft_b=0.001, prefix=frozenset(hashes))
@@ -176,6 +205,23 @@ def test_a_ttft_refusal_reserves_room_for_a_client_that_retries() -> None:
     assert r.reserve is not None and r.error.retry_after is not None
     assert (r.reserve.engine, r.reserve.tokens) == ("e", 100)
     assert r.reserve.due == NOW + r.error.retry_after and r.reserve.until > r.reserve.due
+
+
+def test_reservations_never_book_more_than_half_a_budget_of_prefill() -> None:
+    from narwhal_serve.admission.retry import Reservation
+
+    v = lambda *held: view(engine("e", pending_prefill_tokens=20_000), reservations=held)  # noqa: E731
+    one = Reservation("r1", "e", NOW + 0.5, NOW + 10.0, 3000)  # 0.62 s of prefill, live when a new one falls due
+    r = refused(v(one), Ask(100, 2.0, reserves=True))
+    assert r.reserve is not None  # 0.02 + 0.0002 · 3,100 = 0.64 s booked: within 1 s (half the budget)
+    two = Reservation("r2", "e", NOW + 0.7, NOW + 10.0, 3000)
+    r = refused(v(one, two), Ask(100, 2.0, reserves=True))
+    # booked up (1.24 s): the refusal is as honest, but keeps no room, so refusals cannot snowball
+    assert r.reserve is None and r.error.code == "ttft_budget_exceeded" and r.error.retry_after is not None
+    # reservations due after this one's due time, or dropped by then, do not count
+    late = Reservation("r3", "e", NOW + 60.0, NOW + 62.0, 3000)
+    dropped = Reservation("r4", "e", NOW - 3.0, NOW + 0.5, 3000)
+    assert refused(v(one, late, dropped), Ask(100, 2.0, reserves=True)).reserve is not None
 
 
 def test_reserved_room_is_taken_by_retries_not_by_new_requests() -> None:
