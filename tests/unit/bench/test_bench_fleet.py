@@ -78,6 +78,20 @@ def test_tree_cpu_of_this_process() -> None:
     assert 0 < procs.free_port() < 65536
 
 
+def test_free_ports_avoid_the_ephemeral_range_and_never_repeat() -> None:
+    import socket
+
+    lo, _ = procs._ephemeral()
+    ports = [procs.free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(p < lo for p in ports)  # nothing another process's bind(0) takes
+    for p in ports[:5]:  # and free when handed out
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))
+    run = procs.free_port_run(3, start=ports[0] - 1)  # a run never overlaps a port handed out
+    assert ports[0] not in range(run, run + 3)
+    assert procs.free_port_run(3, start=run) != run and procs.free_port() not in range(run, run + 3)
+
+
 def test_table_and_plot(tmp_path: Path) -> None:
     t = table(["a", "bb"], [["x", 1.2345], [None, 10]])
     assert t.splitlines() == ["a    bb", "-  ----", "x  1.23", "-    10"]
