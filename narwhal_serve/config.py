@@ -247,6 +247,10 @@ class DeploymentKnobs(_Strict):
 
 class NarwhalConfig(_Strict):
     model: str = "narwhal-sim"
+    # The model's Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json): the router
+    # sizes prompts with their exact token IDs (chat rendered as vLLM renders it) and serves /tokenize
+    # and /detokenize. Unset: a managed vLLM/SGLang engine's local model directory, else the estimate.
+    tokenizer: str | None = None
     serving: ServingConfig = ServingConfig()
     admission: AdmissionConfig = AdmissionConfig()
     engines: tuple[EngineConfig, ...] = ()

@@ -4,7 +4,8 @@ OpenTelemetry spans that follow it from the ingress into the engines.
 * **Log line** — one per finished request, on the ``narwhal.requests`` logger, whatever the path:
   invalid, refused, admitted and completed, failed, cancelled.  Fields: ``request_id``, ``route``,
   ``stream``, ``outcome`` and ``reason`` (SPEC §5), ``status``, ``engines``, ``ttft_s``,
-  ``output_tokens``, ``attempts``, ``prompt_tokens``, ``admission`` (``lease`` | ``scheduler``),
+  ``output_tokens``, ``attempts``, ``prompt_tokens`` (with ``prompt_sizing``: ``tokenizer``,
+  ``client_ids`` or ``estimate``), ``admission`` (``lease`` | ``scheduler``),
   ``admission_wait_s``, ``predicted_ttft_s``, ``duration_s``, ``trace_id``.  Never prompt or output
   text unless ``observability.log_prompt_text`` is set.
 * **Spans** (``observability.tracing``; the ``opentelemetry`` packages are an optional dependency):
@@ -168,6 +169,7 @@ class RequestTrail:
     arrived: float  # wall clock
     stream: bool | None = None
     prompt_tokens: int | None = None
+    prompt_sizing: str | None = None  # tokenizer | client_ids | estimate
     admission: str | None = None  # "lease" | "scheduler"
     admission_wait_s: float | None = None
     predicted_ttft_s: float | None = None
@@ -179,8 +181,8 @@ class RequestTrail:
     def traceparent(self) -> str | None:
         return self.obs.tracing.headers_of(self.span).get("traceparent")
 
-    def parsed(self, stream: bool, prompt_tokens: int, prompt_text: str | None) -> None:
-        self.stream, self.prompt_tokens = stream, prompt_tokens
+    def parsed(self, stream: bool, prompt_tokens: int, prompt_text: str | None, sizing: str | None = None) -> None:
+        self.stream, self.prompt_tokens, self.prompt_sizing = stream, prompt_tokens, sizing
         if self.obs.cfg.log_prompt_text:
             self.prompt_text = prompt_text
         self._admission_span = self.obs.tracing.start("narwhal.admission", parent=self.span)
@@ -215,6 +217,7 @@ class RequestTrail:
             "output_tokens": stats.output_tokens if stats else 0,
             "attempts": stats.attempts if stats else 0,
             "prompt_tokens": self.prompt_tokens,
+            "prompt_sizing": self.prompt_sizing,
             "admission": self.admission,
             "admission_wait_s": _round(self.admission_wait_s),
             "predicted_ttft_s": _round(self.predicted_ttft_s),

@@ -15,12 +15,26 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 SPECIALS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
+# A template in the shape of real models' (tools listed as JSON in a system block, assistant tool calls
+# as JSON, a tool role), so the router's chat rendering is checked against vLLM on more than plain
+# turns (tests/e2e/test_vllm_tokenization.py).  Newlines stand before block tags, never right after
+# one (transformers renders with trim_blocks).
 CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|end|>\n{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "<|{{ message['role'] }}|>\n"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "<tool_call>{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}</tool_call>"
+    "{% endfor %}{% endif %}<|end|>\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
@@ -58,10 +72,11 @@ def corpus(seed: int, lines: int) -> list[str]:
     return out
 
 
-def build(out_dir: Path, spec: dict[str, int]) -> None:
-    import torch
+def build_tokenizer(out_dir: Path, spec: dict[str, int]) -> Any:
+    """The tokenizer alone (needs tokenizers and transformers, not torch): the router's unit tests
+    build it into a temporary directory to tokenize exactly as the e2e engine does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     out_dir.mkdir(parents=True, exist_ok=True)
     # --- tokenizer: byte-level BPE, trained offline on generated text ---
@@ -90,6 +105,14 @@ def build(out_dir: Path, spec: dict[str, int]) -> None:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build(out_dir: Path, spec: dict[str, int]) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fast = build_tokenizer(out_dir, spec)
     vocab = len(fast)
 
     # --- model: random weights from a fixed seed ---

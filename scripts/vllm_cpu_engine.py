@@ -66,7 +66,7 @@ MODEL_SPEC: dict[str, int] = {
     "head_dim": 32,
     "max_position_embeddings": 512,
     "corpus_lines": 6000,
-    "builder_version": 1,
+    "builder_version": 2,
 }
 
 # The model worker inside the engine-core process, one OpenMP thread.  On the CPU, vLLM otherwise

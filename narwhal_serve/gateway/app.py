@@ -22,7 +22,10 @@ from narwhal_serve.errors import ErrorInfo, InvalidApiKey, InvalidRequest, Narwh
 from narwhal_serve.gateway.backend import Backend
 from narwhal_serve.gateway.completion import CompletionHandler
 from narwhal_serve.gateway.reporter import Reporter
+from narwhal_serve.gateway.body import BodyIncomplete, read_body
 from narwhal_serve.gateway.responses import error_response
+from narwhal_serve.gateway.tokenize import detokenize, tokenize
+from narwhal_serve.tokenization.sizer import PromptSizer
 
 
 def build_api(
@@ -31,6 +34,7 @@ def build_api(
     *,
     clock: Callable[[], float] = time.time,
     echo_request_id: bool = True,
+    sizer: PromptSizer | None = None,
 ) -> FastAPI:
     """``echo_request_id=False`` where a proxy in front (Ray Serve's) already returns X-Request-Id."""
     lease = AdmissionLease(f"ingress-{secrets.token_hex(6)}") if cfg.admission.ingress_leases else None
@@ -49,7 +53,8 @@ def build_api(
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
         msg = f"{request.method} {request.url.path}: {exc.detail}"
         return error_response(ErrorInfo(exc.status_code, "invalid_request_error", code, msg), None)
-    handler = CompletionHandler(cfg, backend, reporter, clock, echo_request_id=echo_request_id)
+    sizer = sizer if sizer is not None else PromptSizer.from_config(cfg)
+    handler = CompletionHandler(cfg, backend, reporter, clock, echo_request_id=echo_request_id, sizer=sizer)
     app.state.reporter = reporter
     created = int(clock())
 
@@ -60,6 +65,23 @@ def build_api(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await handler.handle(request, "completion")
+
+    def token_route(fn: Callable[[PromptSizer, str, bytes], Awaitable[dict[str, Any]]]) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            try:
+                handler.auth(request)
+                raw = await read_body(request, cfg.serving.max_request_bytes, cfg.serving.body_timeout_s)
+                return JSONResponse(await fn(sizer, cfg.model, raw))
+            except NarwhalError as err:
+                return error_response(err.info(), None)
+            except BodyIncomplete:
+                return error_response(InvalidRequest("the request body ended before its Content-Length",
+                                                     code="body_incomplete").info(), None)
+
+        return route
+
+    app.add_api_route("/tokenize", token_route(tokenize), methods=["POST"])
+    app.add_api_route("/detokenize", token_route(detokenize), methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -82,7 +104,9 @@ def build_api(
     @app.get("/status")
     async def status() -> dict[str, Any]:
         await reporter.flush()
-        return await backend.snapshot()
+        snap = await backend.snapshot()
+        # how this ingress sizes prompts: "hf:<dir>" (exact token IDs) or "estimate"
+        return {**snap, "tokenizer": sizer.source}
 
     @app.get("/metrics")
     async def metrics() -> Response:

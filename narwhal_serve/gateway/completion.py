@@ -36,6 +36,7 @@ from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.protocol.requests import ParsedRequest, Route, parse_request
 from narwhal_serve.relay.messages import RelayMessage, RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
+from narwhal_serve.tokenization.sizer import PromptSizer, Sized
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")  # printable ASCII, no spaces
@@ -70,8 +71,10 @@ class CompletionHandler:
         *,
         echo_request_id: bool = True,
         mono: Callable[[], float] = time.monotonic,
+        sizer: PromptSizer | None = None,
     ) -> None:
         self.cfg = cfg
+        self.sizer = sizer if sizer is not None else PromptSizer(None)
         self.mono = mono
         self.echo_request_id = echo_request_id  # Ray Serve's proxy already echoes X-Request-Id
         self.backend = backend
@@ -80,7 +83,7 @@ class CompletionHandler:
         self.api_keys = frozenset(cfg.serving.api_keys)
         self.obs = Observability(cfg.observability, clock)
 
-    def _auth(self, request: Request) -> None:
+    def auth(self, request: Request) -> None:
         if not self.api_keys:
             return
         given = request.headers.get("authorization", "")
@@ -108,14 +111,16 @@ class CompletionHandler:
             return self.cfg.admission.tpot_budget_s
         return min(v, self.cfg.admission.max_tpot_budget_s)
 
-    def _ask(self, parsed: ParsedRequest, ttft_budget: float, tpot_budget: float | None, retries: int | None) -> Ask:
+    def _ask(self, sized: Sized, ttft_budget: float, tpot_budget: float | None, retries: int | None) -> Ask:
         """What admission judges: sizes, targets, the prompt's prefix blocks, and whether the client
-        retries (``X-Stainless-Retry-Count``: admission/retry.py)."""
+        retries (``X-Stainless-Retry-Count``: admission/retry.py).  Blocks are of the prompt's token
+        IDs where the router has them (its tokenizer, or a token-ID prompt), else of characters."""
         pl = self.cfg.placement
+        parsed = sized.parsed
         prefix: tuple[int, ...] = ()
         block_tokens = 0.0
         if pl.prefix_aware and self.cfg.admission.mode == "predictive":
-            prefix, block_tokens = request_prefix(parsed.route, parsed.body, parsed.prompt_token_ids,
+            prefix, block_tokens = request_prefix(parsed.route, parsed.body, sized.ids,
                                                   pl.prefix_block_chars, pl.prefix_block_tokens, pl.prefix_max_blocks)
         return Ask(parsed.prompt_tokens, ttft_budget, tpot_budget, parsed.route, parsed.max_output_tokens,
                    prefix, block_tokens, retry=bool(retries), reserves=retries is not None)
@@ -131,7 +136,7 @@ class CompletionHandler:
         try:
             if given is not None and given != rid:  # it goes to every engine leg as a header: keep it plain
                 raise InvalidRequest("header X-Request-Id must be 1-128 printable ASCII characters", param="x-request-id")
-            self._auth(request)
+            self.auth(request)
             try:
                 raw = await read_body(request, self.cfg.serving.max_request_bytes, self.cfg.serving.body_timeout_s)
             except asyncio.CancelledError:  # Serve cancels the handler when the client leaves mid-body
@@ -139,10 +144,11 @@ class CompletionHandler:
                 self.reporter.outcome(Outcome.CANCELLED, "body_incomplete")
                 trail.end(Outcome.CANCELLED, "body_incomplete", 499)
                 raise
-            parsed = parse_request(route, raw, model=self.cfg.model)
+            sized = await self.sizer.size(parse_request(route, raw, model=self.cfg.model))
+            parsed = sized.parsed
             deadline = self._deadline(request, arrived)
             budget = self._ttft_budget(request)
-            ask = self._ask(parsed, budget, self._tpot_budget(request), retry_count(request.headers.get("x-stainless-retry-count")))
+            ask = self._ask(sized, budget, self._tpot_budget(request), retry_count(request.headers.get("x-stainless-retry-count")))
         except BodyIncomplete:
             self.reporter.unsized()
             self.reporter.outcome(Outcome.CANCELLED, "body_incomplete")
@@ -154,7 +160,7 @@ class CompletionHandler:
             if isinstance(err, BodyTimeout):
                 self.reporter.unsized()  # the body never ended: it was never sized
             return self._refused(trail, Outcome.INVALID, err.info(), echo)
-        trail.parsed(parsed.stream, parsed.prompt_tokens, _prompt_text(parsed))
+        trail.parsed(parsed.stream, parsed.prompt_tokens, _prompt_text(parsed), sized.method)
         task = asyncio.current_task()
         gone = asyncio.Event()
         watch = asyncio.get_running_loop().create_task(_watch_disconnect(request, task, gone))

@@ -1,10 +1,11 @@
 """Prefix-aware placement: which engine already holds a request's prompt prefix (its KV blocks).
 
 Like vLLM's own prefix cache, a prompt is cut into blocks and each block's hash chains the hashes
-before it, so equal hashes mean equal prefixes.  The router cannot see the engine's tokenizer, so
-its blocks are of characters (``placement.prefix_block_chars``; chat messages with their roles) or,
+before it, so equal hashes mean equal prefixes.  Without the model's tokenizer the router's blocks
+are of characters (``placement.prefix_block_chars``; chat messages with their roles) or,
 for a prompt given as token IDs, of tokens (``placement.prefix_block_tokens``).  Hashes are stable
 across processes (BLAKE2b), since ingress replicas and the scheduler compute and compare them.
+Where the router has the model's tokenizer (``tokenizer:``), every prompt comes as token IDs.
 
 Each engine has a bounded index (:class:`PrefixIndex`) of the blocks of the prompts the router
 placed there, least recently placed evicted first — a model of the engine's cache, which evicts
@@ -21,7 +22,8 @@ from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-CHARS_PER_TOKEN = 4.0  # the same estimate the router sizes text prompts with
+from narwhal_serve.tokenization.estimate import CHARS_PER_TOKEN
+
 KV_SHARE = 0.8  # of an engine's KV cache, what the index assumes cached prefixes keep (running sequences use the rest)
 CREDIT_PRIOR = 0.8  # how often a believed prefix hit is a real one, before any measurement
 CREDIT_EWMA = 0.1

@@ -18,6 +18,7 @@ from narwhal_serve.errors import (
     ModelNotFound,
     UnsupportedOption,
 )
+from narwhal_serve.tokenization.estimate import estimate_tokens
 
 Route = Literal["chat", "completion"]
 
@@ -280,7 +281,7 @@ def parse_request(route: Route, raw: bytes, *, model: str) -> ParsedRequest:
             # vLLM does not echo the prompt in the stream the assembler folds
             raise UnsupportedOption("echo is not supported for non-streaming completions", param="echo")
     so = body.get("stream_options") or {}
-    prompt_tokens = len(ids) if ids is not None else max(1, (chars + 3) // 4)
+    prompt_tokens = len(ids) if ids is not None else estimate_tokens(chars)  # exact where the router tokenizes (tokenization/sizer.py)
     return ParsedRequest(
         route=route,
         body=body,

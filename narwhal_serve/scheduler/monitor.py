@@ -14,6 +14,7 @@ from narwhal_serve.engines.client import TRANSPORT_ERRORS
 from narwhal_serve.engines.dialect import PATHS
 from narwhal_serve.engines.metrics import parse_engine_metrics
 from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.tokenization.estimate import estimate_tokens
 
 
 async def scrape_one(client: httpx.AsyncClient, e: EngineState, now: float, timeout_s: float) -> None:
@@ -110,7 +111,7 @@ async def profile_one(client: httpx.AsyncClient, e: EngineState, model: str, pro
     first: float | None = None
     last = start
     tokens = 0
-    prompt_tokens = max(1, prompt_chars // 4)
+    prompt_tokens = estimate_tokens(prompt_chars)  # until the engine's usage says
     try:
         async with client.stream("POST", e.cfg.base_url + PATHS["completion"], json=body, timeout=timeout_s,
                                  headers={"X-Request-Id": f"narwhal-profile-{e.cfg.name}"}) as resp:

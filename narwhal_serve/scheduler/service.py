@@ -26,7 +26,8 @@ from narwhal_serve.config import EngineConfig, NarwhalConfig
 from narwhal_serve.errors import ErrorInfo, NarwhalError
 from narwhal_serve.ha.state import RouterState, backend_unavailable, router_unavailable
 from narwhal_serve.placement.engines import EngineState
-from narwhal_serve.placement.prefix import CHARS_PER_TOKEN, index_capacity
+from narwhal_serve.placement.prefix import index_capacity
+from narwhal_serve.tokenization.estimate import CHARS_PER_TOKEN
 from narwhal_serve.prediction.decode import OutputLengths, remaining_tokens
 from narwhal_serve.relay.messages import RelayStats
 from narwhal_serve.scheduler.ha import RouterHA

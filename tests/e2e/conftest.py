@@ -183,6 +183,7 @@ def e2e(vllm_server: engine.Server) -> Iterator[E2E]:
         app = build_app(
             {
                 "model": MODEL,
+                "tokenizer": str(engine.MODEL_DIR),  # the engine's own: prompts sized by their exact token IDs
                 "admission": {"mode": "open"},
                 "engines": [{"name": ENGINE_NAME, "url": vllm_server.url, "role": "unified", "dialect": "vllm"}],
             }

