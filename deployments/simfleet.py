@@ -12,8 +12,7 @@ class SimFleet:
     async def __init__(self, config: dict[str, Any]) -> None:
         cfg = NarwhalConfig.model_validate(config)
         self.servers: list[SimServer] = []
-        for i, e in enumerate(cfg.sim.engines):
-            engine_cfg = e.model_copy(update={"model": cfg.model})
+        for i, engine_cfg in enumerate(cfg.sim_engine_configs()):
             self.servers.append(await start_server(engine_cfg, cfg.sim.host, cfg.sim.base_port + i))
 
     async def ready(self) -> list[str]:

@@ -67,6 +67,15 @@ class AdmissionConfig(_Strict):
     ingress_leases: bool = True
 
 
+class KVEventsEndpoint(_Strict):
+    """Where an engine publishes its KV-cache events (vLLM ``--kv-events-config``: ``endpoint``,
+    ``replay_endpoint``, ``topic``), as the router connects to them (``tcp://HOST:PORT``)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
 class EngineConfig(_Strict):
     name: str
     # an engine you run; or, instead, `launch`: Narwhal starts it (README, "Managed engines"), and the
@@ -84,6 +93,9 @@ class EngineConfig(_Strict):
     # arrive): fixed cost and seconds per prompt token. Unset: 0.02 s + 0.0002 s/token.
     ttft_prior_a_s: float | None = Field(None, ge=0)
     ttft_prior_b_s_per_token: float | None = Field(None, gt=0)
+    # The engine's KV-cache events: the router's index of what it caches is then exact (README,
+    # "KV events"), not learned from where requests went
+    kv_events: KVEventsEndpoint | None = None
 
     @model_validator(mode="after")
     def _url_or_launch(self) -> "EngineConfig":
@@ -198,6 +210,9 @@ class SimFleetConfig(_Strict):
         SimEngineConfig(name="sim-decode-0", role="decode"),
         SimEngineConfig(name="sim-unified-0", role="unified"),
     )
+    # Each simulated engine publishes its KV-cache events as vLLM does, on a Unix socket named after
+    # its HTTP port (ipc:///tmp/narwhal-sim-kv-PORT, -replay), and the router follows them
+    kv_events: bool = True
 
 
 class DeploymentKnobs(_Strict):
@@ -249,7 +264,9 @@ class NarwhalConfig(_Strict):
     model: str = "narwhal-sim"
     # The model's Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json): the router
     # sizes prompts with their exact token IDs (chat rendered as vLLM renders it) and serves /tokenize
-    # and /detokenize. Unset: a managed vLLM/SGLang engine's local model directory, else the estimate.
+    # and /detokenize; `narwhal-sim`: the simulator's; `estimate`: none (4 characters a token). Unset:
+    # the simulator's for simulated engines (the embedded fleet), a managed vLLM/SGLang engine's local
+    # model directory, else the estimate.
     tokenizer: str | None = None
     serving: ServingConfig = ServingConfig()
     admission: AdmissionConfig = AdmissionConfig()
@@ -273,6 +290,17 @@ class NarwhalConfig(_Strict):
             raise ValueError("admission.ttft_budget_s must not exceed admission.max_ttft_budget_s")
         return self
 
+    def sim_engine_configs(self) -> tuple[SimEngineConfig, ...]:
+        """The embedded fleet's engines as they run: the served model, and their KV-event sockets."""
+        out = []
+        for i, e in enumerate(self.sim.engines):
+            update: dict[str, object] = {"model": self.model}
+            if self.sim.kv_events and e.kv_events_endpoint is None:
+                path = f"ipc:///tmp/narwhal-sim-kv-{self.sim.base_port + i}"
+                update |= {"kv_events_endpoint": path, "kv_events_replay_endpoint": path + "-replay"}
+            out.append(e.model_copy(update=update))
+        return tuple(out)
+
     def resolved_engines(self) -> tuple[EngineConfig, ...]:
         """The configured engines, or the embedded simulated fleet when none are configured."""
         if self.engines:
@@ -284,8 +312,10 @@ class NarwhalConfig(_Strict):
                 role=e.role,
                 dialect=e.dialect,
                 max_num_seqs=e.max_num_seqs,
+                kv_events=None if e.kv_events_endpoint is None else KVEventsEndpoint(
+                    endpoint=e.kv_events_endpoint, replay_endpoint=e.kv_events_replay_endpoint),
             )
-            for i, e in enumerate(self.sim.engines)
+            for i, e in enumerate(self.sim_engine_configs())
         )
 
 

@@ -33,6 +33,7 @@ class EngineState:
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(PREFIX_INDEX_BLOCKS))
     ttft_errors: ErrorWindow = field(default_factory=ErrorWindow)  # the margin a projection is judged with
     prefix_credit: float = CREDIT_PRIOR  # share of believed prefix hits that measured like hits (EWMA)
+    prefix_exact: bool = False  # the index follows the engine's own KV events (credit 1, not learned)
     pending_prefill_tokens: int = 0  # prompt tokens routed here and not yet past their first token
     pending_prefill_requests: int = 0  # requests routed here and not yet past their first token
     service_s: float | None = None  # measured request duration, first byte to last token (EWMA)
@@ -111,6 +112,7 @@ class EngineState:
             "prefix_index_blocks": len(self.prefix),
             "prefix_index_capacity": self.prefix.capacity,
             "prefix_credit": round(self.prefix_credit, 4),
+            "prefix_source": "kv_events" if self.prefix_exact else "learned",
             **self.drift.view(now),
             "ttft_model": {"a_s": self.ttft_model.a, "b_s_per_token": self.ttft_model.b,
                            "c_s_per_request_ahead": self.ttft_model.c,

@@ -53,6 +53,17 @@ def _chain(blocks: Iterable[bytes]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _id_block(ids: Sequence[int]) -> bytes:
+    return b"i" + ",".join(map(str, ids)).encode()
+
+
+def next_id_block_hash(prev: int | None, ids: Sequence[int]) -> int:
+    """The hash of the token-ID block ``ids`` after the block hashed ``prev`` (None: the first block):
+    one step of :func:`id_block_hashes`, for an index that learns blocks one at a time (KV events)."""
+    seed = b"" if prev is None else prev.to_bytes(8, "big")
+    return int.from_bytes(hashlib.blake2b(seed + _id_block(ids), digest_size=8).digest(), "big")
+
+
 def text_block_hashes(text: str, block_chars: int, max_blocks: int) -> tuple[int, ...]:
     """Chained hashes of the full ``block_chars``-character blocks of ``text`` (at most ``max_blocks``)."""
     n = min(len(text) // block_chars, max_blocks)
@@ -62,7 +73,7 @@ def text_block_hashes(text: str, block_chars: int, max_blocks: int) -> tuple[int
 def id_block_hashes(ids: Sequence[int], block_tokens: int, max_blocks: int) -> tuple[int, ...]:
     """Chained hashes of the full ``block_tokens``-token blocks of a token-ID prompt."""
     n = min(len(ids) // block_tokens, max_blocks)
-    return _chain(b"i" + ",".join(map(str, ids[i * block_tokens:(i + 1) * block_tokens])).encode() for i in range(n))
+    return _chain(_id_block(ids[i * block_tokens:(i + 1) * block_tokens]) for i in range(n))
 
 
 def _content_text(content: Any) -> str:
@@ -130,6 +141,11 @@ class PrefixIndex:
         while len(self._blocks) > self.capacity:
             self._blocks.popitem(last=False)
         self._frozen = None
+
+    def remove(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            if self._blocks.pop(h, 0) is None:
+                self._frozen = None
 
     def resize(self, capacity: int) -> None:
         if capacity != self.capacity:

@@ -46,7 +46,8 @@ def learn_from(
                 x_hit, x_miss = x - (p.matched_tokens - p.cached_tokens), x + p.cached_tokens
                 hit = was_hit(net, e.ttft_model.predict(x_hit, p.r_ahead), e.ttft_model.predict(x_miss, p.r_ahead))
                 x = x_hit if hit else x_miss
-                e.prefix_credit += CREDIT_EWMA * ((1.0 if hit else 0.0) - e.prefix_credit)
+                if not e.prefix_exact:  # an index fed by the engine's events is not an expectation
+                    e.prefix_credit += CREDIT_EWMA * ((1.0 if hit else 0.0) - e.prefix_credit)
             e.ttft_model.observe(x, net, p.r_ahead)
             d = engines.get(stats.engines[-1])
             if d is not None:

@@ -38,6 +38,7 @@ from narwhal_serve.scheduler.leases import LEASE_TTL_S, LeaseLedger
 from narwhal_serve.scheduler.managed import ManagedFleet, initial_engines
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, LocalPlacement, Report
 from narwhal_serve.scheduler.monitor import scrape_all, scrape_one
+from narwhal_serve.scheduler.kvfeeds import KVEventFeeds
 from narwhal_serve.scheduler.snapshot import snapshot
 from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, Tally, render_metrics
 
@@ -72,6 +73,7 @@ class SchedulerService:
         for e in self.engines.values():
             e.prefix.capacity = cfg.placement.prefix_index_blocks
             e.ttft_errors.quantile = cfg.admission.ttft_confidence
+        self.kv_events = KVEventFeeds(cfg.placement)  # engines whose KV events feed their prefix index
         self.outputs = OutputLengths()  # identified output lengths per route kind and max_tokens bucket
         self.managed = ManagedFleet(cfg, self.engines)  # Ray-managed engines' slots (README, "Managed engines")
         # ha.role is the mode of a lone router; with a lease backend the lease decides (role: a hint)
@@ -104,6 +106,7 @@ class SchedulerService:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
+        self.kv_events.start(self.engines.values())
         if self._monitor is None:
             self._client = httpx.AsyncClient(timeout=self.cfg.monitoring.scrape_timeout_s)
             self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
@@ -111,6 +114,7 @@ class SchedulerService:
             self._ha = asyncio.get_running_loop().create_task(self.ha.run(self._pump))
 
     async def stop(self) -> None:
+        await self.kv_events.stop()
         self.prober.cancel()
         self.profiler.cancel()
         for t in list(self._background):
@@ -150,6 +154,9 @@ class SchedulerService:
         )
         pl = self.cfg.placement
         for e in self.engines.values():  # an index never remembers more than the engine's KV cache holds
+            if e.prefix_exact:
+                e.prefix.resize(max(pl.prefix_index_blocks, e.load.kv_tokens // pl.prefix_block_tokens))
+                continue
             e.prefix.resize(index_capacity(pl.prefix_index_blocks, e.load.kv_tokens,
                                            pl.prefix_block_chars / CHARS_PER_TOKEN))
         self.router.started = True
@@ -402,7 +409,8 @@ class SchedulerService:
             if t is not None:
                 self._move(t, engines)
                 if not t.prefill_done and engines == t.placement.engines and self.cfg.placement.prefix_aware \
-                        and (e := self.engines.get(t.placement.first_engine or "")) is not None:
+                        and (e := self.engines.get(t.placement.first_engine or "")) is not None \
+                        and not e.prefix_exact:  # (an engine's own KV events say what it holds)
                     e.prefix.insert(t.placement.prefix)  # its prefill is done: the engine holds its blocks now
                 self._prefill_done(t)
         for tid, tokens in rep.progress.items():
@@ -508,8 +516,11 @@ class SchedulerService:
         self.engines[engine.name] = e = EngineState(engine)
         e.prefix.capacity = self.cfg.placement.prefix_index_blocks
         e.ttft_errors.quantile = self.cfg.admission.ttft_confidence
+        if self._monitor is not None:
+            self.kv_events.start([e])
 
     def deregister_engine(self, name: str) -> bool:
+        self.kv_events.drop(name)
         return self.engines.pop(name, None) is not None
 
     def readiness(self) -> tuple[bool, str]:

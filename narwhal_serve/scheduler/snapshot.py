@@ -36,5 +36,6 @@ def snapshot(svc: "SchedulerService") -> dict[str, Any]:
              "tickets": len(r.tickets), "age_s": round(now - r.last_seen, 3)}
             for k, r in svc.leases.leases.items()
         ],
-        "engines": [e.view(now, svc.cfg.monitoring.stale_after_s, maint) for e in svc.engines.values()],
+        "engines": [{**e.view(now, svc.cfg.monitoring.stale_after_s, maint), "kv_events": svc.kv_events.view(name)}
+                    for name, e in svc.engines.items()],
     }

@@ -49,7 +49,7 @@ def _control(engine: Engine, body: Any) -> dict[str, Any]:
         raise validation_error(exc) from None
     engine.reconfigure(cfg)
     if body.get("clear_prefix_cache"):
-        engine.cache.clear()
+        engine.clear_prefix_cache()
     if body.get("reset_stats"):
         engine.recent.clear()
         engine.total_requests = 0

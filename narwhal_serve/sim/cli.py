@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-block-size", type=int, default=d.kv_block_size)
     p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks)
     p.add_argument("--eos-prob", type=float, default=d.eos_prob)
+    p.add_argument("--kv-events-endpoint", default=None,
+                   help="publish KV-cache events here as vLLM does (ZMQ PUB), e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--kv-events-replay-endpoint", default=None, help="the replay (ROUTER) socket of those events")
     p.add_argument("--fault", action="append", default=[], choices=sorted(FAULT_NAMES),
                    help="engine-wide fault (repeatable)")
     return p

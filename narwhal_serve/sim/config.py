@@ -60,6 +60,10 @@ class SimEngineConfig(BaseModel):
     kv_block_size: int = Field(default=16, ge=1)
     num_gpu_blocks: int = Field(default=4096, ge=1)
     """KV-cache capacity in blocks: bounds the prefix cache and scales ``kv_cache_usage_perc``."""
+    kv_events_endpoint: str | None = None
+    """Publish KV-cache events here as vLLM does (``--kv-events-config``), e.g. ``tcp://127.0.0.1:5557``."""
+    kv_events_replay_endpoint: str | None = None
+    kv_events_buffer_steps: int = Field(default=10_000, ge=1)
     eos_prob: float = Field(default=0.005, ge=0.0, le=1.0)
     """Per-token probability (after ``min_tokens``) of a deterministic simulated EOS."""
     faults: list[str] = Field(default_factory=list)

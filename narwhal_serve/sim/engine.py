@@ -14,6 +14,7 @@ from typing import Any
 
 from narwhal_serve.sim.config import SimEngineConfig
 from narwhal_serve.sim.scripts import Output, Step
+from narwhal_serve.sim.kvevents import SimKVPublisher
 from narwhal_serve.sim.timing import PrefixCache, block_hashes, next_token_deadline, prefill_deadline
 
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error", "repetition")
@@ -105,6 +106,10 @@ class Engine:
         self.cfg = cfg
         self.scheduler = Scheduler(lambda: self.cfg.max_num_seqs)
         self.cache = PrefixCache(cfg.num_gpu_blocks)
+        self.kv_events: SimKVPublisher | None = None
+        if cfg.kv_events_endpoint:
+            self.kv_events = SimKVPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
+                                            buffer_steps=cfg.kv_events_buffer_steps)
         self.counters = Counters()
         self.recent: deque[dict[str, Any]] = deque(maxlen=50)
         self.total_requests = 0
@@ -115,9 +120,15 @@ class Engine:
 
     # ---- configuration / bookkeeping -------------------------------------------------------------
 
+    def clear_prefix_cache(self) -> None:
+        """vLLM's ``reset_prefix_cache``: every block gone (``AllBlocksCleared``)."""
+        self.cache.clear()
+        if self.kv_events is not None:
+            self.kv_events.publish([self.kv_events.cleared()])
+
     def reconfigure(self, cfg: SimEngineConfig) -> None:
         if cfg.kv_block_size != self.cfg.kv_block_size:
-            self.cache.clear()
+            self.clear_prefix_cache()
         self.cache.capacity = cfg.num_gpu_blocks
         self.cfg = cfg
         self.scheduler.wake()
@@ -152,6 +163,23 @@ class Engine:
 
     def shutdown(self) -> None:
         self._shutdown_event().set()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
+
+    def _cache_prompt(self, prompt_ids: list[int], hashes: list[int], bs: int) -> list[int]:
+        """Cache a prefilled prompt's blocks, announcing the new and the evicted ones (KV events)."""
+        ids, new, evicted = self.cache.insert_tracked(hashes)
+        pub = self.kv_events
+        if pub is not None and (new or evicted):
+            events = [pub.removed(evicted)] if evicted else []
+            # new blocks of a chain are contiguous after the cached prefix (chained hashes)
+            if new:
+                first = new[0]
+                events.append(pub.stored([hashes[i] for i in new], hashes[first - 1] if first else None,
+                                         prompt_ids[first * bs:(new[-1] + 1) * bs], bs))
+            pub.publish(events)
+        return ids
 
     async def stall(self) -> None:
         """Wait until the app shuts down (a handler stalls here until cancelled by a disconnect)."""
@@ -180,7 +208,7 @@ class Engine:
             else:
                 deadline = prefill_deadline(cfg, loop.time(), len(job.prompt_ids) - cached)
             await asyncio.sleep(max(0.0, deadline - loop.time()))
-            job.block_ids = self.cache.insert(hashes)
+            job.block_ids = self._cache_prompt(job.prompt_ids, hashes, bs)
             if len(job.prompt_ids) % bs:
                 job.block_ids.append(self.cache.fresh_block_id())
             c.prompt_tokens += len(job.prompt_ids)

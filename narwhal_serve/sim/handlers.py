@@ -89,11 +89,11 @@ class Prepared:
     request_id: str
 
 
-def _completion_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
+def _completion_prompt(prompt: str | list[str] | list[int] | list[list[int]], special: bool) -> list[int]:
     if isinstance(prompt, str):
-        return encode_prompt(prompt)
+        return encode_prompt(prompt, special)
     if len(prompt) == 1 and isinstance(prompt[0], str):
-        return encode_prompt(prompt[0])
+        return encode_prompt(prompt[0], special)
     if len(prompt) == 1 and isinstance(prompt[0], list):
         return list(prompt[0])
     if prompt and all(isinstance(t, int) for t in prompt):
@@ -106,7 +106,8 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
     req: ChatRequest | CompletionRequest
     if kind == "chat":
         req = parse_body(ChatRequest, raw)
-        prompt_ids = render_chat([(m.role, m.text()) for m in req.messages])
+        prompt_ids = render_chat([(m.role, m.text()) for m in req.messages],
+                                 getattr(req, "add_generation_prompt", True) is not False)
     else:
         req = parse_body(CompletionRequest, raw)
     check_sim_ext(req.sim)
@@ -116,7 +117,7 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
     if req.n != 1:
         raise bad_request("n > 1 is not supported by the simulator", "n")
     if isinstance(req, CompletionRequest):
-        prompt_ids = _completion_prompt(req.prompt)
+        prompt_ids = _completion_prompt(req.prompt, getattr(req, "add_special_tokens", True) is not False)
     limit, n_prompt = cfg.max_model_len, len(prompt_ids)
     asked = req.max_completion_tokens if isinstance(req, ChatRequest) else None
     param = "max_completion_tokens" if asked is not None else "max_tokens"

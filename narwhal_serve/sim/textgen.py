@@ -55,12 +55,22 @@ def stable_hash(*parts: object) -> int:
     return int.from_bytes(digest, "big")
 
 
+_HASHED: dict[str, int] = {}  # fragments outside the vocabulary, hashed once (bounded)
+_HASHED_MAX = 1 << 16
+
+
 def piece_id(text: str) -> int:
     """Token id of one text fragment: its vocabulary id, else a stable hash into the vocabulary."""
     known = _PIECE_ID.get(text)
     if known is not None:
         return known
-    return FIRST_WORD_ID + stable_hash("piece", text) % (VOCAB_SIZE - FIRST_WORD_ID)
+    known = _HASHED.get(text)
+    if known is None:
+        known = FIRST_WORD_ID + stable_hash("piece", text) % (VOCAB_SIZE - FIRST_WORD_ID)
+        if len(_HASHED) >= _HASHED_MAX:
+            _HASHED.clear()
+        _HASHED[text] = known
+    return known
 
 
 def split_chunks(text: str) -> list[str]:
@@ -69,7 +79,16 @@ def split_chunks(text: str) -> list[str]:
 
 
 def tokenize_text(text: str) -> list[int]:
-    return [piece_id(chunk) for chunk in split_chunks(text)]
+    vocab, hashed = _PIECE_ID.get, _HASHED.get
+    out = []
+    for chunk in _CHUNK_RE.findall(text):
+        i = vocab(chunk)
+        if i is None:
+            i = hashed(chunk)
+            if i is None:
+                i = piece_id(chunk)
+        out.append(i)
+    return out
 
 
 def token_str(token_id: int) -> str:

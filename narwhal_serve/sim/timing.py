@@ -72,18 +72,26 @@ class PrefixCache:
 
     def insert(self, hashes: Sequence[int]) -> list[int]:
         """Cache every block; return their (stable while cached) block ids."""
+        return self.insert_tracked(hashes)[0]
+
+    def insert_tracked(self, hashes: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        """:meth:`insert`, also returning the positions of the blocks newly cached and the hashes
+        evicted to make room (what the engine's KV events announce)."""
         ids: list[int] = []
-        for h in hashes:
+        new: list[int] = []
+        for i, h in enumerate(hashes):
             bid = self._blocks.get(h)
             if bid is None:
                 bid = self.fresh_block_id()
                 self._blocks[h] = bid
+                new.append(i)
             else:
                 self._blocks.move_to_end(h)
             ids.append(bid)
+        evicted: list[int] = []
         while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
-        return ids
+            evicted.append(self._blocks.popitem(last=False)[0])
+        return ids, new, evicted
 
     def fresh_block_id(self) -> int:
         """An id for a block that is not cached (the partial last block of a prompt)."""

@@ -49,6 +49,7 @@ class HfTokenizer:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self.source = f"hf:{self.path}"
         if not (self.path / "tokenizer.json").is_file():
             raise TokenizerLoadError(f"{self.path}: no tokenizer.json (a Hugging Face tokenizer directory is needed)")
         try:
@@ -67,9 +68,6 @@ class HfTokenizer:
         self.max_model_len = _max_model_len(self.path, getattr(self._hf, "model_max_length", None))
         self.vocab_size = int(self._rust.get_vocab_size(with_added_tokens=True))
 
-    @property
-    def source(self) -> str:
-        return f"hf:{self.path}"
 
     # ------------------------------------------------------------------ encoding
 

@@ -19,25 +19,33 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from narwhal_serve.tokenization.chat import NotExact
 
 if TYPE_CHECKING:
     from narwhal_serve.config import NarwhalConfig
     from narwhal_serve.protocol.requests import ParsedRequest
-    from narwhal_serve.tokenization.hf import HfTokenizer
+    from narwhal_serve.tokenization.hf import Encoded
 
 log = logging.getLogger("narwhal.tokenization")
 
+SIM = "narwhal-sim"
 INLINE_CHARS = 4096  # shorter prompts are tokenized on the event loop (a thread hop costs more)
 ESTIMATE = "estimate"
 
 
 def tokenizer_path(cfg: "NarwhalConfig") -> str | None:
-    """The tokenizer directory for the config's model, or None (the estimate)."""
+    """The tokenizer for the config's model: a directory, ``narwhal-sim`` (the simulator's), or None
+    (the estimate).  The embedded simulated fleet and managed ``sim`` engines get the simulator's."""
+    if cfg.tokenizer == ESTIMATE:
+        return None
     if cfg.tokenizer:
         return cfg.tokenizer
+    if not cfg.engines:
+        return SIM
+    if all(e.launch is not None and e.launch.kind == "sim" for e in cfg.engines):
+        return SIM
     for e in cfg.engines:
         spec = e.launch
         if spec is not None and spec.kind in ("vllm", "sglang") and spec.model and os.path.isdir(spec.model):
@@ -54,6 +62,20 @@ def _prompt_chars(parsed: "ParsedRequest") -> int:
     return sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 1024 for m in body["messages"])
 
 
+class Tokenizer(Protocol):
+    """What the router needs of a model's tokenizer (:class:`~narwhal_serve.tokenization.hf.HfTokenizer`,
+    or the simulator's)."""
+
+    source: str
+    vocab_size: int
+    max_model_len: int | None
+
+    def prompt(self, route: str, body: dict[str, Any]) -> "Encoded": ...
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+    def token_strs(self, ids: list[int]) -> list[str | None]: ...
+
+
 @dataclass(frozen=True)
 class Sized:
     parsed: "ParsedRequest"
@@ -62,7 +84,7 @@ class Sized:
 
 
 class PromptSizer:
-    def __init__(self, tokenizer: "HfTokenizer | None") -> None:
+    def __init__(self, tokenizer: "Tokenizer | None") -> None:
         self.tokenizer = tokenizer
         self._pool: ThreadPoolExecutor | None = None
 
@@ -71,6 +93,10 @@ class PromptSizer:
         path = tokenizer_path(cfg)
         if path is None:
             return cls(None)
+        if path == SIM:
+            from narwhal_serve.sim.tokenizer import SimTokenizer  # the simulated engines' own functions
+
+            return cls(SimTokenizer())
         from narwhal_serve.tokenization.hf import HfTokenizer
 
         return cls(HfTokenizer(path))

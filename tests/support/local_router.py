@@ -44,10 +44,7 @@ class LocalRouter:
 async def start_local_router(args: dict[str, Any]) -> LocalRouter:
     base = free_port_run(len(NarwhalConfig.model_validate(args).sim.engines))
     cfg = NarwhalConfig.model_validate({**args, "sim": {**args.get("sim", {}), "base_port": base}})
-    sims = [
-        await start_server(e.model_copy(update={"model": cfg.model}), cfg.sim.host, cfg.sim.base_port + i)
-        for i, e in enumerate(cfg.sim.engines)
-    ]
+    sims = [await start_server(e, cfg.sim.host, cfg.sim.base_port + i) for i, e in enumerate(cfg.sim_engine_configs())]
     svc = SchedulerService(cfg)
     await svc.scrape_once()
     svc.start()

@@ -145,7 +145,7 @@ def test_long_prompts_are_tokenized_off_the_event_loop(tok: HfTokenizer) -> None
 async def routers(tok_dir: Path) -> AsyncIterator[tuple[LocalRouter, LocalRouter]]:
     fleet = {"engines": [{"name": "u0", "role": "unified"}]}
     exact = await start_local_router({"tokenizer": str(tok_dir), "sim": fleet})
-    blind = await start_local_router({"sim": fleet})
+    blind = await start_local_router({"tokenizer": "estimate", "sim": fleet})
     yield exact, blind
     await exact.stop()
     await blind.stop()
@@ -203,3 +203,26 @@ async def test_tokenize_and_detokenize_routes(routers: tuple[LocalRouter, LocalR
         r = await c.post("/tokenize", json={"prompt": "hello"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "tokenizer_unavailable"
         assert (await c.get("/status")).json()["tokenizer"] == "estimate"
+
+
+async def test_the_simulated_fleet_is_sized_with_the_simulators_own_tokenizer() -> None:
+    """The embedded fleet's default: the router's prompt IDs equal the simulated engine's."""
+    from narwhal_serve.sim.tokenizer import SimTokenizer
+    from tests.support.prompts import exactness_requests
+
+    router = await start_local_router({"admission": {"mode": "open"}, "sim": {"engines": [{"name": "u0", "role": "unified"}]}})
+    sim = SimTokenizer()
+    try:
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+            assert (await c.get("/status")).json()["tokenizer"] == "narwhal-sim"
+            for route, body in exactness_requests(40, "narwhal-sim", seed=3):
+                path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+                r = await c.post(path, json={**body, "max_tokens": 2, "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                out = r.json()
+                engine_ids = out.get("prompt_token_ids") or out["choices"][0].get("prompt_token_ids")
+                assert engine_ids == sim.prompt(route, body).ids
+                t = await c.post("/tokenize", json=body)
+                assert t.json()["tokens"] == engine_ids
+    finally:
+        await router.stop()

@@ -1,0 +1,184 @@
+"""One engine's KV-event stream applied, in sequence order, to the router's prefix index.
+
+The engine names its blocks by its own hashes (vLLM: SHA-256 of parent, tokens and extra keys); the
+router keys its index by its own chained hash of token-ID blocks (:func:`next_id_block_hash`, the
+hash every ingress computes for a request's prompt), of ``placement.prefix_block_tokens`` tokens.
+A ``BlockStored`` carries the blocks' token IDs, so the router computes its keys from them and needs
+the engine's hash function only as a join key (parent → child, and for ``BlockRemoved``).  When the
+router's block is several engine blocks (64 tokens over vLLM's 16), a router block is held once all
+of its engine blocks are, and leaves the index as soon as any of them is removed.
+
+Sequence numbers: a batch with the next number is applied; one further ahead is a *gap* (the caller
+asks the replay socket for what it missed, and resyncs — index cleared, rebuilt from what follows —
+when the replay cannot cover it); an older number with a newer timestamp is a *restarted publisher*
+(its cache is new: the index is cleared); an older one with an older timestamp is a duplicate (a
+replayed batch that also arrived live) and is skipped.
+
+Memory is bounded: at most ``capacity`` engine blocks are remembered (the engine's KV capacity; its
+own ``BlockRemoved`` events normally keep it far below), the oldest forgotten first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from narwhal_serve.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from narwhal_serve.placement.prefix import next_id_block_hash
+
+Verdict = Literal["applied", "duplicate", "gap", "restart"]
+
+
+class Target(Protocol):
+    """What the events update (the engine's :class:`~narwhal_serve.placement.prefix.PrefixIndex`)."""
+
+    def insert(self, hashes: list[int]) -> None: ...
+    def remove(self, hashes: Iterable[int]) -> None: ...
+    def clear(self) -> None: ...
+
+
+@dataclass(slots=True)
+class _Node:
+    parent: Any
+    depth: int  # engine blocks from the start of the prompt (1: the first)
+    tokens: tuple[int, ...]
+    ours: int | None = None  # the router block ending at this engine block
+    covered_by: int | None = None  # the router block this engine block belongs to
+
+
+@dataclass
+class KVEventIndex:
+    router_block_tokens: int
+    capacity: int
+    target: Target
+    last_seq: int | None = None
+    last_ts: float = 0.0
+    engine_block_size: int | None = None
+    stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("batches", "stored", "removed", "cleared", "orphans", "malformed", "duplicates", "gaps", "restarts",
+         "resyncs", "incompatible"), 0))
+    _nodes: "OrderedDict[Any, _Node]" = field(default_factory=OrderedDict)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    # ------------------------------------------------------------------ sequencing
+
+    def classify(self, seq: int, batch: KVEventBatch) -> Verdict:
+        last = self.last_seq
+        if last is None or seq == last + 1:
+            return "applied"
+        if seq > last + 1:
+            return "gap"
+        return "restart" if batch.ts > self.last_ts else "duplicate"
+
+    def offer(self, seq: int, batch: KVEventBatch) -> Verdict:
+        """Apply ``batch`` if it is the next one; say what it was otherwise (a gap is not applied)."""
+        verdict = self.classify(seq, batch)
+        if verdict == "duplicate":
+            self.stats["duplicates"] += 1
+            return verdict
+        if verdict == "gap":
+            self.stats["gaps"] += 1
+            return verdict
+        if verdict == "restart":
+            self.stats["restarts"] += 1
+            self.clear()
+        self.apply(seq, batch)
+        return verdict
+
+    def resync(self, seq: int, batch: KVEventBatch) -> None:
+        """What was missed cannot be replayed: forget everything and go on from ``batch``."""
+        self.stats["resyncs"] += 1
+        self.clear()
+        self.apply(seq, batch)
+
+    def clear(self) -> None:
+        self._nodes.clear()
+        self.target.clear()
+
+    # ------------------------------------------------------------------ events
+
+    def apply(self, seq: int, batch: KVEventBatch) -> None:
+        self.last_seq, self.last_ts = seq, max(self.last_ts, batch.ts)
+        self.stats["batches"] += 1
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                self._stored(ev)
+            elif isinstance(ev, BlockRemoved):
+                self._removed(ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                self.stats["cleared"] += 1
+                self.clear()
+
+    def _stored(self, ev: BlockStored) -> None:
+        b, r = ev.block_size, self.router_block_tokens
+        if b <= 0 or len(ev.token_ids) != b * len(ev.block_hashes):
+            self.stats["malformed"] += 1
+            return
+        if r % b:
+            self.stats["incompatible"] += 1  # the router's blocks must be whole engine blocks
+            return
+        self.engine_block_size = b
+        if ev.lora_id is not None or ev.lora_name is not None or ev.extra_keys:
+            return  # a LoRA's or multimodal prompt's blocks are not the plain prompt's
+        parent = self._nodes.get(ev.parent_block_hash) if ev.parent_block_hash is not None else None
+        if ev.parent_block_hash is not None and parent is None:
+            self.stats["orphans"] += len(ev.block_hashes)  # its prefix was missed: the next reuse re-sends it
+            return
+        per = r // b
+        for i, h in enumerate(ev.block_hashes):
+            node = self._nodes.get(h)
+            if node is not None:  # a reused block announced again
+                self._nodes.move_to_end(h)
+                parent = node
+                continue
+            node = _Node(ev.parent_block_hash if i == 0 else ev.block_hashes[i - 1],
+                         parent.depth + 1 if parent is not None else 1, tuple(ev.token_ids[i * b:(i + 1) * b]))
+            self._nodes[h] = node
+            self.stats["stored"] += 1
+            if node.depth % per == 0:
+                self._complete(node, per)
+            parent = node
+        while len(self._nodes) > self.capacity:
+            _, old = self._nodes.popitem(last=False)
+            if old.covered_by is not None:
+                self.target.remove([old.covered_by])
+
+    def _complete(self, last: _Node, per: int) -> None:
+        """``last`` ends a router block: hash it from its engine blocks' tokens."""
+        chain = [last]
+        node = last
+        for _ in range(per - 1):
+            node_or_none = self._nodes.get(node.parent)
+            if node_or_none is None:
+                return
+            node = node_or_none
+            chain.append(node)
+        prev: int | None = None
+        if node.depth > 1:
+            before = self._nodes.get(node.parent)
+            if before is None or before.ours is None:
+                return  # the router block before it is not known: neither is this one's hash
+            prev = before.ours
+        tokens = [t for n in reversed(chain) for t in n.tokens]
+        ours = next_id_block_hash(prev, tokens)
+        last.ours = ours
+        for n in chain:
+            n.covered_by = ours
+        self.target.insert([ours])
+
+    def _removed(self, hashes: list[Any]) -> None:
+        for h in hashes:
+            node = self._nodes.pop(h, None)
+            if node is None:
+                continue
+            self.stats["removed"] += 1
+            if node.covered_by is not None:
+                self.target.remove([node.covered_by])
+
+    def view(self) -> dict[str, Any]:
+        return {"last_seq": self.last_seq, "engine_blocks": len(self._nodes), "engine_block_size": self.engine_block_size,
+                **self.stats}

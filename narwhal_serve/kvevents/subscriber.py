@@ -1,0 +1,116 @@
+"""One engine's KV-event subscription: ZMQ SUB to its publisher, DEALER to its replay socket.
+
+At start it asks the replay socket for everything buffered (from seq 0), so a router that starts
+after the engine learns what the engine already holds.  Each live batch goes to the engine's
+:class:`~narwhal_serve.kvevents.index.KVEventIndex`; a gap is filled from the replay socket, and when
+the replay cannot fill it (the engine's buffer moved on, or there is no replay socket) the index is
+resynced.  ZMQ reconnects by itself when the engine restarts; the index sees the new sequence start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from narwhal_serve.kvevents.index import KVEventIndex
+from narwhal_serve.kvevents.wire import END_SEQ, KVEventBatch, decode_batch, seq_bytes, seq_of
+
+log = logging.getLogger("narwhal.kvevents")
+
+REPLAY_TIMEOUT_S = 2.0
+
+
+@dataclass
+class KVEventSubscriber:
+    engine: str
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    index: KVEventIndex
+    state: str = "connecting"
+    last_event_at: float | None = None
+    errors: dict[str, int] = field(default_factory=lambda: {"malformed_frames": 0, "replay_timeouts": 0})
+    _ctx: Any = None
+
+    async def run(self) -> None:
+        self._ctx = zmq.asyncio.Context.instance()
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sub.connect(self.endpoint)
+        try:
+            if self.replay_endpoint is not None:
+                for seq, batch in await self._replay(0):
+                    self.index.offer(seq, batch)
+            self.state = "subscribed"
+            while True:
+                frames = await sub.recv_multipart()
+                got = self._decode(frames)
+                if got is None:
+                    continue
+                seq, batch = got
+                self.last_event_at = time.time()
+                if self.index.offer(seq, batch) == "gap":
+                    await self._fill(seq, batch)
+        finally:
+            self.state = "stopped"
+            sub.close(linger=0)
+
+    def _decode(self, frames: list[bytes]) -> tuple[int, KVEventBatch] | None:
+        if len(frames) != 3:
+            self.errors["malformed_frames"] += 1
+            return None
+        try:
+            return seq_of(frames[1]), decode_batch(frames[2])
+        except (msgspec.DecodeError, ValueError):
+            self.errors["malformed_frames"] += 1
+            return None
+
+    async def _fill(self, seq: int, batch: KVEventBatch) -> None:
+        """A gap before ``seq``: replay what was missed, else resync from ``batch``."""
+        expected = (self.index.last_seq or 0) + 1
+        replayed = await self._replay(expected) if self.replay_endpoint is not None else []
+        if not replayed or replayed[0][0] > expected:
+            log.warning("kv events of %s: batches %d..%d missed and not replayable; index resynced",
+                        self.engine, expected, seq - 1)
+            self.index.resync(seq, batch)
+            return
+        for s, b in replayed:
+            if s > seq:
+                break
+            self.index.offer(s, b)
+        if self.index.last_seq is not None and self.index.last_seq < seq:
+            self.index.resync(seq, batch)  # the replay ended short of the live batch
+
+    async def _replay(self, start: int) -> list[tuple[int, KVEventBatch]]:
+        assert self.replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay_endpoint)
+        out: list[tuple[int, KVEventBatch]] = []
+        try:
+            await dealer.send_multipart([b"", seq_bytes(start)])
+            async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                while True:
+                    frames = await dealer.recv_multipart()
+                    if len(frames) == 4 and seq_of(frames[2]) == END_SEQ:
+                        break
+                    got = self._decode(frames[1:])
+                    if got is not None:
+                        out.append(got)
+        except TimeoutError:
+            self.errors["replay_timeouts"] += 1
+        finally:
+            dealer.close(linger=0)
+        return out
+
+    def view(self) -> dict[str, Any]:
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "state": self.state,
+                "last_event_at": self.last_event_at, **self.errors, **self.index.view()}

@@ -1,0 +1,48 @@
+"""The simulator's tokenizer as the router loads it (``tokenizer: narwhal-sim``, the default for the
+embedded simulated fleet): the same functions the simulated engines size their prompts with
+(:mod:`narwhal_serve.sim.textgen`), so the router knows a simulated prompt's exact token IDs the way
+it knows a vLLM engine's from the model's Hugging Face tokenizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.sim.textgen import VOCAB_SIZE, encode_prompt, render_chat, token_str
+from narwhal_serve.tokenization.chat import NotExact
+from narwhal_serve.tokenization.hf import Encoded
+
+SOURCE = "narwhal-sim"
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+class SimTokenizer:
+    source = SOURCE
+    vocab_size = VOCAB_SIZE
+    max_model_len: int | None = SimEngineConfig.model_fields["max_model_len"].default
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return encode_prompt(text, add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(token_str(i) for i in ids)
+
+    def token_strs(self, ids: list[int]) -> list[str | None]:
+        return [token_str(i) for i in ids]
+
+    def prompt(self, route: str, body: dict[str, Any]) -> Encoded:
+        if route == "chat":
+            msgs = [(str(m.get("role", "")), _text(m.get("content"))) for m in body["messages"]]
+            return Encoded(render_chat(msgs, bool(body.get("add_generation_prompt", True))), False)
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1:
+            p = p[0]
+        if not isinstance(p, str):
+            raise NotExact("not a text prompt")
+        special = body.get("add_special_tokens", True)
+        return Encoded(encode_prompt(p, bool(special)), bool(special))
