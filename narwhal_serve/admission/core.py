@@ -56,6 +56,7 @@ class EngineFacts:
     prefix: AbstractSet[int] = frozenset()  # prompt-prefix blocks the engine is believed to hold
     ttft_margin: float = 0.0  # a projection here is judged with this relative margin (prediction/ttft.py)
     prefix_credit: float = 1.0  # share of a prefix match credited as cached (measured hit rate)
+    cache_block_tokens: int = 0  # the engine reuses its cache in blocks of this many tokens (0: unknown)
 
     def eligible(self, now: float) -> bool:
         return now <= self.eligible_until
@@ -216,6 +217,8 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
     cached = matched = 0
     if ask.prefix and e.prefix:
         matched = max(0, min(ask.prompt_tokens - 1, int(matched_blocks(e.prefix, ask.prefix) * ask.prefix_block_tokens)))
+        if e.cache_block_tokens > 1:  # the engine reuses whole blocks of its own only
+            matched -= matched % e.cache_block_tokens
         cached = int(matched * e.prefix_credit)
     own = ask.prompt_tokens - cached
     x = e.pending_prefill_tokens + view.queued_tokens + own

@@ -5,8 +5,11 @@ router keys its index by its own chained hash of token-ID blocks (:func:`next_id
 hash every ingress computes for a request's prompt), of ``placement.prefix_block_tokens`` tokens.
 A ``BlockStored`` carries the blocks' token IDs, so the router computes its keys from them and needs
 the engine's hash function only as a join key (parent → child, and for ``BlockRemoved``).  When the
-router's block is several engine blocks (64 tokens over vLLM's 16), a router block is held once all
-of its engine blocks are, and leaves the index as soon as any of them is removed.
+router's block is several engine blocks (64 tokens over 16-token engine blocks), a router block is
+held once all of its engine blocks are, and leaves the index as soon as any of them is removed.  When
+an engine block is several router blocks (vLLM-CPU's 128 over the router's 64), each engine block
+puts all of its router blocks in the index and takes them out together; admission credits a match
+only in whole engine blocks (``cache_block_tokens``), since the engine reuses nothing finer.
 
 Sequence numbers: a batch with the next number is applied; one further ahead is a *gap* (the caller
 asks the replay socket for what it missed, and resyncs — index cleared, rebuilt from what follows —
@@ -21,7 +24,7 @@ own ``BlockRemoved`` events normally keep it far below), the oldest forgotten fi
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -45,7 +48,7 @@ class _Node:
     depth: int  # engine blocks from the start of the prompt (1: the first)
     tokens: tuple[int, ...]
     ours: int | None = None  # the router block ending at this engine block
-    covered_by: int | None = None  # the router block this engine block belongs to
+    covered_by: list[int] | None = None  # the router blocks this engine block is part of
 
 
 @dataclass
@@ -53,6 +56,7 @@ class KVEventIndex:
     router_block_tokens: int
     capacity: int
     target: Target
+    on_block_size: "Callable[[int], None] | None" = None  # told the engine's block size when it is learned
     last_seq: int | None = None
     last_ts: float = 0.0
     engine_block_size: int | None = None
@@ -118,17 +122,20 @@ class KVEventIndex:
         if b <= 0 or len(ev.token_ids) != b * len(ev.block_hashes):
             self.stats["malformed"] += 1
             return
-        if r % b:
-            self.stats["incompatible"] += 1  # the router's blocks must be whole engine blocks
+        if r % b and b % r:
+            self.stats["incompatible"] += 1  # one block size must be a multiple of the other
             return
-        self.engine_block_size = b
-        if ev.lora_id is not None or ev.lora_name is not None or ev.extra_keys:
-            return  # a LoRA's or multimodal prompt's blocks are not the plain prompt's
+        if b != self.engine_block_size:
+            self.engine_block_size = b
+            if self.on_block_size is not None:
+                self.on_block_size(b)
+        if ev.lora_id is not None or ev.lora_name is not None or any(k for k in ev.extra_keys or ()):
+            return  # a LoRA's, a cache salt's or a multimodal prompt's blocks are not the plain prompt's
         parent = self._nodes.get(ev.parent_block_hash) if ev.parent_block_hash is not None else None
         if ev.parent_block_hash is not None and parent is None:
             self.stats["orphans"] += len(ev.block_hashes)  # its prefix was missed: the next reuse re-sends it
             return
-        per = r // b
+        per = max(1, r // b)
         for i, h in enumerate(ev.block_hashes):
             node = self._nodes.get(h)
             if node is not None:  # a reused block announced again
@@ -139,13 +146,27 @@ class KVEventIndex:
                          parent.depth + 1 if parent is not None else 1, tuple(ev.token_ids[i * b:(i + 1) * b]))
             self._nodes[h] = node
             self.stats["stored"] += 1
-            if node.depth % per == 0:
+            if b > r:
+                self._split(node, parent, r)
+            elif node.depth % per == 0:
                 self._complete(node, per)
             parent = node
         while len(self._nodes) > self.capacity:
             _, old = self._nodes.popitem(last=False)
-            if old.covered_by is not None:
-                self.target.remove([old.covered_by])
+            if old.covered_by:
+                self.target.remove(old.covered_by)
+
+    def _split(self, node: _Node, parent: _Node | None, r: int) -> None:
+        """An engine block of several router blocks: all of them, chained from the one before."""
+        if parent is not None and parent.ours is None:
+            return
+        prev = None if parent is None else parent.ours
+        ours: list[int] = []
+        for k in range(0, len(node.tokens), r):
+            prev = next_id_block_hash(prev, node.tokens[k:k + r])
+            ours.append(prev)
+        node.ours, node.covered_by = prev, ours
+        self.target.insert(ours)
 
     def _complete(self, last: _Node, per: int) -> None:
         """``last`` ends a router block: hash it from its engine blocks' tokens."""
@@ -167,7 +188,7 @@ class KVEventIndex:
         ours = next_id_block_hash(prev, tokens)
         last.ours = ours
         for n in chain:
-            n.covered_by = ours
+            n.covered_by = [ours]
         self.target.insert([ours])
 
     def _removed(self, hashes: list[Any]) -> None:
@@ -176,8 +197,8 @@ class KVEventIndex:
             if node is None:
                 continue
             self.stats["removed"] += 1
-            if node.covered_by is not None:
-                self.target.remove([node.covered_by])
+            if node.covered_by:
+                self.target.remove(node.covered_by)
 
     def view(self) -> dict[str, Any]:
         return {"last_seq": self.last_seq, "engine_blocks": len(self._nodes), "engine_block_size": self.engine_block_size,

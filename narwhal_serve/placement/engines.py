@@ -34,6 +34,7 @@ class EngineState:
     ttft_errors: ErrorWindow = field(default_factory=ErrorWindow)  # the margin a projection is judged with
     prefix_credit: float = CREDIT_PRIOR  # share of believed prefix hits that measured like hits (EWMA)
     prefix_exact: bool = False  # the index follows the engine's own KV events (credit 1, not learned)
+    cache_block_tokens: int = 0  # the engine's KV block size, from its events (credits round down to it)
     pending_prefill_tokens: int = 0  # prompt tokens routed here and not yet past their first token
     pending_prefill_requests: int = 0  # requests routed here and not yet past their first token
     service_s: float | None = None  # measured request duration, first byte to last token (EWMA)

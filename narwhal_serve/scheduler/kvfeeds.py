@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from narwhal_serve.config import PlacementConfig
@@ -19,6 +19,13 @@ log = logging.getLogger("narwhal.kvevents")
 # engine blocks one index remembers at most (vLLM's BlockRemoved normally keeps it at the engine's KV
 # capacity; this bounds a stream that never removes)
 MAX_ENGINE_BLOCKS = 1 << 20
+
+
+def _block_size_of(e: EngineState) -> Callable[[int], None]:
+    def learned(block_tokens: int) -> None:
+        e.cache_block_tokens = block_tokens
+
+    return learned
 
 
 class KVEventFeeds:
@@ -35,7 +42,8 @@ class KVEventFeeds:
             e.prefix.clear()
             e.prefix_exact = True
             e.prefix_credit = 1.0
-            index = KVEventIndex(self.placement.prefix_block_tokens, MAX_ENGINE_BLOCKS, e.prefix)
+            index = KVEventIndex(self.placement.prefix_block_tokens, MAX_ENGINE_BLOCKS, e.prefix,
+                                 on_block_size=_block_size_of(e))
             sub = KVEventSubscriber(e.cfg.name, ev.endpoint, ev.replay_endpoint, ev.topic, index)
             self.subs[e.cfg.name] = sub
             task = asyncio.get_running_loop().create_task(self._run(sub), name=f"kv-events-{e.cfg.name}")

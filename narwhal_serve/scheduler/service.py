@@ -192,7 +192,7 @@ class SchedulerService:
                 tpot_a=e.tpot_model.a, tpot_b=e.tpot_model.b, tpot_known=bool(e.tpot_model.samples),
                 decode_tokens=e.decode_tokens, penalty=e.drift.penalty(pl) if predictive else 0.0,
                 ttft_margin=e.ttft_errors.margin,
-                prefix_credit=e.prefix_credit,
+                prefix_credit=e.prefix_credit, cache_block_tokens=e.cache_block_tokens,
                 prefix=(e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),
             ))
         return FleetView(

@@ -75,6 +75,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(mark)
     # The P/D pair boots together with the unified engine (in parallel) when a selected test needs it.
     REPORT["want_pd"] = any("pd" in getattr(i, "fixturenames", ()) for i in ours)
+    REPORT["want_kv"] = any("kv_engine" in getattr(i, "fixturenames", ()) for i in ours)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -114,6 +115,25 @@ class Engines:
     prefill: engine.Server | None = None  # the P/D pair (ExampleConnector over a shared directory)
     decode: engine.Server | None = None
     kv_dir: Path | None = None
+    kv_events: engine.Server | None = None  # publishes KV events (KV_EVENTS_*), with a small KV cache
+
+
+# The KV-events engine: vLLM binds ipc:// endpoints (it connects to tcp:// ones unless they name *),
+# and a cache of KV_BLOCKS blocks of 128 tokens, small enough for a test to make it evict.
+KV_BLOCKS = 24
+
+
+def kv_endpoints(port: int) -> tuple[str, str]:
+    base = f"ipc:///tmp/narwhal-e2e-kv-{port}"  # (a Unix socket path: kept short)
+    return base, base + "-replay"
+
+
+def kv_engine_args(port: int) -> list[str]:
+    pub, replay = kv_endpoints(port)
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay}
+    import json
+
+    return ["--kv-events-config", json.dumps(cfg), "--num-gpu-blocks-override", str(KV_BLOCKS)]
 
 
 def _external(url: str) -> engine.Server:
@@ -140,7 +160,11 @@ def engines() -> Iterator[Engines]:
     try:
         unified = engine.launch_server(free_port(), MODEL)
         launched.append(unified)
-        prefill = decode = None
+        prefill = decode = kv = None
+        if REPORT.get("want_kv"):
+            port = free_port()
+            kv = engine.launch_server(port, MODEL, kv_engine_args(port))
+            launched.append(kv)
         if REPORT.get("want_pd"):
             engine.CACHE.mkdir(parents=True, exist_ok=True)
             kv_dir = Path(tempfile.mkdtemp(prefix="kv-shared-", dir=engine.CACHE))
@@ -150,12 +174,12 @@ def engines() -> Iterator[Engines]:
             launched.append(decode)
         for server in launched:
             engine.wait_server(server)
-        roles = {"unified": unified, "prefill": prefill, "decode": decode}
+        roles = {"unified": unified, "prefill": prefill, "decode": decode, "kv-events": kv}
         REPORT["notes"].append(
             "vLLM servers (booted in parallel): "
             + ", ".join(f"{role} on port {s.port}" for role, s in roles.items() if s is not None)
         )
-        yield Engines(unified, prefill, decode, kv_dir)
+        yield Engines(unified, prefill, decode, kv_dir, kv)
     finally:
         for server in launched:
             engine.stop_server(server)
@@ -166,6 +190,23 @@ def engines() -> Iterator[Engines]:
 @pytest.fixture(scope="session")
 def vllm_server(engines: Engines) -> engine.Server:
     return engines.unified
+
+
+@pytest.fixture(scope="session")
+def kv_engine(engines: Engines) -> Iterator[engine.Server]:
+    """The vLLM engine that publishes KV events (booted with the others; on its own when the session
+    reuses external servers)."""
+    if engines.kv_events is not None:
+        yield engines.kv_events
+        return
+    engine.install()
+    engine.build_model()
+    port = free_port()
+    server = engine.launch_server(port, MODEL, kv_engine_args(port))
+    try:
+        yield engine.wait_server(server)
+    finally:
+        engine.stop_server(server)
 
 
 @pytest.fixture(scope="session")

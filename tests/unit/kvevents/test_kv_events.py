@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -224,3 +225,33 @@ async def test_the_router_index_holds_exactly_the_engines_blocks(router: LocalRo
         await eventually(lambda: not (want & set(state.prefix.held())) or not (want & set(other.prefix.held())), "evicted")
         engine.engine.clear_prefix_cache()
         await eventually(lambda: not set(state.prefix.held()), "cleared")
+
+
+def test_engine_blocks_larger_than_the_routers_are_split() -> None:
+    """vLLM-CPU's 128-token blocks under the router's 64: each engine block is two router blocks,
+    in and out together, and the engine's block size is reported for crediting whole blocks."""
+    seen: list[int] = []
+    target = PrefixIndex(1000)
+    idx = KVEventIndex(64, 10_000, target, on_block_size=seen.append)
+    ids = list(range(7, 7 + 300))
+    eh = chain(ids, 128)
+    idx.offer(0, batch(stored(eh[:1], None, ids[:128], 128)))
+    idx.offer(1, batch(stored(eh[1:2], eh[0], ids[128:256], 128)))
+    assert set(target.held()) == set(id_block_hashes(ids, 64, 100)) and seen == [128]
+    idx.offer(2, batch(BlockRemoved([eh[1]], "GPU")))
+    assert set(target.held()) == set(id_block_hashes(ids, 64, 100)[:2])
+
+
+def test_admission_credits_only_whole_engine_blocks() -> None:
+    """Three 64-token router blocks matched on an engine that caches in 128-token blocks: the engine
+    will reuse one block, so 128 tokens are credited, not 192."""
+    from tests.unit.admission.test_overload_decisions import engine, placed, view
+    from narwhal_serve.admission.core import Ask
+
+    ids = list(range(500))
+    hashes = id_block_hashes(ids, 64, 100)
+    ask = Ask(len(ids), 2.0, prefix=hashes, prefix_block_tokens=64.0)
+    holder = engine("holder", prefix=frozenset(hashes[:3]), prefix_credit=1.0)
+    assert placed(view(holder), ask).cached_tokens == 192
+    assert placed(view(replace(holder, cache_block_tokens=128)), ask).cached_tokens == 128
+    assert placed(view(replace(holder, cache_block_tokens=16)), ask).cached_tokens == 192
