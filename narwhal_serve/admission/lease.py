@@ -133,11 +133,9 @@ class AdmissionLease:
             return
         t.prefill_done = True
         self._move(t, engines)
-        if t.placement.first_engine is not None:
-            # its prefill is done: from now on the engine holds its prompt's blocks
+        if t.placement.first_engine is not None:  # (its blocks were counted at admission: core.charge)
             _add(self._deltas, {t.placement.first_engine: EngineDelta(
-                pending_prefill_tokens=-t.placement.prefill_tokens, pending_prefill_requests=-1,
-                prefix=frozenset(t.placement.prefix) if t.engines == t.placement.engines else frozenset())})
+                pending_prefill_tokens=-t.placement.prefill_tokens, pending_prefill_requests=-1)})
         self._free(Permits(prefill=1))
 
     def progress(self, ticket_id: str, tokens: int) -> None:

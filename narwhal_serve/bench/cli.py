@@ -78,6 +78,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-url", action="append", default=[],
                    help="use this running engine (repeatable) instead of simulated ones")
     g.add_argument("--model", default="narwhal-sim", help="model id sent (and configured in Narwhal)")
+    g.add_argument("--tokenizer", default=None,
+                   help="with --engine-url: the engines' model directory, so Narwhal sizes prompts exactly "
+                        "(simulated engines: the simulator's tokenizer)")
     g.add_argument("--engines", type=int, help="simulated engines in the fleet")
     g.add_argument("--max-num-seqs", type=int)
     g.add_argument("--prefill-overhead-s", type=float)
@@ -282,7 +285,7 @@ def fleet_spec(ns: argparse.Namespace, budget_s: float) -> FleetSpec:
     engines = len(ns.engine_url) or (ns.engines or DEFAULT_ENGINES[ns.mode])
     return FleetSpec(engines=engines, timing=timing, model=ns.model, external_urls=tuple(ns.engine_url),
                      narwhal_budget_s=budget_s, ray_niceness=ns.ray_niceness,
-                     ray_env=tuple(_key_value(kv) for kv in ns.ray_env))
+                     ray_env=tuple(_key_value(kv) for kv in ns.ray_env), tokenizer=ns.tokenizer)
 
 
 def workload(ns: argparse.Namespace, kind: WorkloadKind) -> Workload:

@@ -25,12 +25,14 @@ from narwhal_serve.runenv import direct_ingress_env
 from narwhal_serve.bench.client import Endpoint
 
 TARGETS: tuple[str, ...] = ("direct", "proxy", "narwhal-open", "narwhal-predictive", "rr", "narwhal-nolease",
-                            "narwhal-prefix-blind")
+                            "narwhal-prefix-blind", "narwhal-estimate")
 # narwhal-nolease: open admission with a scheduler call per request (admission.ingress_leases off)
 # and plain httpx to the engines — the hot path before leases, measured beside the others
+# narwhal-estimate: predictive, with prompts sized by the characters / 4 estimate and the prefix index
+# learned from placements (no tokenizer, no KV events) — the router before exact tokens, side by side
 NARWHAL_PREFIX = {"narwhal-open": "/open", "narwhal-predictive": "/predictive", "narwhal-nolease": "/nolease",
-                  "narwhal-prefix-blind": "/prefix-blind"}
-PREDICTIVE_TARGETS = frozenset({"narwhal-predictive", "narwhal-prefix-blind"})
+                  "narwhal-prefix-blind": "/prefix-blind", "narwhal-estimate": "/estimate"}
+PREDICTIVE_TARGETS = frozenset({"narwhal-predictive", "narwhal-prefix-blind", "narwhal-estimate"})
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -74,6 +76,7 @@ class FleetSpec:
     narwhal_budget_s: float = 2.0  # admission.ttft_budget_s (clients also send X-TTFT-Target)
     ray_niceness: int = 0  # Ray workers' nice level; 0 = same priority as the engines, proxy and clients
     ray_env: tuple[tuple[str, str], ...] = ()  # extra environment for `serve run`
+    tokenizer: str | None = None  # --tokenizer: the external engines' model directory (exact prompt sizes)
 
 
 def narwhal_app(args: dict[str, Any], name: str = "narwhal", route_prefix: str = "/") -> dict[str, Any]:
@@ -87,12 +90,20 @@ def serve_config(port: int, apps: list[dict[str, Any]]) -> dict[str, Any]:
             "applications": apps}
 
 
+def kv_events_of(port: int) -> dict[str, str]:
+    """A simulated engine's KV-event sockets (Unix sockets named after its HTTP port)."""
+    base = f"ipc:///tmp/narwhal-bench-kv-{port}"
+    return {"endpoint": base, "replay_endpoint": base + "-replay"}
+
+
 def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets: list[str],
-                         ttft_budget_s: float, max_num_seqs: int | None = None) -> dict[str, Any]:
+                         ttft_budget_s: float, max_num_seqs: int | None = None,
+                         tokenizer: str | None = None, kv_events: bool = False) -> dict[str, Any]:
     """The ``serve run`` config: one application per selected Narwhal target.
 
     ``max_num_seqs``: the engines' slot count, as an operator would configure it (None for
-    external engines whose limit the bench does not know)."""
+    external engines whose limit the bench does not know).  ``tokenizer``: the model's (the
+    simulator's for a simulated fleet); ``kv_events``: the engines publish them (simulated ones do)."""
     engines: list[dict[str, Any]] = [
         {"name": f"e{i}", "url": u, "role": "unified", "dialect": "vllm"} for i, u in enumerate(engine_urls)
     ]
@@ -102,12 +113,16 @@ def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets:
     apps = []
     for t in targets:
         mode = "predictive" if t in PREDICTIVE_TARGETS else "open"
+        exact = t != "narwhal-estimate"
+        app_engines = [{**e, "kv_events": kv_events_of(int(e["url"].rsplit(":", 1)[1]))} if kv_events and exact else e
+                       for e in engines]
         apps.append(narwhal_app({
             "model": model,
+            **({"tokenizer": tokenizer if exact else "estimate"} if tokenizer else {}),
             "admission": {"mode": mode, "ttft_budget_s": ttft_budget_s,
                           "max_ttft_budget_s": max(60.0, ttft_budget_s),
                           "ingress_leases": t != "narwhal-nolease"},
-            "engines": engines,
+            "engines": app_engines,
             **({"deployment": {"engine_http": "httpx"}} if t == "narwhal-nolease" else {}),
             **({"placement": {"prefix_aware": False}} if t == "narwhal-prefix-blind" else {}),
         }, t, NARWHAL_PREFIX[t]))
@@ -150,9 +165,12 @@ class Fleet:
         if self.simulated:
             for i in range(self.spec.engines):
                 port = procs.free_port()
+                kv = kv_events_of(port)
                 argv = procs.python_module("narwhal_serve.sim.cli", "--port", str(port), "--name", f"sim{i}",
                                            "--role", "unified", "--model", self.spec.model, "--seed", str(i),
-                                           "--eos-prob", "0", *self.spec.timing.argv())
+                                           "--eos-prob", "0", *self.spec.timing.argv(),
+                                           "--kv-events-endpoint", kv["endpoint"],
+                                           "--kv-events-replay-endpoint", kv["replay_endpoint"])
                 self.sims.append(procs.start(f"sim{i}", argv, self.log_dir))
                 self.engine_urls.append(f"http://127.0.0.1:{port}")
             for url, p in zip(self.engine_urls, self.sims):
@@ -165,7 +183,9 @@ class Fleet:
             cfg_path = self.log_dir / "narwhal-serve-config.yaml"  # JSON is YAML
             cfg_path.write_text(json.dumps(narwhal_serve_config(
                 nw_port, self.engine_urls, self.spec.model, nw_targets, self.spec.narwhal_budget_s,
-                None if self.spec.external_urls else self.spec.timing.max_num_seqs), indent=1))
+                None if self.spec.external_urls else self.spec.timing.max_num_seqs,
+                tokenizer="narwhal-sim" if self.simulated else self.spec.tokenizer,
+                kv_events=self.simulated), indent=1))
             serve = Path(sys.executable).parent / "serve"
             self.narwhal = procs.start("narwhal", [str(serve), "run", str(cfg_path)], self.log_dir,
                                        env=self._ray_env(),

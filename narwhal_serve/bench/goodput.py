@@ -69,10 +69,11 @@ class GoodputArgs:
 def model_capacity(timing: SimTiming, engines: int, wl: Workload, api: Api = "chat",
                    cached_tokens: float = 0.0) -> float:
     """Requests per second the simulated fleet completes with every slot busy (no queueing);
-    ``cached_tokens`` of every prompt found in the prefix cache."""
+    ``cached_tokens`` of every prompt found in the prefix cache.  The simulator prefills one request
+    at a time (``prefill_mode: serial``), so an engine also completes at most 1 / prefill time."""
     prompt = wl.mean_prompt_tokens() + (CHAT_TEMPLATE_TOKENS if api == "chat" else 1) - cached_tokens
     service = timing.prefill_s(prompt) + max(0.0, wl.output_len.mean() - 1) * timing.tpot_s(timing.max_num_seqs)
-    return engines * timing.max_num_seqs / service
+    return engines * min(timing.max_num_seqs / service, 1.0 / timing.prefill_s(prompt))
 
 
 def cached_prefix_tokens(wl: Workload, api: Api = "chat", block_size: int = SIM_DEFAULTS.kv_block_size) -> int:

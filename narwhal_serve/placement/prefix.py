@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -120,11 +120,30 @@ def matched_blocks(held: AbstractSet[int], hashes: Sequence[int]) -> int:
     return n
 
 
+class _Union(AbstractSet[int]):
+    """Held blocks and pending ones, read as one set (no copy)."""
+
+    def __init__(self, a: AbstractSet[int], b: AbstractSet[int]) -> None:
+        self._a, self._b = a, b
+
+    def __contains__(self, h: object) -> bool:
+        return h in self._a or h in self._b
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._a
+        yield from (h for h in self._b if h not in self._a)
+
+    def __len__(self) -> int:
+        return len(self._a) + sum(1 for h in self._b if h not in self._a)
+
+
 class PrefixIndex:
-    """One engine's blocks, bounded to ``capacity``, least recently placed evicted first."""
+    """One engine's blocks, bounded to ``capacity``, least recently placed evicted first; and the
+    *pending* blocks of requests placed there whose prefill has not finished (reference counted)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        self._pending: Counter[int] = Counter()
         self._blocks: OrderedDict[int, None] = OrderedDict()
         self._frozen: frozenset[int] | None = frozenset()
         self._frozen_limit = 0
@@ -158,15 +177,35 @@ class PrefixIndex:
         self._blocks.clear()
         self._frozen = frozenset()
 
+    def pend(self, hashes: Iterable[int]) -> None:
+        """A request placed here with these blocks, its prefill not done yet."""
+        for h in hashes:
+            self._pending[h] += 1
+            self._frozen = None
+
+    def unpend(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            n = self._pending.get(h, 0) - 1
+            if n > 0:
+                self._pending[h] = n
+            else:
+                self._pending.pop(h, None)
+            self._frozen = None
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
     def held(self) -> AbstractSet[int]:
-        """A live read-only view (for decisions made here)."""
-        return self._blocks.keys()
+        """A live read-only view (for decisions made here): held and pending blocks."""
+        return _Union(self._blocks.keys(), self._pending.keys()) if self._pending else self._blocks.keys()
 
     def frozen(self, limit: int) -> frozenset[int]:
-        """A copy of the ``limit`` most recently placed blocks, for a fleet view that crosses the Ray
-        hop (cached until the next insert)."""
+        """A copy of the ``limit`` most recently placed blocks and the pending ones, for a fleet view
+        that crosses the Ray hop (cached until the next change)."""
         if self._frozen is None or self._frozen_limit != limit:
             n = min(limit, len(self._blocks))
-            self._frozen = frozenset(itertools.islice(reversed(self._blocks), n)) if n else frozenset()
+            recent = frozenset(itertools.islice(reversed(self._blocks), n)) if n else frozenset()
+            self._frozen = recent | frozenset(self._pending) if self._pending else recent
             self._frozen_limit = limit
         return self._frozen

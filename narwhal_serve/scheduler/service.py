@@ -250,6 +250,7 @@ class SchedulerService:
         if e is not None:
             e.pending_prefill_tokens += placement.prefill_tokens
             e.pending_prefill_requests += 1
+            e.prefix.pend(placement.prefix)  # a pending prefix (admission/core.py charge)
         t = _Ticket(placement, placement.engines, deadline, lease)
         self._tickets[tid] = t
         self._charge_decode(t, placement.decode_engine, placement.expected_out)
@@ -281,6 +282,7 @@ class SchedulerService:
             if e is not None:
                 e.pending_prefill_tokens = max(0, e.pending_prefill_tokens - t.placement.prefill_tokens)
                 e.pending_prefill_requests = max(0, e.pending_prefill_requests - 1)
+                e.prefix.unpend(t.placement.prefix)
 
     async def admit(self, req: AdmitRequest) -> AdmitResult:
         self.calls["admit"] += 1

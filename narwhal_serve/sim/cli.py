@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-per-running-s", type=float, default=d.tpot_per_running_s)
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
     p.add_argument("--kv-block-size", type=int, default=d.kv_block_size)
+    p.add_argument("--prefill-mode", choices=["serial", "parallel"], default=d.prefill_mode)
     p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks)
     p.add_argument("--eos-prob", type=float, default=d.eos_prob)
     p.add_argument("--kv-events-endpoint", default=None,

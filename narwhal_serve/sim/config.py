@@ -58,6 +58,9 @@ class SimEngineConfig(BaseModel):
     tpot_per_running_s: float = Field(default=0.0001, ge=0.0)
     default_max_tokens: int = Field(default=16, ge=1)
     kv_block_size: int = Field(default=16, ge=1)
+    prefill_mode: Literal["serial", "parallel"] = "serial"
+    """``serial``: prefills run one at a time in arrival order (as vLLM's per-step token budget makes
+    them add up); ``parallel``: each request's prefill takes its own time whatever else is waiting."""
     num_gpu_blocks: int = Field(default=4096, ge=1)
     """KV-cache capacity in blocks: bounds the prefix cache and scales ``kv_cache_usage_perc``."""
     kv_events_endpoint: str | None = None

@@ -4,6 +4,7 @@ timing, the prefix cache, counters for ``/metrics`` and the request log for ``/s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import time
@@ -116,6 +117,7 @@ class Engine:
         self.port = 0
         self._tokens_held: dict[int, int] = {}
         self._seq = itertools.count()
+        self._prefill = asyncio.Lock()  # prefill_mode serial: FIFO (asyncio locks are fair)
         self._shutdown: asyncio.Event | None = None
 
     # ---- configuration / bookkeeping -------------------------------------------------------------
@@ -201,14 +203,19 @@ class Engine:
         try:
             cfg, bs = self.cfg, self.cfg.kv_block_size
             hashes = block_hashes(job.prompt_ids, bs)
-            cached = len(job.prompt_ids) if job.skip_prefill else self.cache.cached_tokens(hashes, bs)
             self._tokens_held[seq] = len(job.prompt_ids)
             if job.skip_prefill:
                 deadline = loop.time()
+                job.block_ids = self._cache_prompt(job.prompt_ids, hashes, bs)
             else:
-                deadline = prefill_deadline(cfg, loop.time(), len(job.prompt_ids) - cached)
-            await asyncio.sleep(max(0.0, deadline - loop.time()))
-            job.block_ids = self._cache_prompt(job.prompt_ids, hashes, bs)
+                # serial: one prefill at a time, first come first served (vLLM spends a token budget
+                # per step on waiting prefills in arrival order, so they add up); a request queued
+                # behind one with the same prefix finds its blocks cached when its turn comes
+                async with self._prefill if cfg.prefill_mode == "serial" else contextlib.nullcontext():
+                    cached = self.cache.cached_tokens(hashes, bs)
+                    deadline = prefill_deadline(cfg, loop.time(), len(job.prompt_ids) - cached)
+                    await asyncio.sleep(max(0.0, deadline - loop.time()))
+                    job.block_ids = self._cache_prompt(job.prompt_ids, hashes, bs)
             if len(job.prompt_ids) % bs:
                 job.block_ids.append(self.cache.fresh_block_id())
             c.prompt_tokens += len(job.prompt_ids)

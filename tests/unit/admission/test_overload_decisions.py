@@ -97,10 +97,10 @@ def test_prefix_holder_wins_against_load_and_the_projection_credits_its_cached_t
     # ...not once its queue would break the TTFT target, or its batch the TPOT target
     assert placed(view(replace(holder, pending_prefill_tokens=5000), idle), ask).engines == ("idle",)
     assert placed(view(replace(holder, inflight=7), idle), replace(ask, tpot_budget_s=0.04)).engines == ("idle",)
-    # the prefill charge is the uncached part; the blocks reach the index only once its prefill is
-    # done (first token): until then a request with the same prefix would find nothing cached
+    # the prefill charge is the uncached part; its blocks count as the holder's at once (a pending
+    # prefix: a request with the same prefix queues behind its prefill there and finds them cached)
     d = charge(p)["holder"]
-    assert d.pending_prefill_tokens == p.prefill_tokens and d.prefix == frozenset()
+    assert d.pending_prefill_tokens == p.prefill_tokens and d.prefix == frozenset(hashes)
 
 
 def test_a_long_cached_prefix_is_not_spilled_onto_a_busy_engine() -> None:
@@ -301,7 +301,7 @@ def test_reserved_requests_hold_sequence_slots_too() -> None:
     assert placed(view(full, reservations=(held,)), Ask(100, 30.0, retry=True)).slot_wait_s == pytest.approx(base)
 
 
-async def test_the_index_learns_a_prefix_when_its_prefill_is_done() -> None:
+async def test_a_pending_prefix_places_the_next_request_behind_it_and_the_index_learns_it_at_first_token() -> None:
     from narwhal_serve.admission.lease import AdmissionLease
 
     svc, clock = scheduler_service({"mode": "predictive"})
@@ -311,16 +311,17 @@ async def test_the_index_learns_a_prefix_when_its_prefill_is_done() -> None:
     lease.apply(svc.report(Report(lease=lease.cut(0.0))), clock.t, 0.0)  # type: ignore[arg-type]
     p = lease.try_admit("a", ask, clock.t + 60, clock.t, 0.0)
     assert isinstance(p, Placement) and p.cached_tokens == 0
-    again = lease.try_admit("b", ask, clock.t + 60, clock.t, 0.0)  # still prefilling: nothing to credit
-    assert isinstance(again, Placement) and again.cached_tokens == 0
-    lease.first_token("a", p.engines)  # the lease's own view knows at once
-    third = lease.try_admit("c", ask, clock.t + 60, clock.t, 0.0)
-    assert isinstance(third, Placement) and third.engines == p.engines and third.matched_tokens == len(hashes) * 64
+    # still prefilling: the next request with its prefix queues behind it on the same engine and is
+    # credited the blocks it will find cached when its own prefill starts (not spilled cold)
+    again = lease.try_admit("b", ask, clock.t + 60, clock.t, 0.0)
+    assert isinstance(again, Placement) and again.engines == p.engines and again.matched_tokens == len(hashes) * 64
     holder = svc.engines[p.first_engine or ""]
     part = lease.cut(0.0)
-    assert len(holder.prefix) == 0
-    svc.report(Report(lease=part, decode_started=[("a", p.engines)]))
-    assert len(holder.prefix) == len(hashes)  # and the scheduler's once the first token is reported
+    svc.report(Report(lease=part))
+    assert len(holder.prefix) == 0 and holder.prefix.pending == len(hashes)  # the scheduler's view: pending
+    assert set(hashes) <= set(svc.view(clock.t).engines[[e.cfg.name for e in svc.view(clock.t).engines].index(holder.cfg.name)].prefix)
+    svc.report(Report(lease=lease.cut(0.0), decode_started=[("a", p.engines), ("b", p.engines)]))
+    assert len(holder.prefix) == len(hashes) and holder.prefix.pending == 0  # learned once the first token is reported
 
 
 def test_a_cold_engine_is_ranked_like_the_best_measured_one_not_by_its_prior() -> None:

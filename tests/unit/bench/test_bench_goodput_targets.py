@@ -95,8 +95,12 @@ def test_capacity_model_and_cache_size_for_shared_prefix() -> None:
                   max_num_seqs=2)
     wl = shared(groups=8, prefix=1500, suffix=32)
     cold, hot = model_capacity(t, 1, wl), model_capacity(t, 1, wl, cached_tokens=cached_prefix_tokens(wl))
-    assert cold == pytest.approx(2 / (0.001 * (1532 + 6)))
-    assert hot == pytest.approx(2 / (0.001 * (1532 + 6 - 1488)))
+    # (no decode time: the one prefill at a time bounds it, not the two slots)
+    assert cold == pytest.approx(1 / (0.001 * (1532 + 6)))
+    assert hot == pytest.approx(1 / (0.001 * (1532 + 6 - 1488)))
+    slots_bound = SimTiming(prefill_overhead_s=0.0, prefill_per_token_s=0.001, tpot_base_s=0.1, tpot_per_running_s=0.0,
+                            max_num_seqs=2)
+    assert model_capacity(slots_bound, 1, wl) == pytest.approx(2 / (0.001 * 1538 + 0.1 * (wl.output_len.mean() - 1)))
     blocks_per_prompt = -(-1538 // 16)
     assert sim_cache_blocks(wl, 2) == 5 * blocks_per_prompt  # 4 of the 8 prefixes per engine, plus one
     assert sim_cache_blocks(wl, 2) < 8 * 1488 // 16  # not all of them
