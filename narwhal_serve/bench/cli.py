@@ -20,7 +20,7 @@ from narwhal_serve.bench.goodput import GoodputArgs, run_goodput_suite
 from narwhal_serve.bench.overhead import OverheadArgs, run_overhead
 from narwhal_serve.bench.report import RequestLog, run_dir, write_json
 from narwhal_serve.bench.stats import Slo
-from narwhal_serve.bench.workload import LengthDist, Workload, WorkloadKind
+from narwhal_serve.bench.workload import LengthDist, Workload, WorkloadKind, load_trace
 
 T = TypeVar("T")
 DEFAULT_TARGETS = {
@@ -50,7 +50,8 @@ def _targets(s: str) -> list[str]:
     return ts
 
 
-WORKLOADS: tuple[WorkloadKind, ...] = ("lognormal", "shared-prefix")
+WORKLOADS: tuple[WorkloadKind, ...] = ("lognormal", "shared-prefix", "mooncake", "azure", "mixed-script")
+TRACES = {"mooncake": "mooncake-fast25-conversation.jsonl.gz", "azure": "azure-llm-2023-conv.csv.gz"}
 
 
 def _workloads(s: str) -> list[WorkloadKind]:
@@ -164,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--workload", type=_workloads, default=["lognormal"],
                    help=f"comma list of {', '.join(WORKLOADS)} (each swept in turn, with its own capacity; "
                         "default %(default)s)")
+    g.add_argument("--trace-dir", type=Path, default=None,
+                   help="mooncake / azure workloads: the folder holding the traces (default: the copies in "
+                        "narwhal_serve/bench/traces, with their attribution)")
+    g.add_argument("--trace-max-prompt", type=int, default=8192,
+                   help="mooncake / azure: prompts clipped to this many tokens (the simulated engines' context "
+                        "is raised to fit)")
     g.add_argument("--prefix-groups", type=int, default=8, help="shared-prefix: groups K")
     g.add_argument("--prefix-tokens", type=int, default=1500, help="shared-prefix: tokens of each group's prefix")
     g.add_argument("--suffix-tokens", type=int, default=32, help="shared-prefix: tokens of each prompt's own suffix")
@@ -288,12 +295,23 @@ def fleet_spec(ns: argparse.Namespace, budget_s: float) -> FleetSpec:
                      ray_env=tuple(_key_value(kv) for kv in ns.ray_env), tokenizer=ns.tokenizer)
 
 
+def trace_path(ns: argparse.Namespace, name: str) -> Path:
+    path = (ns.trace_dir or Path(__file__).resolve().parent / "traces") / TRACES[name]
+    if not path.is_file():
+        raise SystemExit(f"narwhal-bench: the {name} trace is not at {path} (give --trace-dir)")
+    return path
+
+
 def workload(ns: argparse.Namespace, kind: WorkloadKind) -> Workload:
     out = LengthDist(ns.output_median, ns.output_sigma, 2, ns.output_max)
+    prompt = LengthDist(ns.prompt_median, ns.prompt_sigma, 8, ns.prompt_max)
     if kind == "shared-prefix":
         return Workload(LengthDist(ns.suffix_tokens, 0.0, ns.suffix_tokens, ns.suffix_tokens), out, seed=ns.seed,
                         prefix_groups=ns.prefix_groups, prefix_tokens=ns.prefix_tokens)
-    return Workload(LengthDist(ns.prompt_median, ns.prompt_sigma, 8, ns.prompt_max), out, seed=ns.seed)
+    if kind in TRACES:
+        return Workload(prompt, out, seed=ns.seed, trace=load_trace(trace_path(ns, kind)), trace_name=kind,
+                        max_prompt_tokens=ns.trace_max_prompt)
+    return Workload(prompt, out, seed=ns.seed, mixed=kind == "mixed-script")
 
 
 def goodput_args(ns: argparse.Namespace, kind: WorkloadKind | None = None) -> GoodputArgs:

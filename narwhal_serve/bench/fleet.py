@@ -54,11 +54,13 @@ class SimTiming:
     tpot_base_s: float = 0.002
     tpot_per_running_s: float = 0.0
     max_num_seqs: int = 256
+    max_model_len: int = 65536  # room for real traces' prompts (Mooncake's run to tens of thousands)
 
     def argv(self) -> list[str]:
         return ["--prefill-overhead-s", str(self.prefill_overhead_s), "--prefill-per-token-s",
                 str(self.prefill_per_token_s), "--tpot-base-s", str(self.tpot_base_s), "--tpot-per-running-s",
-                str(self.tpot_per_running_s), "--max-num-seqs", str(self.max_num_seqs)]
+                str(self.tpot_per_running_s), "--max-num-seqs", str(self.max_num_seqs),
+                "--max-model-len", str(self.max_model_len)]
 
     def prefill_s(self, tokens: float) -> float:
         return self.prefill_overhead_s + self.prefill_per_token_s * tokens

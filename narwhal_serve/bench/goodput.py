@@ -35,7 +35,7 @@ from narwhal_serve.bench.fleet import Fleet, SimTiming
 from narwhal_serve.bench.progress import Progress
 from narwhal_serve.bench.report import check
 from narwhal_serve.bench.stats import RequestResult, Slo, ratio, summarize
-from narwhal_serve.bench.workload import Api, Arrival, LengthDist, Workload, arrival_times
+from narwhal_serve.bench.workload import Api, Arrival, LengthDist, Workload, arrival_times, oracle_hit_rate
 from narwhal_serve.sim.config import SimEngineConfig
 
 CHAT_TEMPLATE_TOKENS = 6  # the simulator's chat template around one user message
@@ -72,7 +72,7 @@ def model_capacity(timing: SimTiming, engines: int, wl: Workload, api: Api = "ch
     ``cached_tokens`` of every prompt found in the prefix cache.  The simulator prefills one request
     at a time (``prefill_mode: serial``), so an engine also completes at most 1 / prefill time."""
     prompt = wl.mean_prompt_tokens() + (CHAT_TEMPLATE_TOKENS if api == "chat" else 1) - cached_tokens
-    service = timing.prefill_s(prompt) + max(0.0, wl.output_len.mean() - 1) * timing.tpot_s(timing.max_num_seqs)
+    service = timing.prefill_s(prompt) + max(0.0, wl.mean_output_tokens() - 1) * timing.tpot_s(timing.max_num_seqs)
     return engines * min(timing.max_num_seqs / service, 1.0 / timing.prefill_s(prompt))
 
 
@@ -146,7 +146,8 @@ class GoodputRun:
         if a.calibrate_s <= 0 and est:
             out.update(capacity_rps=round(est, 3), source="model")
             return out
-        specs = a.workload.specs([0.0] * (4_000 if a.workload.prefix_groups else 20_000), seed_offset=7)
+        n_specs = 1_000 if a.workload.trace else 4_000 if a.workload.prefix_groups else 20_000
+        specs = a.workload.specs([0.0] * n_specs, seed_offset=7)
         await self._prepare()
         async with make_session() as session:
             with Progress(f"calibrate direct c={conc}") as prog:
@@ -185,7 +186,7 @@ class GoodputRun:
 
     async def sweep(self, capacity: float) -> list[dict[str, Any]]:
         wl = self.a.workload
-        targets = [t for t in self.targets if wl.prefix_groups or t != "narwhal-prefix-blind"]
+        targets = [t for t in self.targets if wl.prefix_groups or wl.trace or t != "narwhal-prefix-blind"]
         for t in targets:
             if t.startswith("narwhal") and self.a.warmup_s > 0:
                 await self.open_run(t, "warmup", 0.3 * capacity, 999, duration_s=self.a.warmup_s)
@@ -195,9 +196,12 @@ class GoodputRun:
             for t in targets[k:] + targets[:k]:
                 rs = await self.open_run(t, "sweep", rate, 100 + i)
                 s = summarize(rs, self.a.slo, duration_s=self.a.duration_s)
+                oracle = {}
+                if wl.trace and wl.trace[0].hash_ids:  # the best hit rate any placement could get here
+                    oracle = {"oracle_hit_rate": round(oracle_hit_rate(wl.trace_slice(len(rs), 100 + i)), 4)}
                 rows.append({"workload": wl.kind, "target": t, "load": round(frac, 3), "offered_rps": round(rate, 3),
                              "goodput_vs_capacity": ratio(s["goodput_rps"], capacity), **s,
-                             "engines": self.engines_seen})
+                             "engines": self.engines_seen, **oracle})
         return rows
 
 

@@ -11,16 +11,20 @@ by words of its own, so an engine that served the group before prefills only the
 from __future__ import annotations
 
 import functools
+import gzip
+import json
 import math
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 Arrival = Literal["poisson", "constant", "burst"]
 Api = Literal["chat", "completions"]
-WorkloadKind = Literal["lognormal", "shared-prefix"]
+WorkloadKind = Literal["lognormal", "shared-prefix", "mooncake", "azure", "mixed-script"]
 
 _LETTERS = np.array(list(string.ascii_lowercase))
 
@@ -109,17 +113,92 @@ def group_prefix(seed: int, group: int, n_tokens: int, phase: int = 0) -> str:
     return make_prompt(np.random.default_rng([seed, 0x5EED, group, phase]), n_tokens)
 
 
+TRACE_BLOCK_TOKENS = 512  # Mooncake's hash_ids: one per 512-token block of the prompt
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    at_s: float  # arrival, seconds from the trace's start
+    input_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...] = ()  # Mooncake: equal ids = equal 512-token prefix blocks
+
+
+def load_trace(path: Path) -> tuple[TraceRecord, ...]:
+    """The Mooncake FAST'25 JSONL (``timestamp`` ms, ``input_length``, ``output_length``,
+    ``hash_ids``) or the Azure 2023 CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``), gzipped or not."""
+    opener: Any = gzip.open if path.suffix == ".gz" else open
+    out: list[TraceRecord] = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        first = f.readline()
+        if first.lstrip().startswith("{"):
+            for line in [first, *f]:
+                if line.strip():
+                    r = json.loads(line)
+                    out.append(TraceRecord(float(r["timestamp"]) / 1000.0, int(r["input_length"]),
+                                           int(r["output_length"]), tuple(int(h) for h in r.get("hash_ids", ()))))
+        else:
+            t0: datetime | None = None
+            for line in f:
+                ts, ctx, gen = line.strip().split(",")
+                when = datetime.fromisoformat(ts[:26])
+                t0 = t0 or when
+                out.append(TraceRecord((when - t0).total_seconds(), int(ctx), int(gen)))
+    out.sort(key=lambda r: r.at_s)
+    return tuple(out)
+
+
+def oracle_hit_rate(records: list[TraceRecord], block_tokens: int = TRACE_BLOCK_TOKENS) -> float:
+    """The prefix-cache hit rate of an oracle placement (every request on an engine that holds every
+    block chain seen before it, an unbounded cache): prompt tokens in leading blocks whose chain
+    appeared earlier, over all prompt tokens."""
+    seen: set[tuple[int, ...]] = set()
+    hit = total = 0
+    for r in records:
+        total += r.input_tokens
+        lead = True
+        for k in range(len(r.hash_ids)):
+            chain = r.hash_ids[:k + 1]
+            full = (k + 1) * block_tokens <= r.input_tokens
+            if lead and chain in seen and full:
+                hit += block_tokens
+            else:
+                lead = False
+            seen.add(chain)
+    return hit / total if total else 0.0
+
+
+# Mixed scripts: English words, code and CJK (a CJK character is one or more tokens for common
+# tokenizers; the characters / 4 estimate sizes it as a quarter of one)
+_MIXED = ("the", "router", "token", "cache", "def f(x): return x", "for i in range(n):", "{\"k\": [1, 2]}",
+          "東京", "数据", "中心", "路由器", "한국어", "ラーメン", "今日は")
+
+
+def mixed_prompt(rng: np.random.Generator, n_words: int) -> str:
+    return " ".join(_MIXED[i] for i in rng.integers(0, len(_MIXED), size=max(1, n_words)))
+
+
+@functools.lru_cache(maxsize=8192)
+def _trace_block(seed: int, phase: int, hash_id: int, n_tokens: int) -> str:
+    return make_prompt(np.random.default_rng([seed, 0xB10C, phase, hash_id]), n_tokens)
+
+
 @dataclass(frozen=True)
 class Workload:
     """Lognormal prompt and output lengths; with ``prefix_groups`` K > 0, each prompt is the
     ``prefix_tokens``-word prefix of one of K groups (uniformly drawn) plus ``prompt_len`` words of
-    its own (the suffix)."""
+    its own (the suffix).  With ``trace`` (``trace_name`` mooncake or azure), lengths, arrival pattern
+    and shared prefix blocks come from a real trace.  ``mixed`` prompts mix English, code and CJK."""
 
     prompt_len: LengthDist
     output_len: LengthDist
     seed: int = 0
     prefix_groups: int = 0
     prefix_tokens: int = 0
+    trace: tuple[TraceRecord, ...] = field(default=(), repr=False)
+    trace_name: str = ""
+    max_prompt_tokens: int = 1 << 30  # trace prompts are clipped to this (the engines' context)
+    mixed: bool = False
 
     def __post_init__(self) -> None:
         if self.prefix_groups < 0 or self.prefix_tokens < 0 or (self.prefix_groups > 0) != (self.prefix_tokens > 0):
@@ -127,18 +206,64 @@ class Workload:
 
     @property
     def kind(self) -> WorkloadKind:
+        if self.trace:
+            return "mooncake" if self.trace_name == "mooncake" else "azure"
+        if self.mixed:
+            return "mixed-script"
         return "shared-prefix" if self.prefix_groups else "lognormal"
 
     def mean_prompt_tokens(self) -> float:
+        if self.trace:
+            return float(np.mean([min(r.input_tokens, self.max_prompt_tokens) for r in self.trace]))
         return self.prefix_tokens + self.prompt_len.mean()
 
+    def mean_output_tokens(self) -> float:
+        if self.trace:
+            return float(np.mean([r.output_tokens for r in self.trace]))
+        return self.output_len.mean()
+
+    def trace_slice(self, n: int, seed_offset: int) -> list[TraceRecord]:
+        """``n`` consecutive records (wrapping), a different stretch of the trace for each phase."""
+        if not self.trace:
+            return []
+        start = (seed_offset * 7919 + self.seed * 104729) % len(self.trace)
+        return [self.trace[(start + i) % len(self.trace)] for i in range(n)]
+
+    def _trace_specs(self, times: list[float], seed_offset: int) -> list[RequestSpec]:
+        recs = self.trace_slice(len(times), seed_offset)
+        if not recs:
+            return []
+        # the trace's own arrival pattern, scaled to the window the requested rate gives
+        t0 = recs[0].at_s
+        span = max(r.at_s for r in recs) - t0
+        scale = (times[-1] / span) if span > 0 and times[-1] > 0 else 0.0
+        out = []
+        for i, (r, t) in enumerate(zip(recs, times)):
+            n = max(1, min(r.input_tokens, self.max_prompt_tokens))
+            if r.hash_ids:
+                parts = []
+                for k, h in enumerate(r.hash_ids):
+                    size = min(TRACE_BLOCK_TOKENS, n - k * TRACE_BLOCK_TOKENS)
+                    if size <= 0:
+                        break
+                    parts.append(_trace_block(self.seed, seed_offset, h, size))
+                prompt = " ".join(parts)
+            else:
+                prompt = make_prompt(np.random.default_rng([self.seed, seed_offset, i]), n)
+            at = (r.at_s - t0) * scale if scale else t
+            out.append(RequestSpec(i, at, n, max(1, r.output_tokens), prompt))
+        return out
+
     def specs(self, times: list[float], seed_offset: int = 0) -> list[RequestSpec]:
+        if self.trace:
+            return self._trace_specs(times, seed_offset)
         rng = np.random.default_rng([self.seed, seed_offset])
         n = len(times)
         prompts = self.prompt_len.sample(rng, n)
         outputs = self.output_len.sample(rng, n)
         if not self.prefix_groups:
-            return [RequestSpec(i, t, p, o, make_prompt(rng, p))
+            make = mixed_prompt if self.mixed else make_prompt
+            return [RequestSpec(i, t, p, o, make(rng, p))
                     for i, (t, p, o) in enumerate(zip(times, prompts, outputs))]
         groups = [int(g) for g in rng.integers(0, self.prefix_groups, size=n)]
         return [RequestSpec(i, t, self.prefix_tokens + p, o,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import math
 import re
 import secrets
 import time
@@ -50,6 +51,8 @@ def _seconds_header(request: Request, name: str) -> float | None:
         f = float(v)
     except ValueError:
         raise InvalidRequest(f"header {name} must be a number of seconds", param=name) from None
+    if not math.isfinite(f):
+        raise InvalidRequest(f"header {name} must be a finite number of seconds", param=name)
     if not f > 0:
         raise InvalidRequest(f"header {name} must be positive", param=name)
     return f

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from narwhal_serve.errors import InvalidRequest
 from narwhal_serve.tokenization.chat import NotExact
 
 if TYPE_CHECKING:
@@ -117,6 +118,11 @@ class PromptSizer:
 
     async def size(self, parsed: "ParsedRequest") -> Sized:
         if parsed.prompt_token_ids is not None:
+            vocab = self.tokenizer.vocab_size if self.tokenizer is not None else None
+            bad = None if vocab is None else next((i for i, t in enumerate(parsed.prompt_token_ids) if t >= vocab), None)
+            if bad is not None:  # the engine would refuse it (or fail on it): say which one, up front
+                path = f"prompt.{bad}" if not isinstance(parsed.body["prompt"][0], list) else f"prompt.0.{bad}"
+                raise InvalidRequest(f"'{path}' is not a token id of this model (vocabulary {vocab})", param=path)
             return Sized(parsed, list(parsed.prompt_token_ids), "client_ids")
         if self.tokenizer is None:
             return Sized(parsed, None, ESTIMATE)

@@ -226,3 +226,19 @@ async def test_the_simulated_fleet_is_sized_with_the_simulators_own_tokenizer() 
                 assert t.json()["tokens"] == engine_ids
     finally:
         await router.stop()
+
+
+async def test_prompt_token_ids_outside_the_vocabulary_and_infinite_targets_are_refused(
+        routers: tuple[LocalRouter, LocalRouter], tok: HfTokenizer) -> None:
+    exact, _ = routers
+    async with httpx.AsyncClient(base_url=exact.url, timeout=30) as c:
+        for prompt, param in [([5, 6, tok.vocab_size], "prompt.2"), ([[1, 2**64]], "prompt.0.1")]:
+            r = await c.post("/v1/completions", json={"model": "narwhal-sim", "prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        ok = await c.post("/v1/completions", json={"model": "narwhal-sim", "prompt": [5, 6, tok.vocab_size - 1], "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+        for header in ("X-TTFT-Target", "X-Request-Timeout", "X-TPOT-Target"):
+            for value in ("inf", "1e400", "nan"):
+                r = await c.post("/v1/completions", json={"model": "narwhal-sim", "prompt": "x", "max_tokens": 1},
+                                 headers={header: value})
+                assert r.status_code == 400 and r.json()["error"]["param"] == header.lower(), (header, value, r.text)
