@@ -374,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         targets = ["direct", *targets]  # the calibration run needs the engines directly
     args: GoodputArgs | OverheadArgs = goodput_args(ns) if ns.mode == "goodput" else overhead_args(ns)
     budget = args.slo.ttft_s if isinstance(args, GoodputArgs) else 2.0
-    if isinstance(args, GoodputArgs) and "narwhal-prefix-blind" in targets and "shared-prefix" not in ns.workload:
-        print("narwhal-prefix-blind runs on shared-prefix workloads only (--workload shared-prefix)", file=sys.stderr)
+    if isinstance(args, GoodputArgs) and "narwhal-prefix-blind" in targets and not {"shared-prefix", "mooncake"} & set(ns.workload):
+        print("narwhal-prefix-blind runs on shared-prefix and mooncake workloads only", file=sys.stderr)
     out = run_dir(ns.out, ns.mode)
     fleet = Fleet(fleet_spec(ns, budget), out / "logs")
     t0 = time.monotonic()

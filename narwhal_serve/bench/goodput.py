@@ -236,17 +236,22 @@ def goodput_checks(rows: list[dict[str, Any]], capacity: float, label: str = "")
     return out
 
 
+PREFIX_WORKLOADS = ("shared-prefix", "mooncake")
+
+
 def prefix_gain(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per shared-prefix load: narwhal-predictive's goodput / narwhal-prefix-blind's."""
-    by = {(r["target"], r["load"]): r for r in rows if r.get("workload") == "shared-prefix"}
+    """Per prefix-sharing workload and load: narwhal-predictive's goodput / narwhal-prefix-blind's,
+    with the engines' cache hit rates and (for a trace) the oracle's."""
+    by = {(r.get("workload"), r["target"], r["load"]): r for r in rows if r.get("workload") in PREFIX_WORKLOADS}
     out: list[dict[str, Any]] = []
-    for x in sorted({load for _, load in by}):
-        aware, blind = by.get(("narwhal-predictive", x)), by.get(("narwhal-prefix-blind", x))
+    for wl, x in sorted({(w, load) for w, _, load in by}, key=lambda k: (str(k[0]), k[1])):
+        aware, blind = by.get((wl, "narwhal-predictive", x)), by.get((wl, "narwhal-prefix-blind", x))
         if aware is not None and blind is not None:
-            out.append({"load": x, "predictive_goodput_rps": aware["goodput_rps"],
+            out.append({"workload": wl, "load": x, "predictive_goodput_rps": aware["goodput_rps"],
                         "blind_goodput_rps": blind["goodput_rps"],
                         "gain": ratio(aware["goodput_rps"], blind["goodput_rps"]),
-                        "predictive_engines": aware.get("engines"), "blind_engines": blind.get("engines")})
+                        "predictive_engines": aware.get("engines"), "blind_engines": blind.get("engines"),
+                        "oracle_hit_rate": aware.get("oracle_hit_rate")})
     return out
 
 

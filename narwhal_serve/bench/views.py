@@ -91,11 +91,13 @@ def goodput_view(res: dict[str, Any], out: Path) -> tuple[str, list[Path]]:
         plots += ps
     gain = res.get("prefix_gain")
     if gain:
-        parts.append("\n## prefix gain (shared-prefix: narwhal-predictive goodput / narwhal-prefix-blind)")
-        parts.append(table(["load", "predictive", "prefix-blind", "gain", "cache hits pred / blind",
-                            "requests per engine pred / blind"],
-                           [[g["load"], g["predictive_goodput_rps"], g["blind_goodput_rps"], g["gain"],
+        parts.append("\n## prefix gain (narwhal-predictive goodput / narwhal-prefix-blind)")
+        parts.append(table(["workload", "load", "predictive", "prefix-blind", "gain", "cache hits pred / blind",
+                            "oracle hits", "requests per engine pred / blind"],
+                           [[g.get("workload", "shared-prefix"), g["load"], g["predictive_goodput_rps"],
+                             g["blind_goodput_rps"], g["gain"],
                              f"{_hits(g['predictive_engines'])} / {_hits(g['blind_engines'])}",
+                             "-" if g.get("oracle_hit_rate") is None else f"{g['oracle_hit_rate']:.2f}",
                              f"{_per_engine(g['predictive_engines'])} / {_per_engine(g['blind_engines'])}"]
                             for g in gain], nd=3))
     parts.append("\n## ARCHITECTURE targets")

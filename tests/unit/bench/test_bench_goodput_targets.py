@@ -260,9 +260,9 @@ def test_checks_at_every_overload_and_prefix_gain(tmp_path: Path) -> None:
           row("shared-prefix", "narwhal-prefix-blind", 0.8, 6.0)]
     sp[0]["engines"] = {"requests": [50, 48], "prefix_hit_rate": 0.9}
     sp[1]["engines"] = {"requests": [49, 49], "prefix_hit_rate": 0.4}
-    assert prefix_gain(rows + sp) == [{"load": 2.0, "predictive_goodput_rps": 9.0, "blind_goodput_rps": 7.5,
-                                       "gain": 1.2, "predictive_engines": sp[0]["engines"],
-                                       "blind_engines": sp[1]["engines"]}]
+    assert prefix_gain(rows + sp) == [{"workload": "shared-prefix", "load": 2.0, "predictive_goodput_rps": 9.0,
+                                       "blind_goodput_rps": 7.5, "gain": 1.2, "predictive_engines": sp[0]["engines"],
+                                       "blind_engines": sp[1]["engines"], "oracle_hit_rate": None}]
     res = {"capacity": {"workload": "lognormal", "capacity_rps": 10.0},
            "capacities": [{"workload": "lognormal", "capacity_rps": 10.0},
                           {"workload": "shared-prefix", "capacity_rps": 9.0, "model_rps_prefix_cached": 11.0,
