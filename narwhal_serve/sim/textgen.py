@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 BOS_ID = 0
@@ -99,11 +99,13 @@ def encode_prompt(prompt: str, add_special_tokens: bool = True) -> list[int]:
     return ([BOS_ID] if add_special_tokens else []) + tokenize_text(prompt)
 
 
-def render_chat(messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """ChatML-like template: ``<|im_start|>role\\ncontent<|im_end|>\\n`` per message."""
+def render_chat(messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True,
+                tokenize: Callable[[str], list[int]] = tokenize_text) -> list[int]:
+    """ChatML-like template: ``<|im_start|>role\\ncontent<|im_end|>\\n`` per message (each
+    content tokenized on its own: ``tokenize`` may be a cache of :func:`tokenize_text`)."""
     ids: list[int] = []
     for role, content in messages:
-        ids += [IM_START_ID, *tokenize_text(role), NEWLINE_ID, *tokenize_text(content), IM_END_ID, NEWLINE_ID]
+        ids += [IM_START_ID, *tokenize_text(role), NEWLINE_ID, *tokenize(content), IM_END_ID, NEWLINE_ID]
     if add_generation_prompt:
         ids += [IM_START_ID, *tokenize_text("assistant"), NEWLINE_ID]
     return ids

@@ -5,10 +5,12 @@ it knows a vLLM engine's from the model's Hugging Face tokenizer."""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from narwhal_serve.sim.config import SimEngineConfig
-from narwhal_serve.sim.textgen import VOCAB_SIZE, encode_prompt, render_chat, token_str
+from narwhal_serve.sim.textgen import VOCAB_SIZE, encode_prompt, render_chat, token_str, tokenize_text
 from narwhal_serve.tokenization.chat import NotExact
 from narwhal_serve.tokenization.hf import Encoded
 
@@ -21,10 +23,33 @@ def _text(content: Any) -> str:
     return content if isinstance(content, str) else ""
 
 
+CACHED_CHARS = 256  # message contents this long are tokenized once (a conversation's earlier turns)
+CACHE_ENTRIES = 4096
+
+
 class SimTokenizer:
     source = SOURCE
     vocab_size = VOCAB_SIZE
     max_model_len: int | None = SimEngineConfig.model_fields["max_model_len"].default
+
+    def __init__(self) -> None:
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _tokenize(self, text: str) -> list[int]:
+        if len(text) < CACHED_CHARS:
+            return tokenize_text(text)
+        with self._lock:
+            ids = self._cache.get(text)
+            if ids is not None:
+                self._cache.move_to_end(text)
+                return ids
+        ids = tokenize_text(text)
+        with self._lock:
+            self._cache[text] = ids
+            if len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return ids
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return encode_prompt(text, add_special_tokens)
@@ -38,7 +63,7 @@ class SimTokenizer:
     def prompt(self, route: str, body: dict[str, Any]) -> Encoded:
         if route == "chat":
             msgs = [(str(m.get("role", "")), _text(m.get("content"))) for m in body["messages"]]
-            return Encoded(render_chat(msgs, bool(body.get("add_generation_prompt", True))), False)
+            return Encoded(render_chat(msgs, bool(body.get("add_generation_prompt", True)), self._tokenize), False)
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1:
             p = p[0]

@@ -5,11 +5,13 @@ The directory is what vLLM loads: ``tokenizer.json`` (the Rust ``tokenizers`` mo
 Chat prompts are rendered by ``transformers``' ``apply_chat_template`` — the function vLLM itself
 calls — with the conversation and keyword arguments vLLM builds (:mod:`.chat`), then encoded with
 the Rust tokenizer without special tokens (vLLM's chat default, ``add_special_tokens: false``);
-completion prompts are encoded with special tokens unless the request says otherwise.
+completion prompts are encoded with special tokens unless the request says otherwise.  Long texts go
+through a cache of the pieces between special tokens where that is exact (:mod:`.segments`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from narwhal_serve.tokenization.chat import NotExact, content_format, conversation, template_kwargs, tool_dicts
+from narwhal_serve.tokenization.segments import MIN_SEGMENTED_CHARS, segmenter
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warnings; one request is one call
 
@@ -67,11 +70,27 @@ class HfTokenizer:
                                       if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL))
         self.max_model_len = _max_model_len(self.path, getattr(self._hf, "model_max_length", None))
         self.vocab_size = int(self._rust.get_vocab_size(with_added_tokens=True))
+        self.segments = segmenter(self._rust, self._samples())
 
+    def _samples(self) -> list[str]:
+        """Texts the segment cache must encode exactly as the whole-text path before it is used:
+        special tokens at the edges, between spaces and newlines, inside words; a rendered chat."""
+        specials = [t.content for t in self._rust.get_added_tokens_decoder().values()]
+        body = "Hello  world\n\n  the quick 東京 fox\tdef f(x):\n    return x  \n"
+        out = [body, " " + body + " ", body * 40]
+        for sp in specials:
+            out += [sp + body + sp, body + sp + body, "a" + sp + "b", " " + sp + " ", "\n" + sp + "\n" + body, sp * 3]
+        if self.chat_template is not None:
+            with contextlib.suppress(Exception):
+                out.append(self.render_chat({"messages": [{"role": "system", "content": body},
+                                                          {"role": "user", "content": body * 30}]}))
+        return out
 
     # ------------------------------------------------------------------ encoding
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.segments is not None and len(text) >= MIN_SEGMENTED_CHARS:
+            return self.segments.encode(text, add_special_tokens)
         return list(self._rust.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:

@@ -242,3 +242,40 @@ async def test_prompt_token_ids_outside_the_vocabulary_and_infinite_targets_are_
                 r = await c.post("/v1/completions", json={"model": "narwhal-sim", "prompt": "x", "max_tokens": 1},
                                  headers={header: value})
                 assert r.status_code == 400 and r.json()["error"]["param"] == header.lower(), (header, value, r.text)
+
+
+def test_the_segment_cache_is_exact_and_reuses_earlier_turns(tok: HfTokenizer) -> None:
+    from tests.support.prompts import exactness_requests
+
+    assert tok.segments is not None  # byte-level BPE, no normalizer: exact by construction, and self-checked
+    for route, body in exactness_requests(60, "m", seed=11):
+        text = tok.render_chat(body) if route == "chat" else body["prompt"]
+        long = text * 30  # past the length where segments are used
+        for special in (False, True):
+            assert tok.segments.encode(long, special) == list(tok._rust.encode(long, add_special_tokens=special).ids)
+    system = "You are a careful assistant. 東京のデータ。 " * 60
+    turns = [{"role": "system", "content": system}, {"role": "user", "content": "first question " * 30}]
+    first = tok.prompt("chat", {"messages": turns})
+    hits = tok.segments.hits
+    turns += [{"role": "assistant", "content": "an answer " * 30}, {"role": "user", "content": "and then?"}]
+    second = tok.prompt("chat", {"messages": turns})
+    assert tok.segments.hits >= hits + 2  # the system prompt and the first question came from the cache
+    assert second.ids == list(tok._rust.encode(tok.render_chat({"messages": turns}), add_special_tokens=False).ids)
+    assert second.ids[: len(first.ids) - 3] == first.ids[: len(first.ids) - 3]
+
+
+def test_tokenizers_that_are_not_exact_piecewise_get_no_segment_cache(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from narwhal_serve.tokenization.segments import segmenter
+
+    vocab = {"[UNK]": 0, "<sep>": 1, "hello": 2, "world": 3}
+    lower = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    lower.normalizer = normalizers.Lowercase()
+    lower.pre_tokenizer = pre_tokenizers.Whitespace()
+    lower.add_special_tokens(["<sep>"])
+    assert segmenter(lower, ["Hello <sep> World"]) is None  # a normalizer: not exact by construction
+    spaced = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    spaced.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    spaced.add_special_tokens(["<sep>"])
+    assert segmenter(spaced, ["hello<sep>world"]) is None  # a prefix space added to every piece
