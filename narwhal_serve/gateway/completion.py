@@ -274,7 +274,7 @@ class CompletionHandler:
             close_detached(gen)
             return error_response(err, rid)
         if first.error is not None and not first.data:
-            flow.end(outcome_of(first.error), first.error.code, first.stats, first.error.status)
+            flow.end(outcome_of(first.error), first.error.reason or first.error.code, first.stats, first.error.status)
             close_detached(gen)
             return error_response(first.error, rid)
         if not parsed.stream:

@@ -39,6 +39,8 @@ def outcome_of(err: ErrorInfo) -> Outcome:
     """The terminal class of a request that ended with ``err`` after admission."""
     if err.status == 504:
         return Outcome.EXPIRED  # the deadline passed (before or after headers)
+    if err.status == 503:
+        return Outcome.REJECTED  # every engine tried pushed back (relay/pipeline.py backpressure_refusal)
     if 400 <= err.status < 500:
         return Outcome.INVALID  # the engine rejected the request itself
     return Outcome.FAILED
@@ -213,7 +215,7 @@ class RelayStreamResponse(Response):
                     await self._write(send, msg.data)
                 if msg.final:
                     if msg.error is not None:
-                        end = (outcome_of(msg.error), msg.error.code, msg.stats)
+                        end = (outcome_of(msg.error), msg.error.reason or msg.error.code, msg.stats)
                     else:
                         end = (Outcome.COMPLETED, "", msg.stats)
                     break

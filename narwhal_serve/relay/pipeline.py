@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -23,7 +24,7 @@ from narwhal_serve.assembly.tokens import check_token_ids
 from narwhal_serve.assembly.usage import computed_usage
 from narwhal_serve.engines.errors import EngineFailure
 from narwhal_serve.engines.legs import LegCursor, dialect_of, open_route
-from narwhal_serve.errors import BadEngineResponse, ErrorInfo, InvalidRequest, TerminalExpiry
+from narwhal_serve.errors import BadEngineResponse, ErrorInfo, InvalidRequest, TerminalExpiry, Unavailable
 from narwhal_serve.observability import Tracing, end_span
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
 from narwhal_serve.protocol.requests import Route
@@ -124,6 +125,17 @@ def _content_events(chunk: dict[str, Any]) -> int:
     return n
 
 
+def backpressure_refusal(retry_after_s: list[float | None], failures: list[str]) -> ErrorInfo:
+    """Every route tried answered 429/503: the engines are busy, not broken.  The client gets the
+    seed's retryable capacity answer (503 ``backend_unavailable``, counted ``rejected`` with reason
+    ``engine_backpressure``) and a ``Retry-After`` from the engines' own: the soonest any of them
+    said it would take work (1 s when none said)."""
+    known = [s for s in retry_after_s if s is not None and s > 0]
+    wait = max(1, math.ceil(min(known))) if known else 1
+    return Unavailable("every engine tried is busy (it answered 429/503); retry after the Retry-After: "
+                       + "; ".join(failures), retry_after=wait, reason="engine_backpressure").info()
+
+
 class _Attempt:
     """One try of one route: its meter, the engine it waits on, its first-token limit."""
 
@@ -189,6 +201,7 @@ class Relay:
     async def run(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         failures: list[str] = []
         faults: list[EngineFault] = []  # not yet sent to the ingress
+        pushed_back: list[float | None] = []  # the Retry-After of each route that answered 429/503
         expired = False
         req = placed.request
         headers = {"X-Request-Id": placed.request_id}
@@ -223,6 +236,8 @@ class Relay:
                     return
                 faults.append(fault_of(exc, route))
                 failures.append(str(exc))
+                if exc.backpressure:
+                    pushed_back.append(exc.retry_after_s)
             except BadEngineResponse as exc:
                 failed = str(exc)
                 faults.append(fault_of(exc, route))
@@ -240,6 +255,8 @@ class Relay:
             err = TerminalExpiry(
                 "terminal expiry: the request deadline passed before response headers", code="deadline_expired"
             ).info()
+        elif failures and len(pushed_back) == len(failures):
+            err = backpressure_refusal(pushed_back, failures)
         else:
             err = BadEngineResponse(
                 "no engine produced a usable answer: " + "; ".join(failures or ["no candidate route"])

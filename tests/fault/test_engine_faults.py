@@ -150,16 +150,20 @@ async def test_engine_busy_answer_is_backpressure_not_a_failure(fleet: Fleet, fa
     await assert_quiescent(app)
 
 
-async def test_engine_busy_on_every_route_is_answered_in_the_envelope(fleet: Fleet) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_engine_busy_on_every_route_is_a_retryable_refusal_not_a_failure(fleet: Fleet, stream: bool) -> None:
+    """Every route answered 429/503: the client gets 503 backend_unavailable with the engines' own
+    Retry-After (before headers, streaming or not), counted rejected (engine_backpressure)."""
     app = fleet.pair
     before = await status(app.url)
-    r, took = await timed_post(app, chat_body(sim={"fault": "error_429"}))
-    assert r.status_code in (429, 502, 503), r.text
-    assert_envelope(r, r.status_code)
+    r, took = await timed_post(app, chat_body(stream=stream, sim={"fault": "error_429"}))
+    err = assert_envelope(r, 503, "backend_unavailable")
+    assert err["type"] == "service_unavailable_error"
+    assert r.headers["retry-after"] == "1" and r.headers["x-narwhal-reason"] == "engine_backpressure"  # the sims' own
     assert took < FIRST_TOKEN_TIMEOUT_S + 2
     snap = await assert_quiescent(app)  # (usable again once the backpressure windows end)
     d = delta(before, snap)
-    assert d["offered"] == 1 and sum(d.get(k, 0) for k in ("failed", "rejected", "refused")) == 1, d
+    assert d["offered"] == 1 and d.get("rejected/engine_backpressure") == 1 and not d.get("failed"), d
 
 
 async def test_engine_5xx_on_every_route_is_a_502_envelope(fleet: Fleet) -> None:

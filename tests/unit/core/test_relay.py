@@ -239,6 +239,28 @@ async def test_engine_backpressure_moves_on_and_is_reported_as_such_with_retry_a
     assert (f.engine, f.kind, f.retry_after_s) == ("e1", "backpressure", 3.0)
 
 
+async def test_backpressure_on_every_route_is_a_503_with_the_soonest_retry_after() -> None:
+    def h(r: httpx.Request) -> httpx.Response:
+        after = {"e1": "7", "e2": "2.5"}[r.url.host]
+        return httpx.Response(429 if r.url.host == "e1" else 503, json={"error": {"message": "busy"}},
+                              headers={"Retry-After": after})
+
+    msgs, seen = await run(h, placed(False))
+    assert seen == ["e1", "e2"]
+    err = msgs[-1].error
+    assert err is not None and (err.status, err.code, err.retry_after, err.reason) == (
+        503, "backend_unavailable", 3, "engine_backpressure")
+    assert [f.kind for f in msgs[-1].faults] == ["backpressure", "backpressure"]
+
+    def mixed(r: httpx.Request) -> httpx.Response:  # one busy, one broken: a failure, as before
+        if r.url.host == "e1":
+            return httpx.Response(429, json={"error": {"message": "busy"}})
+        return httpx.Response(500, json={"error": {"message": "boom"}})
+
+    msgs, _ = await run(mixed, placed(False))
+    assert msgs[-1].error is not None and msgs[-1].error.code == "bad_engine_response"
+
+
 async def test_a_failed_prefill_leg_is_blamed_on_the_prefill_engine() -> None:
     pre, dec = EngineConfig(name="p1", url="http://p1", role="prefill"), EngineConfig(name="d1", url="http://d1", role="decode")
 
