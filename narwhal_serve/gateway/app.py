@@ -45,7 +45,10 @@ def build_api(
         reporter.start()  # the lease's first grant, before the first request
         yield
 
-    app = FastAPI(title="Narwhal", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    # redirect_slashes off: Starlette answers `/v1/chat/completions/` with a 307 whose Location is
+    # built from the client's Host header; here it is a 404 in the envelope like any unknown route
+    app = FastAPI(title="Narwhal", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan,
+                  redirect_slashes=False)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

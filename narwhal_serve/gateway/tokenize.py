@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from narwhal_serve.errors import InvalidRequest, ModelNotFound, NarwhalError
-from narwhal_serve.protocol.requests import decode_json
+from narwhal_serve.errors import InvalidRequest, NarwhalError
+from narwhal_serve.protocol.requests import decode_json, model_not_found
 from narwhal_serve.tokenization.chat import NotExact
 from narwhal_serve.tokenization.sizer import INLINE_CHARS, PromptSizer
 
@@ -35,7 +35,7 @@ def _tokenizer(sizer: PromptSizer) -> Any:
 def _check_model(body: dict[str, Any], model: str) -> None:
     m = body.get("model")
     if m is not None and m != model:
-        raise ModelNotFound(f"The model `{m}` does not exist. This router serves `{model}`.", param="model")
+        raise model_not_found(str(m), model)
 
 
 def _check_messages(messages: Any) -> None:

@@ -132,6 +132,14 @@ def decode_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
+ECHO_CHARS = 100  # what of a client's value an error message repeats
+
+
+def model_not_found(asked: str, served: str) -> ModelNotFound:
+    shown = asked if len(asked) <= ECHO_CHARS else asked[:ECHO_CHARS] + f"… ({len(asked)} characters)"
+    return ModelNotFound(f"The model `{shown}` does not exist. This router serves `{served}`.", param="model")
+
+
 def _opt(body: dict[str, Any], key: str, check: Any, what: str) -> None:
     v = body.get(key)
     if v is not None and not check(v):
@@ -143,7 +151,7 @@ def _check_common(body: dict[str, Any], model: str) -> None:
     if not isinstance(m, str):
         raise _bad("model", "is required and must be a string")
     if m != model:
-        raise ModelNotFound(f"The model `{m}` does not exist. This router serves `{model}`.", param="model")
+        raise model_not_found(m, model)
     _opt(body, "stream", lambda v: isinstance(v, bool), "must be a boolean")
     _opt(body, "return_token_ids", lambda v: isinstance(v, bool), "must be a boolean")
     _opt(body, "max_tokens", lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")

@@ -88,3 +88,13 @@ async def test_body_that_ends_before_sizing_counts_unsized_offered(plain: LocalR
         await asyncio.sleep(0.01)
     assert now["unsized_offered"] == before["unsized_offered"] + 1
     assert now["offered"] == before["offered"] + 1 and now["cancelled"] == before["cancelled"] + 1
+
+
+async def test_no_redirect_from_the_host_header_and_no_long_echo(plain: LocalRouter) -> None:
+    async with httpx.AsyncClient(base_url=plain.url, timeout=30, follow_redirects=False) as c:
+        r = await c.post(CHAT + "/", json=chat(False), headers={"Host": "evil.example"})
+        assert r.status_code == 404 and "location" not in r.headers, r.headers
+        assert r.json()["error"]["code"] == "not_found"
+        r = await c.post(CHAT, json={**chat(False), "model": "m" * 100_000})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert len(r.json()["error"]["message"]) < 300 and "100000 characters" in r.json()["error"]["message"]
