@@ -26,7 +26,15 @@ from ray.serve.handle import DeploymentHandle
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from narwhal_serve.config import EngineConfig
-from narwhal_serve.managed.command import HEALTH_HTTP_TIMEOUT_S, engine_argv, engine_env, guard_prefix, url_host
+from narwhal_serve.managed.command import (
+    HEALTH_HTTP_TIMEOUT_S,
+    engine_argv,
+    engine_env,
+    guard_prefix,
+    kv_event_endpoints,
+    kv_events_wanted,
+    url_host,
+)
 from narwhal_serve.managed.process import EngineProcess
 from narwhal_serve.managed.slot import HEARTBEAT_S, ReplicaReport
 from narwhal_serve.managed.spec import LaunchSpec
@@ -86,8 +94,11 @@ class ManagedEngine:
         host = spec.host or node_ip
         port = _free_port(host)
         self.url = f"http://{url_host(host, node_ip)}:{port}"
+        kv_bind = kv_reach = None
+        if kv_events_wanted(spec):
+            kv_bind, kv_reach = kv_event_endpoints(host, node_ip, (_free_port(host), _free_port(host)))
         argv = engine_argv(spec, name=self.cfg.name, model=model, role=self.cfg.role, dialect=self.cfg.dialect,
-                           host=host, port=port, python=spec.interpreter(sys.executable))
+                           host=host, port=port, python=spec.interpreter(sys.executable), kv_events=kv_bind)
         env = engine_env(spec, os.environ, current_python=sys.executable, gpu_ids=gpus)
         log_dir = Path(spec.log_dir) if spec.log_dir else Path(tempfile.gettempdir()) / "narwhal-engines"
         log_path = log_dir / f"{self.app}-{self.cfg.name}-{self.replica}.log"
@@ -103,6 +114,7 @@ class ManagedEngine:
         self.report = ReplicaReport(
             engine=self.cfg.name, replica=self.replica, url=self.url, node_id=node_id, node_ip=node_ip,
             accelerator_ids=tuple(gpus), pid=self.proc.pid or 0, log=str(log_path), ready_s=ready_s,
+            kv_events=kv_reach,
         )
         log.info("managed engine %s ready at %s after %.1f s (pid %s, node %s, accelerators %s, log %s)",
                  self.cfg.name, self.url, ready_s, self.proc.pid, node_ip, gpus or "none", log_path)

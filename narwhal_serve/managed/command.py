@@ -6,6 +6,7 @@ free port) and calls these.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,16 +32,39 @@ GUARD = (
 )
 
 
+def kv_events_wanted(spec: LaunchSpec) -> bool:
+    """Whether the engine is started publishing KV events (vLLM and the simulator can)."""
+    return spec.kv_events and spec.kind in ("vllm", "sim")
+
+
+def kv_event_endpoints(host: str, node_ip: str, ports: tuple[int, int]) -> tuple[tuple[str, str], tuple[str, str]]:
+    """(what the engine binds, what the router connects to) for its PUB and replay sockets.  vLLM binds
+    only wildcard and ipc endpoints (it connects to any other): an engine bound to loopback (reachable
+    from its own node only) gets Unix sockets named after the ports, any other binds ``*``."""
+    if host.startswith("127.") or host in ("localhost", "::1"):
+        ends = (f"ipc:///tmp/narwhal-kv-{ports[0]}", f"ipc:///tmp/narwhal-kv-{ports[1]}")
+        return ends, ends
+    reach = url_host(host, node_ip)
+    bind = (f"tcp://*:{ports[0]}", f"tcp://*:{ports[1]}")
+    return bind, (f"tcp://{reach}:{ports[0]}", f"tcp://{reach}:{ports[1]}")
+
+
 def engine_argv(
-    spec: LaunchSpec, *, name: str, model: str, role: str, dialect: str, host: str, port: int, python: str
+    spec: LaunchSpec, *, name: str, model: str, role: str, dialect: str, host: str, port: int, python: str,
+    kv_events: tuple[str, str] | None = None,
 ) -> list[str]:
-    """The engine's command line (``model`` is the name Narwhal serves and sends to engines)."""
+    """The engine's command line (``model`` is the name Narwhal serves and sends to engines;
+    ``kv_events``: the PUB and replay endpoints it binds for its KV-cache events)."""
     tp = spec.tensor_parallel_size
     if spec.kind == "vllm":
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--host", host, "--port", str(port),
                 "--model", str(spec.model), "--served-model-name", model]
         if tp > 1:
             argv += ["--tensor-parallel-size", str(tp)]
+        if kv_events is not None:
+            cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events[0],
+                   "replay_endpoint": kv_events[1]}
+            argv += ["--kv-events-config", json.dumps(cfg, separators=(",", ":"))]
     elif spec.kind == "sglang":
         argv = [python, "-m", "sglang.launch_server", "--host", host, "--port", str(port),
                 "--model-path", str(spec.model), "--served-model-name", model]
@@ -49,6 +73,8 @@ def engine_argv(
     elif spec.kind == "sim":
         argv = [python, "-m", "narwhal_serve.sim.cli", "--host", host, "--port", str(port), "--name", name,
                 "--role", role, "--dialect", dialect, "--model", model]
+        if kv_events is not None:
+            argv += ["--kv-events-endpoint", kv_events[0], "--kv-events-replay-endpoint", kv_events[1]]
     else:
         values = {"host": host, "port": str(port), "model": spec.model or model, "name": name, "python": python,
                   "tp": str(tp)}

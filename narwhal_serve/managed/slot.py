@@ -29,6 +29,7 @@ class ReplicaReport:
     pid: int
     log: str  # the engine's log file, on its node
     ready_s: float  # spawn to /health answering
+    kv_events: tuple[str, str] | None = None  # its KV-event PUB and replay sockets, as the router reaches them
 
 
 State = Literal["starting", "up", "down"]

@@ -61,6 +61,9 @@ class LaunchSpec(_Strict):
     health_check_period_s: float = Field(2.0, gt=0)
     stop_grace_s: float = Field(10.0, ge=0)  # SIGTERM, then SIGKILL of the engine's process group
     log_dir: str | None = None  # engine logs (default: <tmp>/narwhal-engines)
+    # vllm and sim engines publish their KV-cache events (vLLM: --kv-events-config, on two ports of
+    # the node) and the scheduler follows them (README, "KV events")
+    kv_events: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> "LaunchSpec":

@@ -60,6 +60,14 @@ class KVEventFeeds:
                 sub.state = "restarting"
                 await asyncio.sleep(1.0)
 
+    def restart(self, e: EngineState) -> None:
+        """The engine's process changed (a managed engine's new replica): follow its new sockets."""
+        self.drop(e.cfg.name)
+        if e.cfg.kv_events is None:
+            e.prefix_exact = False
+            return
+        self.start([e])
+
     def drop(self, name: str) -> None:
         task = self._tasks.pop(name, None)
         self.subs.pop(name, None)

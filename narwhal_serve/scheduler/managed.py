@@ -12,7 +12,7 @@ keeping the slot's name (and its counts of requests still in flight), resetting 
 
 from __future__ import annotations
 
-from narwhal_serve.config import EngineConfig, NarwhalConfig
+from narwhal_serve.config import KVEventsEndpoint, EngineConfig, NarwhalConfig
 from narwhal_serve.engines.metrics import EngineLoad
 from narwhal_serve.managed.slot import ManagedSlot, ReplicaReport, slot_names
 from narwhal_serve.placement.engines import EngineState
@@ -81,7 +81,8 @@ class ManagedFleet:
             st.load = EngineLoad()
             st.max_running_seen = 0
             st.inflight_at_scrape = 0
-        st.cfg = st.cfg.model_copy(update={"url": rep.url})
+        kv = None if rep.kv_events is None else KVEventsEndpoint(endpoint=rep.kv_events[0], replay_endpoint=rep.kv_events[1])
+        st.cfg = st.cfg.model_copy(update={"url": rep.url, "kv_events": kv})
         st.healthy, st.last_ok, st.failures = False, None, 0
         m.report, m.state, m.since, m.last_seen = rep, "up", now, now
         return st.cfg.name

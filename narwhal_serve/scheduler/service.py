@@ -493,6 +493,9 @@ class SchedulerService:
         name, changed = self.managed.register(rep, self.clock())
         if changed:
             self._scrape_soon(name)
+            e = self.engines.get(name)
+            if e is not None and self._monitor is not None:
+                self.kv_events.restart(e)  # a new process: new sockets, a new cache
         return name
 
     def managed_down(self, engine: str, replica: str, reason: str) -> None:

@@ -199,3 +199,28 @@ def test_relative_paths_resolve_against_the_start_directory(tmp_path: Path) -> N
     assert r.log_dir == str(tmp_path / "logs")
     hub = LaunchSpec(kind="vllm", model="meta-llama/Llama-3.1-8B", python="python3").resolved(tmp_path)
     assert hub.model == "meta-llama/Llama-3.1-8B" and hub.python == "python3"  # ids and PATH names stay
+
+
+def test_managed_engines_publish_kv_events_on_sockets_the_router_can_reach() -> None:
+    import json
+
+    from narwhal_serve.managed.command import kv_event_endpoints, kv_events_wanted
+
+    assert kv_events_wanted(LaunchSpec(kind="vllm", model="m")) and kv_events_wanted(LaunchSpec(kind="sim"))
+    assert not kv_events_wanted(LaunchSpec(kind="vllm", model="m", kv_events=False))
+    assert not kv_events_wanted(LaunchSpec(kind="sglang", model="m"))
+    # loopback-bound: Unix sockets (vLLM binds ipc://, it would connect to tcp://127.0.0.1:P)
+    bind, reach = kv_event_endpoints("127.0.0.1", "10.0.0.5", (5001, 5002))
+    assert bind == reach == ("ipc:///tmp/narwhal-kv-5001", "ipc:///tmp/narwhal-kv-5002")
+    # on the node's address: vLLM binds *, the router connects to the node
+    bind, reach = kv_event_endpoints("0.0.0.0", "10.0.0.5", (5001, 5002))
+    assert bind == ("tcp://*:5001", "tcp://*:5002") and reach == ("tcp://10.0.0.5:5001", "tcp://10.0.0.5:5002")
+    kw: dict[str, Any] = {"name": "g", "model": "tiny", "role": "unified", "dialect": "vllm", "host": "10.0.0.5",
+                          "port": 9000, "python": "py", "kv_events": bind}
+    argv = engine_argv(LaunchSpec(kind="vllm", model="m"), **kw)
+    cfg = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert cfg == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5001",
+                   "replay_endpoint": "tcp://*:5002"}
+    sim = engine_argv(LaunchSpec(kind="sim"), **kw)
+    assert sim[sim.index("--kv-events-endpoint") + 1] == "tcp://*:5001"
+    assert sim[sim.index("--kv-events-replay-endpoint") + 1] == "tcp://*:5002"

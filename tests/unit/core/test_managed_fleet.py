@@ -161,3 +161,39 @@ async def test_metrics_show_where_engines_run() -> None:
     assert 'narwhal_engine_restarts_total{engine="m"} 0' in text
     families = {f.name for f in text_string_to_metric_families(text)}  # valid exposition format
     assert {"narwhal_engine_info", "narwhal_engine_restarts"} <= families
+
+
+async def test_a_managed_engines_kv_events_are_followed_and_a_new_replica_is_resubscribed() -> None:
+    """The replica reports its engine's KV-event sockets; the scheduler subscribes, and subscribes
+    anew (index cleared) when a new replica with new sockets takes the slot.  (Publishing and the
+    index itself: tests/unit/kvevents.)"""
+    from narwhal_serve.sim.kvevents import SimKVPublisher
+    from narwhal_serve.sim.timing import block_hashes
+    from tests.support.net import free_port
+
+    svc, _, _ = fleet()
+    svc._monitor = asyncio.get_running_loop().create_future()  # type: ignore[assignment]  # "started"
+    ends = [(f"ipc:///tmp/narwhal-test-kv-{free_port()}", f"ipc:///tmp/narwhal-test-kv-{free_port()}") for _ in range(2)]
+    pubs = [SimKVPublisher(*e) for e in ends]
+    try:
+        svc.register_managed(replace(report("r1", 8001), kv_events=ends[0]))
+        await settle(svc)
+        e = svc.engines["m"]
+        assert e.prefix_exact and svc.kv_events.view("m") is not None
+        ids = list(range(64))
+        for _ in range(100):  # (the subscription joins asynchronously)
+            pubs[0].publish([pubs[0].stored(block_hashes(ids, 16), None, ids, 16)])
+            await asyncio.sleep(0.02)
+            if len(e.prefix):
+                break
+        assert len(e.prefix) == 1  # one 64-token router block
+        svc.managed_down("m", "r1", "exited")
+        assert svc.register_managed(replace(report("r2", 8002), kv_events=ends[1])) == "m"  # its replacement
+        await settle(svc)
+        await asyncio.sleep(0.05)
+        assert len(e.prefix) == 0 and svc.kv_events.view("m")["endpoint"] == ends[1][0]  # type: ignore[index]
+    finally:
+        svc._monitor = None
+        await svc.kv_events.stop()
+        for p in pubs:
+            p.close()
