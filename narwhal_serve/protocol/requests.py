@@ -70,15 +70,23 @@ def _may_hold_surrogates(raw: bytes) -> bool:
     )
 
 
-def _finite(text: str) -> float:
+class _NotFinite:
+    """A number JSON cannot carry to an engine (``1e400``, ``NaN``, ``Infinity``), kept in place by the
+    parser so the walk that follows can name the field it is in."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text[:40]
+
+
+def _finite(text: str) -> float | _NotFinite:
     f = float(text)
-    if not math.isfinite(f):
-        raise ValueError(f"number {text[:40]} is out of range")
-    return f
+    return f if math.isfinite(f) else _NotFinite(text)
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
+def _no_constant(name: str) -> _NotFinite:
+    return _NotFinite(name)
 
 
 def _check_key(key: str, path: str) -> None:
@@ -98,6 +106,10 @@ def _walk(value: Any, check_strings: bool) -> None:
         elif isinstance(v, list):
             items = enumerate(v)
         else:
+            if isinstance(v, _NotFinite):
+                what = "is not a JSON number" if v.text in ("NaN", "Infinity", "-Infinity") else "is out of range"
+                raise InvalidRequest(f"'{path}': {v.text} {what}" if depth else f"{v.text} {what}",
+                                     param=path if depth else None)
             if check_strings and isinstance(v, str):
                 try:
                     v.encode("utf-8")

@@ -8,10 +8,11 @@ from narwhal_serve.errors import InvalidRequest
 from narwhal_serve.protocol.requests import MAX_NESTING, decode_json, parse_request
 
 ROWS = [
-    (b'{"a": NaN}', None, "NaN"),
-    (b'{"a": [Infinity]}', None, "Infinity"),
-    (b'{"a": -Infinity}', None, "Infinity"),
-    (b'{"a": 1e400}', None, "out of range"),
+    (b'{"a": NaN}', "a", "NaN"),  # named where it is (issue 24)
+    (b'{"a": [Infinity]}', "a.0", "Infinity"),
+    (b'{"a": -Infinity}', "a", "Infinity"),
+    (b'{"a": 1e400}', "a", "out of range"),
+    (b'{"b": {"c": [1, 2, -1e999]}}', "b.c.2", "out of range"),
     (b'{"a": "\\ud800"}', "a", "lone surrogate"),
     (b'{"a": ["x", "\\udfff"]}', "a.1", "lone surrogate"),
     (b'{"a": {"\\ud800": 1}}', "a.?", "lone surrogate"),
