@@ -48,7 +48,7 @@ for a in "$@"; do
         -e '/^frontend http_frontend/a\\
     http-request del-header x-request-timeout-seconds\\
     http-request del-header x-request-disconnect-disabled\\
-    http-request return status 400 content-type application/json file {bad_rid} if {{ req.hdr(x-request-id) -m reg "[\\\\x80-\\\\xff]" }}' "$a" > "$a.narwhal"
+    http-request return status 400 content-type application/json file {bad_rid} if {{ req.hdr(x-request-id) -m reg "[\\\\x80-\\\\xff]" }} || {{ hdr_len(x-request-id) gt 128 }}' "$a" > "$a.narwhal"
     a="$a.narwhal"
   fi
   take=0
