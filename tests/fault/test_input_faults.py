@@ -22,10 +22,10 @@ def nested(depth: int) -> str:
 
 # (raw body, expected param; ... = present, any value)
 BODIES: dict[str, tuple[str, object]] = {
-    "nan_literal": ("{" + BASE + ', "temperature": NaN}', ...),
-    "infinity_literal": ("{" + BASE + ', "top_p": Infinity}', ...),
-    "minus_infinity_literal": ("{" + BASE + ', "temperature": -Infinity}', ...),
-    "number_overflowing_to_infinity": ("{" + BASE + ', "temperature": 1e999}', ...),
+    "nan_literal": ("{" + BASE + ', "temperature": NaN}', "temperature"),
+    "infinity_literal": ("{" + BASE + ', "top_p": Infinity}', "top_p"),
+    "minus_infinity_literal": ("{" + BASE + ', "temperature": -Infinity}', "temperature"),
+    "number_overflowing_to_infinity": ("{" + BASE + ', "temperature": 1e999}', "temperature"),
     "lone_surrogate_in_content": ('{"model": "narwhal-sim", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
                                   "messages.0.content"),
     "lone_surrogate_in_model": ('{"model": "narwhal-\\ud800", ' + MESSAGES + "}", "model"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 import httpx
@@ -28,9 +30,9 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
     ("modality-nonstream", "chat", {"model": MODEL, "messages": M, "modalities": ["text", "audio"]}, 400, "unsupported_option", "modalities"),
     ("custom-tool-nonstream", "chat", {"model": MODEL, "messages": M, "tools": [{"type": "custom", "custom": {"name": "x"}}]}, 400, "unsupported_option", "tools.0.type"),
     # what an engine or the Ray hop cannot carry is refused at parse time, never a 500
-    ("nan", "chat", b'{"model": "narwhal-sim", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "invalid_request", None),
-    ("infinity", "completion", b'{"model": "narwhal-sim", "prompt": "x", "top_p": -Infinity}', 400, "invalid_request", None),
-    ("overflow", "completion", b'{"model": "narwhal-sim", "prompt": "x", "temperature": 1e999}', 400, "invalid_request", None),
+    ("nan", "chat", b'{"model": "narwhal-sim", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "invalid_request", "temperature"),
+    ("infinity", "completion", b'{"model": "narwhal-sim", "prompt": "x", "top_p": -Infinity}', 400, "invalid_request", "top_p"),
+    ("overflow", "completion", b'{"model": "narwhal-sim", "prompt": "x", "temperature": 1e999}', 400, "invalid_request", "temperature"),
     ("lone-surrogate-model", "chat", b'{"model": "\\ud800", "messages": []}', 400, "invalid_request", "model"),
     ("lone-surrogate-content", "chat", b'{"model": "narwhal-sim", "messages": [{"role": "user", "content": "a\\udc00b"}]}', 400, "invalid_request", "messages.0.content"),
     ("nesting-600", "chat", b'{"model": "narwhal-sim", "messages": [{"role": "user", "content": "x"}], "x": ' + b"[" * 600 + b"]" * 600 + b"}", 400, "invalid_request", "x" + ".0" * 63),
@@ -96,10 +98,12 @@ async def test_a_request_id_that_cannot_be_a_header_is_refused(graph: Graph) -> 
         assert r.json()["error"]["param"] == "x-request-id"
         r = await c.post("/v1/chat/completions", json=body, headers={"X-Request-Id": ""})
         assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id"  # present but empty
-        long = "x" * 10_000  # refused, and never echoed back whole (Serve's proxy echoes the header)
+        long = "x" * 10_000  # refused; in direct ingress never echoed back whole (Narwhal's HAProxy rule:
+        # Serve's proxy actor, the other run mode, echoes the header as it came)
         r = await c.post("/v1/chat/completions", json=body, headers={"X-Request-Id": long})
         assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-id"
-        assert len(r.headers.get("x-request-id", "")) <= 128, r.headers.get("x-request-id", "")[:40]
+        if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") == "1":
+            assert len(r.headers.get("x-request-id", "")) <= 128, r.headers.get("x-request-id", "")[:40]
         r = await c.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "ok-123"})
         assert r.status_code == 200 and r.headers["x-request-id"] == "ok-123"
 
