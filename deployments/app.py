@@ -1,4 +1,4 @@
-"""build_app(args) -> Application: validates the typed args and binds the graph (SPEC §1).
+"""build_app(args) -> Application: validates the typed args and binds the graph (README, "Shape").
 
     client → Ingress (FastAPI, autoscaled) ─admit─▶ Scheduler (1 replica) ─scrape─▶ engines
                     └─────── stream ───────▶ Assembler (autoscaled) ──HTTP──▶ engines

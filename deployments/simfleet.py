@@ -1,4 +1,4 @@
-"""The embedded simulated fleet (SPEC §8): one HTTP server per simulated engine, in one replica."""
+"""The embedded simulated fleet (README, "Simulator"): one HTTP server per simulated engine, in one replica."""
 
 from __future__ import annotations
 

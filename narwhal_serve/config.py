@@ -1,4 +1,4 @@
-"""Typed application args (SPEC §2). Unknown keys are rejected, naming the key."""
+"""Typed application args (README, "Configuration"). Unknown keys are rejected, naming the key."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class ServingConfig(_Strict):
     request_timeout_s: float = Field(600.0, gt=0)
     api_keys: tuple[str, ...] = ()
     # SSE comment written while a stream is silent: behind Serve's HAProxy a client that left is
-    # noticed only when a write to it fails (ARCHITECTURE.md, "Direct ingress")
+    # noticed only when a write to it fails (README, "Run modes")
     stream_keepalive_s: float = Field(5.0, gt=0)
     # an engine silent this long fails the attempt: another route before response headers, an
     # error event and [DONE] after
@@ -201,7 +201,7 @@ class ObservabilityConfig(_Strict):
 
 
 class SimFleetConfig(_Strict):
-    """The embedded simulated fleet used when ``engines`` is empty (SPEC §8)."""
+    """The embedded simulated fleet used when ``engines`` is empty (README, "Simulator")."""
 
     host: str = "127.0.0.1"
     base_port: int = Field(8100, gt=0, lt=65536)

@@ -1,4 +1,4 @@
-"""One error tree for every refusal Narwhal sends (SPEC §4).
+"""One error tree for every refusal Narwhal sends (README, "Errors").
 
     NarwhalError                      status  type                        code
     ├── InvalidRequest                400     invalid_request_error       invalid_request

@@ -60,7 +60,7 @@ exec "$real" "$@"
 """
 
 
-HEADER_TIMEOUT_ENV = "NARWHAL_HTTP_HEADER_TIMEOUT_S"  # default 10 (SPEC serving.header_timeout_s)
+HEADER_TIMEOUT_ENV = "NARWHAL_HTTP_HEADER_TIMEOUT_S"  # default 10 (README, "Run modes")
 
 
 def real_haproxy() -> str | None:

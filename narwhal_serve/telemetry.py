@@ -1,4 +1,4 @@
-"""Prometheus text for the scheduler's global view (SPEC §7): counters, gauges, histograms."""
+"""Prometheus text for the scheduler's global view (README, "Metrics"): counters, gauges, histograms."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Terminal classes of an offered request (SPEC §5); the values are the metric names' stems."""
+"""Terminal classes of an offered request (README, "Admission"); the values are the metric names' stems."""
 
 from __future__ import annotations
 

@@ -209,7 +209,7 @@ OVERLOAD = 1.5  # loads from this fraction of capacity up are checked as overloa
 
 
 def goodput_checks(rows: list[dict[str, Any]], capacity: float, label: str = "") -> list[dict[str, Any]]:
-    """ARCHITECTURE targets of one workload's rows (check names start with ``label``)."""
+    """The benchmark targets of one workload's rows (check names start with ``label``)."""
     by = {(r["target"], r["load"]): r for r in rows}
     loads = sorted({r["load"] for r in rows})
     out: list[dict[str, Any]] = []

@@ -2,7 +2,7 @@
 
 No validation, no admission, no accounting: the body goes to the next upstream as it came and the
 answer streams back chunk by chunk with its status and content type.  This is the "bare uvicorn +
-httpx proxy" row of ARCHITECTURE's hot-path budget, and with several upstreams the ``rr`` target.
+httpx proxy" row of the design's hot-path budget, and with several upstreams the ``rr`` target.
 
     python -m narwhal_serve.bench.proxy --port 8300 --upstream http://127.0.0.1:8100 [--upstream ...]
 """

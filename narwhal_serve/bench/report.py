@@ -55,7 +55,7 @@ class RequestLog:
 
 
 def check(name: str, value: float | None, op: str, threshold: float) -> dict[str, Any]:
-    """One ARCHITECTURE target: ``value op threshold`` (``<=``, ``<`` or ``>=``) → PASS / MISS
+    """One benchmark target: ``value op threshold`` (``<=``, ``<`` or ``>=``) → PASS / MISS
     (``n/a`` without a value)."""
     if value is None:
         verdict = "n/a"

@@ -42,7 +42,7 @@ def overhead_view(res: dict[str, Any]) -> tuple[str, list[Path]]:
         parts.append(table(["refusals/s", "offered", "refused", "p50 ms", "p99 ms", "cpu ms/refusal", "codes"],
                            [[ref["refusals_per_s"], ref["offered"], ref["refused"], lat["p50"], lat["p99"],
                              ref["cpu_ms_per_refusal"], ",".join(ref["error_codes"])]]))
-    parts.append("\n## ARCHITECTURE targets")
+    parts.append("\n## targets")
     parts.append(checks_table(res["checks"]))
     return "\n".join(parts), []
 
@@ -100,7 +100,7 @@ def goodput_view(res: dict[str, Any], out: Path) -> tuple[str, list[Path]]:
                              "-" if g.get("oracle_hit_rate") is None else f"{g['oracle_hit_rate']:.2f}",
                              f"{_per_engine(g['predictive_engines'])} / {_per_engine(g['blind_engines'])}"]
                             for g in gain], nd=3))
-    parts.append("\n## ARCHITECTURE targets")
+    parts.append("\n## targets")
     parts.append(checks_table(res["checks"]))
     return "\n".join(parts), plots
 

@@ -1,4 +1,4 @@
-"""Opening the client-facing stream of one route: a single leg, or a P/D pair (SPEC §6)."""
+"""Opening the client-facing stream of one route: a single leg, or a P/D pair (README, "Engine dialects and token identity")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The HTTP surface (SPEC §3): completion routes, models, health, readiness, status, metrics, admin.
+"""The HTTP surface (README, "Routes"): completion routes, models, health, readiness, status, metrics, admin.
 
 ``build_api`` takes a :class:`Backend`, so the same app runs inside the Ray ingress and in-process.
 """

@@ -1,6 +1,6 @@
 """Batches an ingress replica's reports to the scheduler ("gated": send now if no call is in flight,
 else as soon as it returns), from a task with a fresh context so that Ray Serve's cancellation of a
-client's request never cancels a release (ARCHITECTURE.md, "cancellation trap").
+client's request never cancels a release (a cancelled request's own tasks are cancelled with it: the release is the reporter's, not the request's).
 
 With an :class:`~narwhal_serve.admission.lease.AdmissionLease`, every report carries the lease's
 share (its local placements, permits in use and given back) and the answer renews the lease; an

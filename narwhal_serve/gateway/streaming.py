@@ -9,7 +9,7 @@ cancelled the request because the client went away.
 Keep-alive: while the relay is silent (a stalled engine), an SSE comment is written every
 ``keepalive_s`` seconds.  Behind Ray Serve's HAProxy (direct-ingress mode) the replica learns of a
 client that left only when a *write* to it fails, so a silent stream must keep writing
-(ARCHITECTURE.md, "Direct ingress"); clients, the ``openai`` SDK included, ignore comment lines.
+(README, "Run modes"); clients, the ``openai`` SDK included, ignore comment lines.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ async def close_relay(gen: AsyncIterator[RelayMessage], pending: "asyncio.Future
 
 def close_detached(gen: AsyncIterator[RelayMessage], pending: "asyncio.Future[RelayMessage] | None" = None) -> None:
     """:func:`close_relay` in a task of its own context: Serve's cancellation of the request must
-    not cancel the close (ARCHITECTURE.md, "cancellation trap")."""
+    not cancel the close (a cancelled request's own tasks are cancelled with it: the release is the reporter's, not the request's)."""
     loop = asyncio.get_running_loop()
     loop.create_task(close_relay(gen, pending), context=contextvars.Context())
 

@@ -3,7 +3,7 @@ its stream (streaming clients) or fold it into one response (non-streaming clien
 
 Before response headers a failed attempt (engine error, broken stream, bad token IDs) moves on to
 the next candidate while the deadline allows; after headers a failure ends the stream with one error
-event and ``[DONE]`` (SPEC §4) — never a silent truncation.
+event and ``[DONE]`` (README, "Errors") — never a silent truncation.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class Relay:
     Every read from an engine is bounded: by ``idle_timeout_s`` (an engine silent that long fails
     the attempt — another route before headers, an error event after), before the first token by
     the request's first-token limit when another route is left to try, and by the request's
-    deadline, which holds for the whole request (SPEC §2): past it, 504 before headers, an error
+    deadline, which holds for the whole request (README, "Configuration"): past it, 504 before headers, an error
     event ``deadline_expired`` and ``[DONE]`` after.  Failed attempts travel to the scheduler as
     :class:`EngineFault`\ s on the next message (passive health)."""
 

@@ -217,7 +217,7 @@ class SchedulerService:
             self.reservations.popitem(last=False)
 
     def unavailable(self, now: float) -> str | None:
-        """Why the router refuses everything now (SPEC §3 /ready reasons), or None: its lease
+        """Why the router refuses everything now (README, "Routes": the /ready reasons), or None: its lease
         (standby, fenced), its admin mode, whole-wave maintenance, then its own monitoring."""
         lease_mode = self.ha.lease_mode()
         if lease_mode is not None and lease_mode != "active":

@@ -1,4 +1,4 @@
-"""GET /metrics: Prometheus text with SPEC §7 names, global counters."""
+"""GET /metrics: Prometheus text with the names README "Metrics" lists, global counters."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What of an engine chunk reaches the client (SPEC: Token identity)."""
+"""What of an engine chunk reaches the client (README, "Engine dialects and token identity")."""
 
 from __future__ import annotations
 

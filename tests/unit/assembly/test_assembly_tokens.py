@@ -1,4 +1,4 @@
-"""Token identity checks (SPEC: Token identity)."""
+"""Token identity checks (README, "Engine dialects and token identity")."""
 
 from __future__ import annotations
 
