@@ -10,13 +10,12 @@ answers 404 ``tokenizer_unavailable``.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from narwhal_serve.errors import InvalidRequest, NarwhalError
-from narwhal_serve.protocol.requests import decode_json, model_not_found
+from narwhal_serve.protocol.requests import check_messages, decode_json, model_not_found
 from narwhal_serve.tokenization.chat import NotExact
-from narwhal_serve.tokenization.sizer import INLINE_CHARS, PromptSizer
+from narwhal_serve.tokenization.sizer import PromptSizer, Tokenizer, outside_vocabulary
 
 
 class TokenizerUnavailable(NarwhalError):
@@ -25,7 +24,7 @@ class TokenizerUnavailable(NarwhalError):
     code = "tokenizer_unavailable"
 
 
-def _tokenizer(sizer: PromptSizer) -> Any:
+def _tokenizer(sizer: PromptSizer) -> Tokenizer:
     if sizer.tokenizer is None:
         raise TokenizerUnavailable("This router has no tokenizer for its model: set `tokenizer:` in its config "
                                    "(a Hugging Face tokenizer directory).")
@@ -38,24 +37,12 @@ def _check_model(body: dict[str, Any], model: str) -> None:
         raise model_not_found(str(m), model)
 
 
-def _check_messages(messages: Any) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty list", param="messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise InvalidRequest(f"'messages.{i}' must be an object with a string 'role'", param=f"messages.{i}")
-        c = m.get("content")
-        if not (c is None or isinstance(c, (str, list))):
-            raise InvalidRequest(f"'messages.{i}.content' must be a string, a list of parts, or null",
-                                 param=f"messages.{i}.content")
-
-
 async def tokenize(sizer: PromptSizer, model: str, raw: bytes) -> dict[str, Any]:
     tok = _tokenizer(sizer)
     body = decode_json(raw)
     _check_model(body, model)
     if "messages" in body:
-        _check_messages(body["messages"])
+        check_messages(body)
         route, size = "chat", len(raw)
     else:
         p = body.get("prompt")
@@ -66,10 +53,7 @@ async def tokenize(sizer: PromptSizer, model: str, raw: bytes) -> dict[str, Any]
         if key in body and not isinstance(body[key], bool):
             raise InvalidRequest(f"'{key}' must be a boolean", param=key)
     try:
-        if size > INLINE_CHARS:
-            enc = await asyncio.to_thread(tok.prompt, route, body)
-        else:
-            enc = tok.prompt(route, body)
+        enc = await sizer.encode(route, body, size)
     except NotExact as exc:
         raise InvalidRequest(f"cannot tokenize this request: {exc}", param=None) from None
     strs = tok.token_strs(enc.ids) if body.get("return_token_strs") else None
@@ -83,7 +67,7 @@ async def detokenize(sizer: PromptSizer, model: str, raw: bytes) -> dict[str, An
     ids = body.get("tokens")
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise InvalidRequest("'tokens' must be a list of token ids", param="tokens")
-    bad = next((i for i, t in enumerate(ids) if not 0 <= t < tok.vocab_size), None)
+    bad = outside_vocabulary(ids, tok.vocab_size)
     if bad is not None:
         raise InvalidRequest(f"'tokens.{bad}' is not a token id of this model (vocabulary {tok.vocab_size})",
                              param=f"tokens.{bad}")

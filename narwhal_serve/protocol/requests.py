@@ -244,7 +244,8 @@ def _check_nonstream_options(body: dict[str, Any]) -> None:
                 )
 
 
-def _check_messages(body: dict[str, Any]) -> int:
+def check_messages(body: dict[str, Any]) -> int:
+    """Chat ``messages`` as the router reads them (also ``/tokenize``'s); their characters."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages", "is required and must be a non-empty list")
@@ -285,7 +286,7 @@ def parse_request(route: Route, raw: bytes, *, model: str) -> ParsedRequest:
     stream = bool(body.get("stream", False))
     ids: tuple[int, ...] | None = None
     if route == "chat":
-        chars = _check_messages(body)
+        chars = check_messages(body)
         _opt(body, "logprobs", lambda v: isinstance(v, bool), "must be a boolean")
         _opt(body, "top_logprobs", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
         _opt(body, "max_completion_tokens", lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")

@@ -5,12 +5,11 @@ it knows a vLLM engine's from the model's Hugging Face tokenizer."""
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from typing import Any
 
 from narwhal_serve.sim.config import SimEngineConfig
 from narwhal_serve.sim.textgen import VOCAB_SIZE, encode_prompt, render_chat, token_str, tokenize_text
+from narwhal_serve.tokenization.cache import TokenCache
 from narwhal_serve.tokenization.chat import NotExact
 from narwhal_serve.tokenization.hf import Encoded
 
@@ -24,7 +23,6 @@ def _text(content: Any) -> str:
 
 
 CACHED_CHARS = 256  # message contents this long are tokenized once (a conversation's earlier turns)
-CACHE_ENTRIES = 4096
 
 
 class SimTokenizer:
@@ -33,23 +31,7 @@ class SimTokenizer:
     max_model_len: int | None = SimEngineConfig.model_fields["max_model_len"].default
 
     def __init__(self) -> None:
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def _tokenize(self, text: str) -> list[int]:
-        if len(text) < CACHED_CHARS:
-            return tokenize_text(text)
-        with self._lock:
-            ids = self._cache.get(text)
-            if ids is not None:
-                self._cache.move_to_end(text)
-                return ids
-        ids = tokenize_text(text)
-        with self._lock:
-            self._cache[text] = ids
-            if len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
-        return ids
+        self._tokenize = TokenCache(tokenize_text, CACHED_CHARS)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return encode_prompt(text, add_special_tokens)

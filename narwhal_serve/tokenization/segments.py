@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from narwhal_serve.tokenization.cache import CACHE_TOKENS, TokenCache
+
 MIN_CACHED_CHARS = 256  # shorter pieces are encoded each time (cheaper than hashing and bookkeeping)
 MIN_SEGMENTED_CHARS = 1024  # shorter texts are encoded whole
-CACHE_TOKENS = 2_000_000  # token IDs the cache holds at most (least recently used dropped first)
 
 
 class SegmentCache:
@@ -32,35 +31,19 @@ class SegmentCache:
 
     def __init__(self, rust: Any, specials: dict[str, int], prefix: list[int], suffix: list[int],
                  capacity_tokens: int = CACHE_TOKENS) -> None:
-        self._rust = rust
         self._ids = specials
         self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")")
         self._prefix, self._suffix = prefix, suffix
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
-        self._tokens = 0
-        self._capacity = capacity_tokens
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
+        self._piece = TokenCache(lambda text: list(rust.encode(text, add_special_tokens=False).ids),
+                                 MIN_CACHED_CHARS, capacity_tokens)
 
-    def _piece(self, text: str) -> list[int]:
-        if len(text) < MIN_CACHED_CHARS:
-            return list(self._rust.encode(text, add_special_tokens=False).ids)
-        with self._lock:
-            ids = self._cache.get(text)
-            if ids is not None:
-                self._cache.move_to_end(text)
-                self.hits += 1
-                return ids
-        ids = list(self._rust.encode(text, add_special_tokens=False).ids)
-        with self._lock:
-            self.misses += 1
-            if text not in self._cache:
-                self._cache[text] = ids
-                self._tokens += len(ids)
-                while self._tokens > self._capacity and self._cache:
-                    _, old = self._cache.popitem(last=False)
-                    self._tokens -= len(old)
-        return ids
+    @property
+    def hits(self) -> int:
+        return self._piece.hits
+
+    @property
+    def misses(self) -> int:
+        return self._piece.misses
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         out: list[int] = list(self._prefix) if add_special_tokens else []
@@ -112,10 +95,9 @@ def segmenter(rust: Any, samples: Sequence[str]) -> SegmentCache | None:
     parts = _specials_and_wrapping(rust)
     if parts is None:
         return None
-    cache = SegmentCache(rust, *parts)
+    check = SegmentCache(rust, *parts)
     for text in samples:
         for special in (False, True):
-            if cache.encode(text, special) != list(rust.encode(text, add_special_tokens=special).ids):
+            if check.encode(text, special) != list(rust.encode(text, add_special_tokens=special).ids):
                 return None
-    cache.hits = cache.misses = 0
-    return cache
+    return SegmentCache(rust, *parts)  # (an empty cache: the samples are not requests)

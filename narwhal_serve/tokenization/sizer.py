@@ -3,11 +3,12 @@
 Where the tokenizer comes from (:func:`tokenizer_path`): ``tokenizer:`` in the config (a local
 Hugging Face tokenizer directory), else the model directory of a managed vLLM/SGLang engine when it
 is a local directory holding ``tokenizer.json``.  Without one the router sizes text prompts with the
-estimate (``/status`` says which, ``narwhal_prompt_sizing_total`` counts both).
+estimate (``/status`` says which for the ingress, the request log's ``prompt_sizing`` per request).
 
-Tokenizing a long prompt takes milliseconds (about 0.3 µs per byte here), so prompts past
+Tokenizing a long prompt takes milliseconds (about 0.7 µs per byte here), so prompts past
 :data:`INLINE_CHARS` are tokenized on a small thread pool: the Rust tokenizer releases the GIL, and
-the event loop keeps serving other requests meanwhile.
+the event loop keeps serving other requests meanwhile.  Requests and ``/tokenize`` take the same path
+(:meth:`PromptSizer.encode`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from narwhal_serve.errors import InvalidRequest
 from narwhal_serve.tokenization.chat import NotExact
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from narwhal_serve.config import NarwhalConfig
     from narwhal_serve.protocol.requests import ParsedRequest
     from narwhal_serve.tokenization.hf import Encoded
@@ -106,40 +109,37 @@ class PromptSizer:
     def source(self) -> str:
         return self.tokenizer.source if self.tokenizer is not None else ESTIMATE
 
-    def _ids(self, parsed: "ParsedRequest") -> list[int] | None:
-        assert self.tokenizer is not None
-        try:
-            return self.tokenizer.prompt(parsed.route, parsed.body).ids
-        except NotExact:
-            return None
-        except Exception:  # a tokenizer fault must not fail the request: the engine still sizes it
-            log.exception("tokenizing a prompt failed; sizing it with the estimate")
-            return None
+    async def encode(self, route: str, body: dict[str, Any], chars: int) -> "Encoded":
+        """The prompt token IDs of a validated ``body`` (``chars``: about how long its prompt is), off
+        the event loop when long; raises :class:`NotExact` where the router cannot say exactly."""
+        tok = self.tokenizer
+        assert tok is not None
+        if chars <= INLINE_CHARS:
+            return tok.prompt(route, body)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="narwhal-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, tok.prompt, route, body)
 
     async def size(self, parsed: "ParsedRequest") -> Sized:
         if parsed.prompt_token_ids is not None:
             vocab = self.tokenizer.vocab_size if self.tokenizer is not None else None
-            bad = None if vocab is None else next((i for i, t in enumerate(parsed.prompt_token_ids) if t >= vocab), None)
+            bad = None if vocab is None else outside_vocabulary(parsed.prompt_token_ids, vocab)
             if bad is not None:  # the engine would refuse it (or fail on it): say which one, up front
                 path = f"prompt.{bad}" if not isinstance(parsed.body["prompt"][0], list) else f"prompt.0.{bad}"
                 raise InvalidRequest(f"'{path}' is not a token id of this model (vocabulary {vocab})", param=path)
             return Sized(parsed, list(parsed.prompt_token_ids), "client_ids")
         if self.tokenizer is None:
             return Sized(parsed, None, ESTIMATE)
-        if _prompt_chars(parsed) <= INLINE_CHARS:
-            ids = self._ids(parsed)
-        else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="narwhal-tokenize")
-            ids = await asyncio.get_running_loop().run_in_executor(self._pool, self._ids, parsed)
-        if ids is None:
+        try:
+            ids = (await self.encode(parsed.route, parsed.body, _prompt_chars(parsed))).ids
+        except NotExact:
+            return Sized(parsed, None, ESTIMATE)
+        except Exception:  # a tokenizer fault must not fail the request: the engine still sizes it
+            log.exception("tokenizing a prompt failed; sizing it with the estimate")
             return Sized(parsed, None, ESTIMATE)
         return Sized(dataclasses.replace(parsed, prompt_tokens=max(1, len(ids))), ids, "tokenizer")
 
-    # ------------------------------------------------------------------ /tokenize, /detokenize
 
-    def tokenize(self, body: dict[str, Any]) -> list[int]:
-        """vLLM's ``/tokenize``: ``prompt`` (completion rules) or ``messages`` (chat rules)."""
-        assert self.tokenizer is not None
-        route = "chat" if "messages" in body else "completion"
-        return self.tokenizer.prompt(route, body).ids
+def outside_vocabulary(ids: "Sequence[int]", vocab: int) -> int | None:
+    """The position of the first ID that is not a token of a ``vocab``-token model, or None."""
+    return next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)

@@ -1,0 +1,43 @@
+"""Token IDs of texts tokenized before (the router's tokenizer and the simulator's share it)."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+CACHE_TOKENS = 2_000_000  # token IDs a cache holds at most (least recently used dropped first)
+
+
+class TokenCache:
+    """``encode(text)``, remembered for texts of at least ``min_chars`` characters (shorter ones cost
+    less to encode than to hash and book), at most ``capacity_tokens`` IDs held (thread-safe)."""
+
+    def __init__(self, encode: Callable[[str], list[int]], min_chars: int, capacity_tokens: int = CACHE_TOKENS) -> None:
+        self._encode = encode
+        self._min_chars = min_chars
+        self._capacity = capacity_tokens
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def __call__(self, text: str) -> list[int]:
+        if len(text) < self._min_chars:
+            return self._encode(text)
+        with self._lock:
+            ids = self._cache.get(text)
+            if ids is not None:
+                self._cache.move_to_end(text)
+                self.hits += 1
+                return ids
+        ids = self._encode(text)
+        with self._lock:
+            self.misses += 1
+            if text not in self._cache:
+                self._cache[text] = ids
+                self._tokens += len(ids)
+                while self._tokens > self._capacity and self._cache:
+                    _, old = self._cache.popitem(last=False)
+                    self._tokens -= len(old)
+        return ids
