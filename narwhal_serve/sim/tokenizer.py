@@ -10,8 +10,7 @@ from typing import Any
 from narwhal_serve.sim.config import SimEngineConfig
 from narwhal_serve.sim.textgen import VOCAB_SIZE, encode_prompt, render_chat, token_str, tokenize_text
 from narwhal_serve.tokenization.cache import TokenCache
-from narwhal_serve.tokenization.chat import NotExact
-from narwhal_serve.tokenization.hf import Encoded
+from narwhal_serve.tokenization.hf import Encoded, text_prompt
 
 SOURCE = "narwhal-sim"
 
@@ -46,10 +45,5 @@ class SimTokenizer:
         if route == "chat":
             msgs = [(str(m.get("role", "")), _text(m.get("content"))) for m in body["messages"]]
             return Encoded(render_chat(msgs, bool(body.get("add_generation_prompt", True)), self._tokenize), False)
-        p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1:
-            p = p[0]
-        if not isinstance(p, str):
-            raise NotExact("not a text prompt")
         special = body.get("add_special_tokens", True)
-        return Encoded(encode_prompt(p, bool(special)), bool(special))
+        return Encoded(encode_prompt(text_prompt(body), bool(special)), bool(special))

@@ -35,6 +35,16 @@ class Encoded:
     add_special_tokens: bool
 
 
+def text_prompt(body: dict[str, Any]) -> str:
+    """A completion's prompt text (``"…"`` or ``["…"]``); raises :class:`NotExact` for token IDs."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1:
+        p = p[0]
+    if not isinstance(p, str):
+        raise NotExact("not a text prompt")
+    return p
+
+
 def _max_model_len(path: Path, configured: Any) -> int | None:
     try:
         cfg = json.loads((path / "config.json").read_text())
@@ -126,12 +136,7 @@ class HfTokenizer:
             text = self.render_chat(body)
         else:
             special = body.get("add_special_tokens", True)
-            p = body.get("prompt")
-            if isinstance(p, list) and len(p) == 1:
-                p = p[0]
-            if not isinstance(p, str):
-                raise NotExact("not a text prompt")
-            text = p
+            text = text_prompt(body)
         if not isinstance(special, bool):
             raise NotExact("add_special_tokens is not a boolean")
         return Encoded(self.encode(text, special), special)
