@@ -1,4 +1,4 @@
-"""``narwhal-bench overhead|goodput``: start the fleet and the targets, measure, print tables, write
+"""``narwhal-bench overhead|goodput|profile``: start the fleet and the targets, measure, print tables, write
 ``results.json``, ``requests.jsonl`` and PNG plots to ``--out/<mode>-<time>/``, stop everything.
 ``assembly``, ``decision`` and ``transport`` (see their modules) write ``results.json`` only;
 ``ramp`` (Serve autoscaling under a load ramp) and ``soak`` (a long mixed load with faults: memory of
@@ -14,8 +14,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from narwhal_serve.bench import assembly, decision, ramp, soak, transport, views
-from narwhal_serve.bench.fleet import TARGETS, Fleet, FleetSpec, SimTiming
+from narwhal_serve.bench import assembly, decision, profile, ramp, soak, transport, views
+from narwhal_serve.bench.fleet import NARWHAL_PREFIX, TARGETS, Fleet, FleetSpec, SimTiming, base_of, known_target
 from narwhal_serve.bench.goodput import GoodputArgs, run_goodput_suite
 from narwhal_serve.bench.overhead import OverheadArgs, run_overhead
 from narwhal_serve.bench.report import RequestLog, run_dir, write_json
@@ -31,7 +31,8 @@ DEFAULT_TIMING = {
     "overhead": SimTiming(0.0, 0.0, 0.001, 0.0, 1024),
     "goodput": SimTiming(0.02, 0.0001, 0.025, 0.002, 4),
 }
-DEFAULT_ENGINES = {"overhead": 1, "goodput": 2}
+DEFAULT_TIMING["profile"] = DEFAULT_TIMING["overhead"]
+DEFAULT_ENGINES = {"overhead": 1, "goodput": 2, "profile": 1}
 
 
 def _floats(s: str) -> list[float]:
@@ -44,9 +45,10 @@ def _ints(s: str) -> list[int]:
 
 def _targets(s: str) -> list[str]:
     ts = [x.strip() for x in s.split(",") if x.strip()]
-    bad = [t for t in ts if t not in TARGETS]
+    bad = [t for t in ts if not known_target(t)]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown target(s) {bad}; known: {', '.join(TARGETS)}")
+        raise argparse.ArgumentTypeError(f"unknown target(s) {bad}; known: {', '.join(TARGETS)} "
+                                         "(and narwhal-...@base with --baseline-tree)")
     return ts
 
 
@@ -89,6 +91,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tpot-base-s", type=float)
     g.add_argument("--tpot-per-running-s", type=float)
     g.add_argument("--narwhal-start-timeout-s", type=float, default=180.0)
+    g.add_argument("--baseline-tree", type=Path, default=None,
+                   help="another checkout of this repository (e.g. `git worktree add /tmp/base HEAD~1`): its "
+                        "build serves the `<narwhal target>@base` targets, side by side in the same run")
     g.add_argument("--ray-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for `serve run` (repeatable), e.g. RAY_SERVE_THROUGHPUT_OPTIMIZED=0")
     g.add_argument("--ray-niceness", type=int, default=0,
@@ -112,6 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--refusal-s", type=float, default=4.0)
     o.add_argument("--prompt-tokens", type=int, default=64)
     o.add_argument("--output-tokens", type=int, default=16)
+    pr = sub.add_parser("profile", help="py-spy over every router process under a fixed load: flame graphs, "
+                                        "CPU per request per process, what runs during the slowest first tokens")
+    _common(pr)
+    pr.add_argument("--target", default="narwhal-predictive", help="the Narwhal application profiled")
+    pr.add_argument("--concurrency", type=int, default=8, help="closed-loop streaming clients")
+    pr.add_argument("--duration-s", type=float, default=15.0, help="seconds of load recorded")
+    pr.add_argument("--idle-s", type=float, default=10.0, help="seconds of no traffic measured first")
+    pr.add_argument("--rate-hz", type=int, default=200, help="py-spy samples per second per process")
+    pr.add_argument("--tail-share", type=float, default=0.01, help="the slowest share of first tokens traced")
+    pr.add_argument("--min-core-share", type=float, default=0.02,
+                    help="under load, py-spy only the processes that used at least this share of a core")
+    pr.add_argument("--prompt-tokens", type=int, default=64)
+    pr.add_argument("--output-tokens", type=int, default=16)
+    pr.add_argument("--py-spy", default="", help="py-spy binary (default: next to this Python, else on PATH)")
     d = sub.add_parser("decision", help="CPU cost of one admission decision, lease and scheduler (no servers)")
     d.add_argument("--engines", type=_ints, default=[3, 16, 64], help="fleet sizes (comma list)")
     d.add_argument("--requests", type=int, default=5000)
@@ -292,7 +311,8 @@ def fleet_spec(ns: argparse.Namespace, budget_s: float) -> FleetSpec:
     engines = len(ns.engine_url) or (ns.engines or DEFAULT_ENGINES[ns.mode])
     return FleetSpec(engines=engines, timing=timing, model=ns.model, external_urls=tuple(ns.engine_url),
                      narwhal_budget_s=budget_s, ray_niceness=ns.ray_niceness,
-                     ray_env=tuple(_key_value(kv) for kv in ns.ray_env), tokenizer=ns.tokenizer)
+                     ray_env=tuple(_key_value(kv) for kv in ns.ray_env), tokenizer=ns.tokenizer,
+                     baseline_tree=ns.baseline_tree)
 
 
 def trace_path(ns: argparse.Namespace, name: str) -> Path:
@@ -343,6 +363,27 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(coro)
 
 
+def run_profile(ns: argparse.Namespace) -> int:
+    if ns.target not in NARWHAL_PREFIX and base_of(ns.target) is None:
+        raise SystemExit(f"--target must be one of {', '.join(NARWHAL_PREFIX)} (or one of them @base)")
+    a = profile.ProfileArgs(target=ns.target, concurrency=ns.concurrency, duration_s=ns.duration_s, idle_s=ns.idle_s,
+                            rate_hz=ns.rate_hz, tail_share=ns.tail_share, min_core_share=ns.min_core_share, prompt_tokens=ns.prompt_tokens,
+                            output_tokens=ns.output_tokens, api=ns.api, model=ns.model, py_spy=ns.py_spy)
+    out = run_dir(ns.out, "profile")
+    fleet = Fleet(fleet_spec(ns, 2.0), out / "logs")
+    print(f"narwhal-bench profile: {a.target} at c={a.concurrency}; results in {out}", file=sys.stderr)
+    try:
+        fleet.start(["direct", a.target], ns.narwhal_start_timeout_s)
+        res = profile.run(a, fleet, out, run_async)
+    finally:
+        fleet.stop()
+    print(profile.view(res))
+    print(f"\nresults: {out / 'results.json'}")
+    for p in profile.folded_paths(out):
+        print(f"flame graph: {p}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.mode == "decision":
@@ -369,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         print(transport.summary_table(res["summary"]))
         print(f"\nresults: {out / 'results.json'}")
         return 0
+    if ns.mode == "profile":
+        return run_profile(ns)
     targets: list[str] = ns.targets or DEFAULT_TARGETS[ns.mode]
     if ns.mode == "goodput" and "direct" not in targets and not ns.capacity_rps:
         targets = ["direct", *targets]  # the calibration run needs the engines directly

@@ -7,7 +7,10 @@
   (route prefixes ``/open`` and ``/predictive``) so they share one Ray instance, with ``engines:``
   naming the bench's fleet (role unified, dialect vllm);
 * ``narwhal-prefix-blind``: ``narwhal-predictive`` with ``placement.prefix_aware: false``
-  (``/prefix-blind``), the baseline of prefix-aware placement.
+  (``/prefix-blind``), the baseline of prefix-aware placement;
+* ``<narwhal target>@base`` (``--baseline-tree DIR``): the same application served by a second
+  ``serve run`` (its own Ray instance) from another checkout of the repository, e.g. a
+  ``git worktree`` of the commit before a change: two builds side by side in one run.
 """
 
 from __future__ import annotations
@@ -24,15 +27,30 @@ from narwhal_serve.bench import procs
 from narwhal_serve.runenv import direct_ingress_env
 from narwhal_serve.bench.client import Endpoint
 
+BASE = "@base"
+
+
+def base_of(target: str) -> str | None:
+    """The Narwhal target a ``<target>@base`` names, else None."""
+    return target[: -len(BASE)] if target.endswith(BASE) and target[: -len(BASE)] in NARWHAL_PREFIX else None
+
+
+def known_target(target: str) -> bool:
+    return target in TARGETS or base_of(target) is not None
+
+
 TARGETS: tuple[str, ...] = ("direct", "proxy", "narwhal-open", "narwhal-predictive", "rr", "narwhal-nolease",
-                            "narwhal-prefix-blind", "narwhal-estimate")
+                            "narwhal-prefix-blind", "narwhal-estimate", "narwhal-assembler")
 # narwhal-nolease: open admission with a scheduler call per request (admission.ingress_leases off)
 # and plain httpx to the engines — the hot path before leases, measured beside the others
+# narwhal-assembler: predictive, with engine streams relayed by the Assembler deployment (a Ray
+# hop) instead of in the ingress
 # narwhal-estimate: predictive, with prompts sized by the characters / 4 estimate and the prefix index
 # learned from placements (no tokenizer, no KV events) — the router before exact tokens, side by side
 NARWHAL_PREFIX = {"narwhal-open": "/open", "narwhal-predictive": "/predictive", "narwhal-nolease": "/nolease",
-                  "narwhal-prefix-blind": "/prefix-blind", "narwhal-estimate": "/estimate"}
-PREDICTIVE_TARGETS = frozenset({"narwhal-predictive", "narwhal-prefix-blind", "narwhal-estimate"})
+                  "narwhal-prefix-blind": "/prefix-blind", "narwhal-estimate": "/estimate",
+                  "narwhal-assembler": "/assembler"}
+PREDICTIVE_TARGETS = frozenset({"narwhal-predictive", "narwhal-prefix-blind", "narwhal-estimate", "narwhal-assembler"})
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -79,6 +97,7 @@ class FleetSpec:
     ray_niceness: int = 0  # Ray workers' nice level; 0 = same priority as the engines, proxy and clients
     ray_env: tuple[tuple[str, str], ...] = ()  # extra environment for `serve run`
     tokenizer: str | None = None  # --tokenizer: the external engines' model directory (exact prompt sizes)
+    baseline_tree: Path | None = None  # --baseline-tree: the checkout serving the `<target>@base` targets
 
 
 def narwhal_app(args: dict[str, Any], name: str = "narwhal", route_prefix: str = "/") -> dict[str, Any]:
@@ -126,6 +145,7 @@ def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets:
                           "ingress_leases": t != "narwhal-nolease"},
             "engines": app_engines,
             **({"deployment": {"engine_http": "httpx"}} if t == "narwhal-nolease" else {}),
+            **({"deployment": {"relay": "assembler"}} if t == "narwhal-assembler" else {}),
             **({"placement": {"prefix_aware": False}} if t == "narwhal-prefix-blind" else {}),
         }, t, NARWHAL_PREFIX[t]))
     return serve_config(port, apps)
@@ -148,6 +168,7 @@ class Fleet:
     sims: list[procs.Managed] = field(default_factory=list)
     proxy: procs.Managed | None = None
     narwhal: procs.Managed | None = None
+    baseline: procs.Managed | None = None  # the `serve run` of --baseline-tree
     narwhal_startup_s: float | None = None
 
     @property
@@ -163,6 +184,7 @@ class Fleet:
             raise
 
     def _start(self, targets: list[str], narwhal_timeout_s: float) -> None:
+        self.log_dir = self.log_dir.resolve()  # a `serve run` of --baseline-tree starts in another directory
         self.log_dir.mkdir(parents=True, exist_ok=True)  # also when no simulated engine is started
         if self.simulated:
             for i in range(self.spec.engines):
@@ -180,18 +202,16 @@ class Fleet:
         else:
             self.engine_urls = list(self.spec.external_urls)
         nw_targets = [t for t in targets if t in NARWHAL_PREFIX]
-        nw_port = procs.free_port()
+        base_targets = [b for b in map(base_of, targets) if b is not None]
+        started: list[tuple[procs.Managed, int, list[str], str]] = []
         if nw_targets:
-            cfg_path = self.log_dir / "narwhal-serve-config.yaml"  # JSON is YAML
-            cfg_path.write_text(json.dumps(narwhal_serve_config(
-                nw_port, self.engine_urls, self.spec.model, nw_targets, self.spec.narwhal_budget_s,
-                None if self.spec.external_urls else self.spec.timing.max_num_seqs,
-                tokenizer="narwhal-sim" if self.simulated else self.spec.tokenizer,
-                kv_events=self.simulated), indent=1))
-            serve = Path(sys.executable).parent / "serve"
-            self.narwhal = procs.start("narwhal", [str(serve), "run", str(cfg_path)], self.log_dir,
-                                       env=self._ray_env(),
-                                       cwd=_app_dir())
+            self.narwhal, port = self._serve_run("narwhal", nw_targets, _app_dir())
+            started.append((self.narwhal, port, nw_targets, ""))
+        if base_targets:
+            if self.spec.baseline_tree is None:
+                raise ValueError("the @base targets need --baseline-tree")
+            self.baseline, port = self._serve_run("baseline", base_targets, self.spec.baseline_tree.resolve())
+            started.append((self.baseline, port, base_targets, BASE))
         if "proxy" in targets or "rr" in targets:
             port = procs.free_port()
             argv = procs.python_module("narwhal_serve.bench.proxy", "--port", str(port),
@@ -201,14 +221,39 @@ class Fleet:
             for t in ("proxy", "rr"):
                 self.endpoints[t] = Endpoint(t, (f"http://127.0.0.1:{port}",))
         self.endpoints["direct"] = Endpoint("direct", tuple(self.engine_urls))
-        if self.narwhal is not None:
-            t0 = time.monotonic()
-            for t in nw_targets:
-                base = f"http://127.0.0.1:{nw_port}{NARWHAL_PREFIX[t]}"
-                procs.wait_ready(base + "/ready", max(5.0, narwhal_timeout_s - (time.monotonic() - t0)), self.narwhal)
-                self.endpoints[t] = Endpoint(t, (base,))
+        t0 = time.monotonic()
+        for proc, port, names, suffix in started:
+            for t in names:
+                base = f"http://127.0.0.1:{port}{NARWHAL_PREFIX[t]}"
+                procs.wait_ready(base + "/ready", max(5.0, narwhal_timeout_s - (time.monotonic() - t0)), proc)
+                self.endpoints[t + suffix] = Endpoint(t + suffix, (base,))
+            proc.remember_tree()
+        if started:
             self.narwhal_startup_s = time.monotonic() - t0
-            self.narwhal.remember_tree()
+
+    def _serve_run(self, name: str, targets: list[str], tree: Path) -> tuple[procs.Managed, int]:
+        """``serve run`` of one application per target, importing ``deployments`` and
+        ``narwhal_serve`` from ``tree`` (PYTHONPATH first: it wins over the installed package)."""
+        port = procs.free_port()
+        cfg_path = (self.log_dir / f"{name}-serve-config.yaml").resolve()  # JSON is YAML; cwd is `tree`
+        cfg_path.write_text(json.dumps(narwhal_serve_config(
+            port, self.engine_urls, self.spec.model, targets, self.spec.narwhal_budget_s,
+            None if self.spec.external_urls else self.spec.timing.max_num_seqs,
+            tokenizer="narwhal-sim" if self.simulated else self.spec.tokenizer,
+            kv_events=self.simulated), indent=1))
+        env = self._ray_env()
+        if tree != _app_dir():
+            env["PYTHONPATH"] = str(tree) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        serve = Path(sys.executable).parent / "serve"
+        return procs.start(name, [str(serve), "run", str(cfg_path)], self.log_dir, env=env, cwd=tree), port
+
+    def process(self, target: str) -> procs.Managed | None:
+        """The process tree serving ``target`` (None for ``direct``)."""
+        if base_of(target) is not None:
+            return self.baseline
+        if target in NARWHAL_PREFIX:
+            return self.narwhal
+        return self.proxy if target in ("proxy", "rr") else None
 
     def _ray_env(self) -> dict[str, str]:
         env = {**RAY_ENV, "RAY_worker_niceness": str(self.spec.ray_niceness),
@@ -253,8 +298,9 @@ class Fleet:
         return [_sim_counters(u) for u in self.engine_urls] if self.simulated else []
 
     def stop(self) -> None:
-        if self.narwhal is not None:
-            self.narwhal.stop(first=signal.SIGINT, grace_s=20.0, term_s=10.0)  # SIGINT: serve run shuts Ray down
+        for nw in (self.narwhal, self.baseline):
+            if nw is not None:
+                nw.stop(first=signal.SIGINT, grace_s=20.0, term_s=10.0)  # SIGINT: serve run shuts Ray down
         if self.proxy is not None:
             self.proxy.stop()
         for p in self.sims:

@@ -51,7 +51,7 @@ def _workload(a: OverheadArgs, out_tokens: int) -> Workload:
 
 
 def _cpu_snapshot(fleet: Fleet, target: str) -> dict[int, tuple[str, float]]:
-    m = fleet.narwhal if target.startswith("narwhal") else fleet.proxy if target in ("proxy", "rr") else None
+    m = fleet.process(target)
     if m is None:
         return {}
     return procs.tree_cpu(m.pid)
