@@ -1,7 +1,8 @@
 """build_app(args) -> Application: validates the typed args and binds the graph (README, "Shape").
 
-    client → Ingress (FastAPI, autoscaled) ─admit─▶ Scheduler (1 replica) ─scrape─▶ engines
-                    └─────── stream ───────▶ Assembler (autoscaled) ──HTTP──▶ engines
+    client → Ingress (FastAPI, autoscaled) ─lease/report─▶ Scheduler (1 replica) ─scrape─▶ engines
+                    └──────────────── HTTP (relay in the ingress) ────────────────▶ engines
+             or     └── stream ──▶ Assembler (autoscaled; deployment.relay: assembler) ──HTTP──▶ engines
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def build_app(args: dict[str, Any]) -> Application:
         Scheduler, name=SCHEDULER, num_replicas=1, max_ongoing_requests=100_000, ray_actor_options=free,
         logging_config=quiet,
     )
-    assembler_dep = serve.deployment(
+    assembler_dep = None if knobs.relay == "ingress" else serve.deployment(
         Assembler,
         name="Assembler",
         max_ongoing_requests=knobs.max_ongoing_requests,
@@ -65,7 +66,8 @@ def build_app(args: dict[str, Any]) -> Application:
         if e.launch is not None
     ]
     scheduler = scheduler_dep.bind(conf, fleet, *engines)
-    assembler = assembler_dep.bind(knobs.engine_http, cfg.serving.engine_idle_timeout_s, cfg.observability.model_dump())
+    assembler = None if assembler_dep is None else assembler_dep.bind(
+        knobs.engine_http, cfg.serving.engine_idle_timeout_s, cfg.observability.model_dump())
     return ingress_dep.bind(conf, scheduler, assembler)
 
 

@@ -1,4 +1,5 @@
-"""Assembler deployment: opens engine streams for placed requests and relays or assembles them."""
+"""Assembler deployment (``deployment.relay: assembler``): opens engine streams for placed requests
+and relays or assembles them, a streaming Ray hop away from the ingress."""
 
 from __future__ import annotations
 
@@ -6,11 +7,9 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from narwhal_serve.config import ObservabilityConfig
-from narwhal_serve.engines.client import engine_client
-from narwhal_serve.observability import Tracing
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.relay.messages import RelayMessage
-from narwhal_serve.relay.pipeline import Relay
+from narwhal_serve.relay.pipeline import relay_of
 
 
 class Assembler:
@@ -20,8 +19,7 @@ class Assembler:
         engine_idle_timeout_s: float = 60.0,
         observability: dict[str, Any] | None = None,
     ) -> None:
-        tracing = Tracing(ObservabilityConfig.model_validate(observability or {}))
-        self.relay = Relay(engine_client(engine_http), idle_timeout_s=engine_idle_timeout_s, tracing=tracing)
+        self.relay = relay_of(engine_http, engine_idle_timeout_s, ObservabilityConfig.model_validate(observability or {}))
 
     async def run(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         async for msg in self.relay.run(placed):

@@ -12,15 +12,18 @@ from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.gateway.app import build_api
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.relay.messages import RelayMessage
+from narwhal_serve.relay.pipeline import Relay, relay_of
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, Report
 
 
 class HandleBackend:
-    """The gateway's :class:`Backend` over Ray Serve handles."""
+    """The gateway's :class:`Backend` over Ray Serve handles; engine streams relayed in this
+    process (``deployment.relay: ingress``) or by the Assembler deployment."""
 
-    def __init__(self, scheduler: DeploymentHandle, assembler: DeploymentHandle) -> None:
+    def __init__(self, scheduler: DeploymentHandle, assembler: DeploymentHandle | Relay) -> None:
         self.scheduler = scheduler
-        self.assembler = assembler.options(stream=True)
+        self.local = assembler if isinstance(assembler, Relay) else None
+        self.assembler = None if isinstance(assembler, Relay) else assembler.options(stream=True)
 
     async def admit(self, req: AdmitRequest) -> AdmitResult:
         result: AdmitResult = await self.scheduler.admit.remote(req)
@@ -44,7 +47,13 @@ class HandleBackend:
     async def admin(self, op: str, arg: Any) -> Any:
         return await self.scheduler.admin.remote(op, arg)
 
-    async def relay(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
+    def relay(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
+        if self.local is not None:
+            return self.local.run(placed)  # closing it (the client left) closes the engine connections
+        return self._remote(placed)
+
+    async def _remote(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
+        assert self.assembler is not None
         resp = self.assembler.run.remote(placed)
         finished = False
         try:
@@ -58,9 +67,12 @@ class HandleBackend:
 
 
 class Ingress:
-    def __init__(self, config: dict[str, Any], scheduler: DeploymentHandle, assembler: DeploymentHandle) -> None:
+    def __init__(self, config: dict[str, Any], scheduler: DeploymentHandle, assembler: DeploymentHandle | None) -> None:
         self.cfg = NarwhalConfig.model_validate(config)
-        self.backend = HandleBackend(scheduler, assembler)
+        relay = assembler if assembler is not None else relay_of(self.cfg.deployment.engine_http,
+                                                                 self.cfg.serving.engine_idle_timeout_s,
+                                                                 self.cfg.observability)
+        self.backend = HandleBackend(scheduler, relay)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self.cfg, self.backend, echo_request_id=False)  # Serve's proxy echoes it

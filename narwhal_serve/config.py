@@ -223,8 +223,12 @@ class DeploymentKnobs(_Strict):
     assembler_min_replicas: int = Field(1, ge=1)
     assembler_max_replicas: int = Field(2, ge=1)
     max_ongoing_requests: int = Field(1000, gt=0)
-    # the assembler's HTTP stack to engines: httpx's API over aiohttp's transport, or plain httpx
+    # the HTTP stack to engines: httpx's API over aiohttp's transport, or plain httpx
     engine_http: Literal["aiohttp", "httpx"] = "aiohttp"
+    # where engine streams are opened and relayed: in each ingress replica (no Ray hop per stream:
+    # about half the router CPU per request, `narwhal-bench overhead`), or in the Assembler
+    # deployment, a streaming Ray hop away (scaled apart from the ingress)
+    relay: Literal["ingress", "assembler"] = "ingress"
     # Serve autoscaling of Ingress and Assembler (Ray Serve's AutoscalingConfig, same names): each
     # scales to keep about target_ongoing_requests requests per replica (a streaming request counts
     # until its stream ends), averaged over look_back_period_s, after the new count has held for

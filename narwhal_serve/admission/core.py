@@ -26,7 +26,7 @@ from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
 from narwhal_serve.ha.state import backend_unavailable, router_unavailable
 from narwhal_serve.placement.picker import MAX_CANDIDATES, candidate_routes
-from narwhal_serve.placement.prefix import matched_blocks
+from narwhal_serve.placement.prefix import SetUnion, matched_blocks
 from narwhal_serve.prediction.decode import DEFAULT_OUTPUT_PRIOR, PRIOR_TPOT_A, expected_output, tpot_at
 from narwhal_serve.prediction.ttft import Projection, linear_ttft, project_linear, slot_wait_s, with_margin
 from narwhal_serve.protocol.placement import RouteChoice
@@ -107,7 +107,7 @@ class FleetView:
                 pending_prefill_tokens=max(0, e.pending_prefill_tokens + d.pending_prefill_tokens),
                 pending_prefill_requests=max(0, e.pending_prefill_requests + d.pending_prefill_requests),
                 decode_tokens=max(0.0, e.decode_tokens + d.decode_tokens),
-                prefix=e.prefix | d.prefix if d.prefix else e.prefix,
+                prefix=SetUnion(e.prefix, d.prefix) if d.prefix else e.prefix,  # no copy per admission
             )
             if (d := deltas.get(e.cfg.name)) is not None
             else e

@@ -53,7 +53,7 @@ def default_knobs() -> dict[str, Any]:
     return {"ingress_min_replicas": 1, "ingress_max_replicas": 3, "ingress_target_ongoing_requests": 2.0,
             "assembler_min_replicas": 1, "assembler_max_replicas": 3, "assembler_target_ongoing_requests": 2.0,
             "upscale_delay_s": 3.0, "downscale_delay_s": 15.0, "look_back_period_s": 5.0,
-            "metrics_interval_s": 1.0}
+            "metrics_interval_s": 1.0, "relay": "assembler"}  # both deployments scale (the default has no Assembler)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,10 @@ shares one pooled client per replica (:func:`engine_client`).
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
 
 import aiohttp
@@ -135,6 +137,7 @@ async def stream_chunks(
     a payload that is not a JSON object raises :class:`EngineFailure`.
     """
     req = client.build_request("POST", url, json=body, headers=headers)
+    resp: httpx.Response | None
     try:
         resp = await client.send(req, stream=True)
     except TRANSPORT_ERRORS as exc:
@@ -149,7 +152,8 @@ async def stream_chunks(
         dec = SSEDecoder()
         done = False
         try:
-            async for raw_chunk in resp.aiter_raw():
+            raw_reads = resp.aiter_raw()
+            async for raw_chunk in raw_reads:
                 batch: list[dict[str, Any]] = []
                 for data in dec.feed(raw_chunk):
                     if data == _DONE:
@@ -159,6 +163,8 @@ async def stream_chunks(
                 if batch:
                     yield batch
                 if done:
+                    drain_later(raw_reads, resp)
+                    resp = None
                     return
             for data in dec.flush():
                 if data == _DONE:
@@ -168,7 +174,41 @@ async def stream_chunks(
             raise EngineFailure(engine, f"stream broken: {type(exc).__name__}: {exc}") from None
         raise EngineFailure(engine, "stream ended without [DONE]")
     finally:
-        await resp.aclose()
+        if resp is not None:
+            await resp.aclose()
+
+
+DRAIN_S = 0.5  # how long the end of a response may take to follow its `data: [DONE]`
+DRAIN_BYTES = 4096
+
+
+_DRAINS: set[asyncio.Task[None]] = set()
+
+
+def drain_later(raw_reads: AsyncIterator[bytes], resp: httpx.Response) -> None:
+    """Read the response to its end after ``[DONE]`` (normally nothing but the chunked body's
+    terminator), then close it, so the connection goes back to the pool: closed at ``[DONE]``, a
+    streamed request opened a new TCP connection to the engine whenever the terminator came in a
+    later read.  In a task of its own (a fresh context: the request's cancellation must not cut
+    it), so the stream's end is not held up; bounded in time and bytes, past either the
+    connection is dropped."""
+
+    async def run() -> None:
+        left = DRAIN_BYTES
+        try:
+            async with asyncio.timeout(DRAIN_S):
+                async for rest in raw_reads:
+                    left -= len(rest)
+                    if left < 0:
+                        break
+        except (TimeoutError, *TRANSPORT_ERRORS):
+            pass
+        finally:
+            await resp.aclose()
+
+    task = asyncio.get_running_loop().create_task(run(), context=contextvars.Context())
+    _DRAINS.add(task)
+    task.add_done_callback(_DRAINS.discard)
 
 
 def _parse(engine: str, data: bytes) -> dict[str, Any]:

@@ -61,13 +61,16 @@ def build_api(
     app.state.reporter = reporter
     created = int(clock())
 
-    @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await handler.handle(request, "chat")
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await handler.handle(request, "completion")
+
+    # the completion routes as plain Starlette routes: no FastAPI dependency solving per request
+    # (the handler reads the raw body and validates it itself)
+    app.add_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_route("/v1/completions", completions, methods=["POST"])
 
     def token_route(fn: Callable[[PromptSizer, str, bytes], Awaitable[dict[str, Any]]]) -> Callable[[Request], Awaitable[Response]]:
         async def route(request: Request) -> Response:

@@ -20,6 +20,7 @@ import contextvars
 import json
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -85,9 +86,10 @@ class Flow:
             self.on_end(outcome, reason, stats, status)
 
 
-async def close_relay(gen: AsyncIterator[RelayMessage], pending: "asyncio.Future[RelayMessage] | None") -> None:
-    """Cancel and await a pending ``__anext__`` first (its cancellation is what reaches the
-    assembler), then close the generator."""
+async def close_relay(gen: AsyncIterator[RelayMessage], pending: "asyncio.Future[Any] | None") -> None:
+    """Cancel and await what is reading the relay first (a pending ``__anext__`` or the reader
+    task: its cancellation is what reaches the assembler or the engine stream), then close the
+    generator."""
     if pending is not None and not pending.done():
         pending.cancel()
     if pending is not None:
@@ -99,7 +101,7 @@ async def close_relay(gen: AsyncIterator[RelayMessage], pending: "asyncio.Future
             await aclose()
 
 
-def close_detached(gen: AsyncIterator[RelayMessage], pending: "asyncio.Future[RelayMessage] | None" = None) -> None:
+def close_detached(gen: AsyncIterator[RelayMessage], pending: "asyncio.Future[Any] | None" = None) -> None:
     """:func:`close_relay` in a task of its own context: Serve's cancellation of the request must
     not cancel the close (a cancelled request's own tasks are cancelled with it: the release is the reporter's, not the request's)."""
     loop = asyncio.get_running_loop()
@@ -150,44 +152,37 @@ class RelayStreamResponse(Response):
         self._size = len(first.data)
         self._more = asyncio.Event()  # the reader added a message
         self._room = asyncio.Event()  # the writer brought the buffer down to half its cap
-        self._pending: asyncio.Future[RelayMessage] | None = None  # the relay read in flight
 
     async def _read(self) -> None:
-        """Pull relay messages ahead of the client, up to the final one, pausing at the cap."""
-        while True:
-            self._pending = asyncio.ensure_future(self.gen.__anext__())
-            try:
-                msg = await self._pending
-            except StopAsyncIteration:
-                msg = _failure("the assembler stream ended early")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                msg = _failure(f"relay failed: {type(exc).__name__}")
-            self._pending = None
-            self.flow.observe(msg)
-            self._buf.append(msg)
-            self._size += len(msg.data)
-            self._more.set()
-            if msg.final:
-                return
-            if self._size > self.buffer_bytes:
-                self._room.clear()
-                await self._room.wait()
+        """Pull relay messages ahead of the client, up to the final one, pausing at the cap (one
+        task for the whole stream: cancelling it cancels the relay read in flight)."""
+        try:
+            async for msg in self.gen:
+                if self._take(msg):
+                    return
+                if self._size > self.buffer_bytes:
+                    self._room.clear()
+                    await self._room.wait()
+            self._take(_failure("the assembler stream ended early"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._take(_failure(f"relay failed: {type(exc).__name__}"))
+
+    def _take(self, msg: RelayMessage) -> bool:
+        self.flow.observe(msg)
+        self._buf.append(msg)
+        self._size += len(msg.data)
+        self._more.set()
+        return msg.final
 
     async def _write(self, send: Send, body: bytes, more_body: bool = True) -> None:
-        """One write, within ``write_timeout_s``."""
-        task = asyncio.ensure_future(send({"type": "http.response.body", "body": body, "more_body": more_body}))
+        """One write, within ``write_timeout_s`` (a failed write, the client gone, raises)."""
         try:
-            done, _ = await asyncio.wait({task}, timeout=self.write_timeout_s)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        if not done:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise _SlowReader()
-        task.result()  # a failed write (the client left) raises here
+            async with asyncio.timeout(self.write_timeout_s):
+                await send({"type": "http.response.body", "body": body, "more_body": more_body})
+        except TimeoutError:
+            raise _SlowReader() from None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         end: tuple[Outcome, str, RelayStats | None] = (Outcome.CANCELLED, "client_disconnected", None)
@@ -229,10 +224,8 @@ class RelayStreamResponse(Response):
         except OSError:
             pass  # the client went away (ASGI 2.4 servers raise on a failed write): counted as cancelled
         finally:
-            if reader is not None:
-                reader.cancel()
             self.flow.end(*end)
-            close_detached(self.gen, self._pending)
+            close_detached(self.gen, reader)
 
 
 def _failure(message: str) -> RelayMessage:

@@ -120,8 +120,9 @@ def matched_blocks(held: AbstractSet[int], hashes: Sequence[int]) -> int:
     return n
 
 
-class _Union(AbstractSet[int]):
-    """Held blocks and pending ones, read as one set (no copy)."""
+class SetUnion(AbstractSet[int]):
+    """Two sets of blocks read as one (no copy): held and pending ones, or a lease's view and the
+    blocks its holder placed since."""
 
     def __init__(self, a: AbstractSet[int], b: AbstractSet[int]) -> None:
         self._a, self._b = a, b
@@ -198,7 +199,7 @@ class PrefixIndex:
 
     def held(self) -> AbstractSet[int]:
         """A live read-only view (for decisions made here): held and pending blocks."""
-        return _Union(self._blocks.keys(), self._pending.keys()) if self._pending else self._blocks.keys()
+        return SetUnion(self._blocks.keys(), self._pending.keys()) if self._pending else self._blocks.keys()
 
     def frozen(self, limit: int) -> frozenset[int]:
         """A copy of the ``limit`` most recently placed blocks and the pending ones, for a fleet view

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
@@ -22,6 +22,8 @@ from narwhal_serve.assembly.exposure import expose
 from narwhal_serve.assembly.fold import Assembler
 from narwhal_serve.assembly.tokens import check_token_ids
 from narwhal_serve.assembly.usage import computed_usage
+from narwhal_serve.config import ObservabilityConfig
+from narwhal_serve.engines.client import engine_client
 from narwhal_serve.engines.errors import EngineFailure
 from narwhal_serve.engines.legs import LegCursor, dialect_of, open_route
 from narwhal_serve.errors import BadEngineResponse, ErrorInfo, InvalidRequest, TerminalExpiry, Unavailable
@@ -353,3 +355,9 @@ class Relay:
         result["model"] = placed.model
         body = json.dumps(result, separators=(",", ":"), ensure_ascii=False).encode()
         yield RelayMessage(data=body, final=True, stats=self._stats(route, meter, attempt))
+
+
+def relay_of(engine_http: Literal["aiohttp", "httpx"], idle_timeout_s: float, observability: ObservabilityConfig) -> Relay:
+    """The relay of a process that opens engine streams itself (an ingress replica with
+    ``deployment.relay: ingress``, or an Assembler replica): its own pooled engine client."""
+    return Relay(engine_client(engine_http), idle_timeout_s=idle_timeout_s, tracing=Tracing(observability))

@@ -7,7 +7,8 @@ the tests start, stop, restart, kill and freeze.
 * ``tight`` (/tight): one fast unified engine, one prefill permit, a short body timeout and small
   slow-reader limits: the client-side faults.
 * ``solo`` (/solo): one engine in a child process (SIGKILL, SIGSTOP) — also the application whose
-  scheduler and assembler replicas are killed.
+  scheduler and assembler replicas are killed (it relays through the Assembler deployment,
+  ``deployment.relay: assembler``; the other three relay in the ingress, the default).
 
 Run on its own (``pytest tests/fault``): one Ray session per pytest process.
 """
@@ -51,6 +52,8 @@ ENGINE_LIMITS: dict[str, Any] = {"stream_keepalive_s": KEEPALIVE_S, "engine_idle
                                  "first_token_timeout_s": FIRST_TOKEN_TIMEOUT_S, "request_timeout_s": 60}
 OPEN = {"mode": "open", "queue_limit": 64, "max_wait_s": 10, "phase_concurrency": {"prefill": 64, "decode": 256}}
 ONE_REPLICA = {"ingress_max_replicas": 1, "assembler_max_replicas": 1}
+# solo relays through the Assembler deployment (the others in the ingress): its replica can be killed
+SOLO = {"deployment": {**ONE_REPLICA, "relay": "assembler"}}
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,8 @@ def fleet() -> Iterator[Fleet]:
                 monitoring=MONITORING,
             )
             serve.run_many([  # all four at once: their replicas start side by side
-                serve.RunTarget(build_app(_args(a, **limits)), name=a.name, route_prefix=a.prefix)
+                serve.RunTarget(build_app(_args(a, **limits, **(SOLO if a is apps.solo else {}))), name=a.name,
+                                route_prefix=a.prefix)
                 for a in (apps.pair, apps.pd, apps.solo)
             ] + [serve.RunTarget(build_app(tight_args), name="tight", route_prefix="/tight")])
             yield apps

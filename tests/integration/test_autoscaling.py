@@ -28,6 +28,7 @@ KNOBS = {
     "ingress_min_replicas": 1, "ingress_max_replicas": 2, "ingress_target_ongoing_requests": 2,
     "assembler_min_replicas": 1, "assembler_max_replicas": 2, "assembler_target_ongoing_requests": 2,
     "upscale_delay_s": 0.5, "downscale_delay_s": 2.0, "look_back_period_s": 2.0, "metrics_interval_s": 0.5,
+    "relay": "assembler",  # both autoscaled deployments (the default relays in the ingress: no Assembler)
 }
 DEPLOYMENTS = ("Ingress", "Assembler")
 TOKENS = 24  # × 20 ms per token: each request streams for about half a second

@@ -5,6 +5,7 @@ client's JSON, a UnicodeEncodeError or RecursionError in the relay, or a 500."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -103,3 +104,59 @@ async def test_the_relay_answers_502_not_500(stream: bool, chunk: bytes) -> None
     last = msgs[-1]
     assert last.final and last.error is not None and last.error.code == "bad_engine_response"
     assert not any(m.data for m in msgs)
+
+
+
+async def _late_end_engine(accepted: list[int], ended: list[bool] | None = None) -> asyncio.Server:
+    """An engine whose chunked SSE response ends in a later write than its ``data: [DONE]``
+    event, as uvicorn's and vLLM's may: the ``0\\r\\n\\r\\n`` terminator follows after 20 ms."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                await reader.readexactly(length)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                for event in (b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n', b"data: [DONE]\n\n"):
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+                await asyncio.sleep(0.02)
+                if ended is not None:
+                    ended.append(True)
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+async def test_a_streamed_completion_leaves_its_engine_connection_in_the_pool() -> None:
+    """After ``data: [DONE]`` the client reads the response to its end, so the next request
+    reuses the connection: 10 streamed completions, one after another, open one TCP connection
+    (before, the stream was closed at ``[DONE]``, and an engine whose response ended in a later
+    write got a new connection for every request)."""
+    from narwhal_serve.engines import client as client_module
+    from narwhal_serve.engines.client import engine_client
+
+    accepted: list[int] = []
+    ended: list[bool] = []
+    server = await _late_end_engine(accepted, ended)
+    port = server.sockets[0].getsockname()[1]
+    client = engine_client("aiohttp")
+    try:
+        for i in range(10):
+            body = {"model": "m", "prompt": f"p{i}", "max_tokens": 1, "stream": True}
+            batches = [b async for b in stream_chunks(client, "e", f"http://127.0.0.1:{port}/v1/completions", body, {})]
+            assert [c["choices"][0]["text"] for b in batches for c in b] == ["a"]
+            assert len(ended) == i  # the stream ended at [DONE], not at the later terminator
+            await asyncio.wait_for(asyncio.gather(*client_module._DRAINS), 5.0)  # read in the background
+            assert len(ended) == i + 1
+    finally:
+        await client.aclose()
+        server.close()
+    assert len(accepted) == 1
