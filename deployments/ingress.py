@@ -71,7 +71,7 @@ class Ingress:
         self.cfg = NarwhalConfig.model_validate(config)
         relay = assembler if assembler is not None else relay_of(self.cfg.deployment.engine_http,
                                                                  self.cfg.serving.engine_idle_timeout_s,
-                                                                 self.cfg.observability)
+                                                                 self.cfg.observability, coalesce_reads=False)
         self.backend = HandleBackend(scheduler, relay)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

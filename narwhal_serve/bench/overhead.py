@@ -189,16 +189,37 @@ def _add_deltas(rows: dict[str, dict[str, Any]]) -> None:
             row[f"{k}_vs_proxy"] = ratio(row[k], p[k]) if p else None
 
 
-def overhead_checks(lat: dict[str, Any], tput: dict[str, Any]) -> list[dict[str, Any]]:
+# the hot path's targets (README, "Performance"): added TTFT by concurrency (p50, p99; None: not
+# judged), added ITL p99, router CPU per request at c=8, the refusal path against the success path
+ADDED_TTFT_MS = {1: (4.0, 8.0), 8: (12.0, None)}
+ADDED_ITL_P99_MS = 1.0
+CPU_MS_PER_REQ = 3.0
+REFUSALS_VS_SUCCESS = 5.0
+
+
+def overhead_checks(lat: dict[str, Any], tput: dict[str, Any], refusal: dict[str, Any] | None = None
+                    ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for t in ("narwhal-open", "narwhal-predictive"):
         for c, rows in lat.items():
-            if t in rows:
-                out.append(check(f"{t} added TTFT p50 c={c} (ms)", rows[t]["added_ttft_p50"], "<=", 2.0))
-                out.append(check(f"{t} added TTFT p99 c={c} (ms)", rows[t]["added_ttft_p99"], "<=", 6.0))
+            p50, p99 = ADDED_TTFT_MS.get(int(c), (None, None))
+            if t not in rows:
+                continue
+            if p50 is not None:
+                out.append(check(f"{t} added TTFT p50 c={c} (ms)", rows[t]["added_ttft_p50"], "<=", p50))
+            if p99 is not None:
+                out.append(check(f"{t} added TTFT p99 c={c} (ms)", rows[t]["added_ttft_p99"], "<=", p99))
+            out.append(check(f"{t} added ITL p99 c={c} (ms)", rows[t]["added_itl_p99"], "<=", ADDED_ITL_P99_MS))
         for c, rows in tput.items():
             if t in rows:
                 out.append(check(f"{t} throughput / proxy c={c}", rows[t]["vs_proxy"], ">=", 0.5))
+                if int(c) == 8:
+                    out.append(check(f"{t} router CPU ms per request c={c}", rows[t]["cpu_ms_per_req"], "<=",
+                                     CPU_MS_PER_REQ))
+    success = tput.get("8", {}).get("narwhal-predictive", {}).get("req_per_s")
+    if refusal is not None and refusal.get("refusals_per_s") and success:
+        out.append(check("refusals/s ÷ successes/s at c=8", round(refusal["refusals_per_s"] / success, 2), ">=",
+                         REFUSALS_VS_SUCCESS))
     return out
 
 
@@ -208,5 +229,5 @@ async def run_overhead(a: OverheadArgs, fleet: Fleet, targets: list[str]) -> dic
     lat = await run.latency()
     tput = await run.throughput()
     refusal = await run.refusals()
-    return {"latency": lat, "throughput": tput, "refusal": refusal, "checks": overhead_checks(lat, tput),
+    return {"latency": lat, "throughput": tput, "refusal": refusal, "checks": overhead_checks(lat, tput, refusal),
             "_log": run.log}

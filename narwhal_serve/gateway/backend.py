@@ -39,8 +39,10 @@ class Backend(Protocol):
 class LocalBackend(SchedulerApi):
     def __init__(self, svc: SchedulerService, client: httpx.AsyncClient) -> None:
         self.svc = svc
+        # as in an ingress replica (deployment.relay: ingress): no coalescing for a Ray hop
         self.relay_ = Relay(
-            client, idle_timeout_s=svc.cfg.serving.engine_idle_timeout_s, tracing=Tracing(svc.cfg.observability)
+            client, idle_timeout_s=svc.cfg.serving.engine_idle_timeout_s, tracing=Tracing(svc.cfg.observability),
+            coalesce_reads=False,
         )
 
     def relay(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:

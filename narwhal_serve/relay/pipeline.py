@@ -168,10 +168,14 @@ class Relay:
         *,
         idle_timeout_s: float = 60.0,
         tracing: Tracing | None = None,
+        coalesce_reads: bool = True,
     ) -> None:
         self.client = client
         self.clock = clock
         self.idle_timeout_s = idle_timeout_s
+        # merge the engine reads that piled up into one message: for a Ray hop (the Assembler
+        # shape); in the ingress the SSE response's own reader buffers ahead of the client
+        self.coalesce_reads = coalesce_reads
         self.tracing = tracing if tracing is not None and tracing.on else None
 
     async def _batches(
@@ -286,7 +290,9 @@ class Relay:
         committed = False
         held: list[bytes] = []  # chunks before the first generated token (e.g. the role chunk)
         usage = _UsageWatch(req.prompt_tokens)
-        stream = coalesce(open_route(self.client, route, req, headers, self.tracing, span, at.cursor))
+        stream = open_route(self.client, route, req, headers, self.tracing, span, at.cursor)
+        if self.coalesce_reads:
+            stream = coalesce(stream)
         try:
             async for batch in self._batches(stream, placed, at):
                 now = self.clock()
@@ -357,7 +363,9 @@ class Relay:
         yield RelayMessage(data=body, final=True, stats=self._stats(route, meter, attempt))
 
 
-def relay_of(engine_http: Literal["aiohttp", "httpx"], idle_timeout_s: float, observability: ObservabilityConfig) -> Relay:
+def relay_of(engine_http: Literal["aiohttp", "httpx"], idle_timeout_s: float, observability: ObservabilityConfig,
+             *, coalesce_reads: bool = True) -> Relay:
     """The relay of a process that opens engine streams itself (an ingress replica with
     ``deployment.relay: ingress``, or an Assembler replica): its own pooled engine client."""
-    return Relay(engine_client(engine_http), idle_timeout_s=idle_timeout_s, tracing=Tracing(observability))
+    return Relay(engine_client(engine_http), idle_timeout_s=idle_timeout_s, tracing=Tracing(observability),
+                 coalesce_reads=coalesce_reads)
