@@ -240,13 +240,16 @@ def _round(v: float | None) -> float | None:
 
 
 def _request_log_handler() -> None:
-    """JSON lines on standard output (under Ray: the replica's ``worker-*.out`` log), unless the
-    operator has already given the logger a handler of their own."""
+    """JSON lines on the process's standard output (under Ray: the replica's ``worker-*.out``
+    log), unless the operator has already given the logger a handler of their own.  The original
+    stream, not ``sys.stdout``: Ray Serve replaces that with a stream that turns every line into a
+    log record of its own, walking the caller's stack for each (the largest single cost of a
+    request's log line, ``narwhal-bench profile``)."""
     if REQUEST_LOG.level == logging.NOTSET:
         REQUEST_LOG.setLevel(logging.INFO)
     if REQUEST_LOG.handlers:
         return
-    handler = logging.StreamHandler(sys.stdout)
+    handler = logging.StreamHandler(sys.__stdout__ if sys.__stdout__ is not None else sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     REQUEST_LOG.addHandler(handler)
     REQUEST_LOG.propagate = False

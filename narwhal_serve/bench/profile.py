@@ -105,7 +105,8 @@ def start_recordings(py_spy: str, tree: dict[int, tuple[str, float]], out: Path,
         seen[name] = seen.get(name, 0) + 1
         if seen[name] > 1:
             name = f"{name}-{seen[name]}"
-        path = out / f"{name}{suffix}.{'trace.json' if timeline else 'raw.txt'}"
+        name += suffix
+        path = out / f"{name}.{'trace.json' if timeline else 'raw.txt'}"
         fmt = ["--idle", "--format", "chrometrace"] if timeline else ["--format", "raw"]
         argv = [py_spy, "record", "--pid", str(pid), "--rate", str(rate_hz), "--nonblocking", *fmt,
                 "--output", str(path)]
