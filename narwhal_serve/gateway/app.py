@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import time
@@ -15,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Message, Receive, Scope, Send
 
 from narwhal_serve.admission.lease import AdmissionLease
 from narwhal_serve.config import NarwhalConfig
@@ -27,6 +29,60 @@ from narwhal_serve.gateway.responses import error_response
 from narwhal_serve.gateway.tokenize import detokenize, tokenize
 from narwhal_serve.tokenization.sizer import PromptSizer
 
+log = logging.getLogger(__name__)
+
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, with the completion routes taken before its middleware stack: a POST to one of
+    ``fast`` goes straight to its endpoint (its response, streamed, is then written through no
+    middleware either), everything else through FastAPI.  Each middleware layer wraps every
+    ``send`` of a stream, so on a streamed answer this is per token, not per request."""
+
+    fast: dict[str, Endpoint]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self.fast.get(_route_path(scope))
+            if endpoint is not None:
+                await _call_fast(endpoint, scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path below the app's mount point (``root_path``: Serve's route prefix), as Starlette's
+    router matches it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] == "/":
+        return str(path[len(root):])
+    return str(path)
+
+
+async def _call_fast(endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+    started = False
+
+    async def sending(message: Message) -> None:
+        nonlocal started
+        started = True
+        await send(message)
+
+    try:
+        response = await endpoint(Request(scope, receive, send))
+    except Exception as exc:  # the endpoint answers its own errors: this is a bug, still in the envelope
+        log.exception("completion endpoint failed")
+        response = error_response(NarwhalError(f"internal error: {type(exc).__name__}", code="internal_error").info(), None)
+    try:
+        await response(scope, receive, sending)
+    except Exception:
+        if started:
+            raise  # the stream is out: the server closes the connection
+        log.exception("completion response failed before its headers")
+        err = NarwhalError("internal error", code="internal_error").info()
+        await error_response(err, None)(scope, receive, send)
+
 
 def build_api(
     cfg: NarwhalConfig,
@@ -35,7 +91,7 @@ def build_api(
     clock: Callable[[], float] = time.time,
     echo_request_id: bool = True,
     sizer: PromptSizer | None = None,
-) -> FastAPI:
+) -> GatewayApp:
     """``echo_request_id=False`` where a proxy in front (Ray Serve's) already returns X-Request-Id."""
     lease = AdmissionLease(f"ingress-{secrets.token_hex(6)}") if cfg.admission.ingress_leases else None
     reporter = Reporter(backend.report, lease=lease)
@@ -47,8 +103,8 @@ def build_api(
 
     # redirect_slashes off: Starlette answers `/v1/chat/completions/` with a 307 whose Location is
     # built from the client's Host header; here it is a 404 in the envelope like any unknown route
-    app = FastAPI(title="Narwhal", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan,
-                  redirect_slashes=False)
+    app = GatewayApp(title="Narwhal", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan,
+                     redirect_slashes=False)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -67,10 +123,11 @@ def build_api(
     async def completions(request: Request) -> Response:
         return await handler.handle(request, "completion")
 
-    # the completion routes as plain Starlette routes: no FastAPI dependency solving per request
-    # (the handler reads the raw body and validates it itself)
-    app.add_route("/v1/chat/completions", chat, methods=["POST"])
-    app.add_route("/v1/completions", completions, methods=["POST"])
+    # POSTs to the completion routes skip FastAPI (GatewayApp); as routes they answer other
+    # methods (405 in the envelope)
+    app.fast = {"/v1/chat/completions": chat, "/v1/completions": completions}
+    for path, endpoint in app.fast.items():
+        app.add_route(path, endpoint, methods=["POST"])
 
     def token_route(fn: Callable[[PromptSizer, str, bytes], Awaitable[dict[str, Any]]]) -> Callable[[Request], Awaitable[Response]]:
         async def route(request: Request) -> Response:

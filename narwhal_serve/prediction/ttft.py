@@ -34,6 +34,15 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior with no data; it fades as
 PRIOR_SLOPE_SPAN = 256.0
 PRIOR_REQUEST_SPAN = 2.0
 WINDOW = 256
+# Refitting on every observation cost the scheduler a least-squares solve (and a quantile) per
+# finished request: the first EAGER_FIT samples refit each time (a new engine learns at once), then
+# every REFIT_EVERY-th — a window of 256 hardly moves in 8 samples.
+EAGER_FIT = 32
+REFIT_EVERY = 8
+
+
+def refit_due(n_samples: int, unfit: int) -> bool:
+    return n_samples <= EAGER_FIT or unfit >= REFIT_EVERY
 
 
 def fit_with_prior(features: np.ndarray, y: np.ndarray, prior: tuple[tuple[float, float], ...]) -> np.ndarray:
@@ -61,6 +70,7 @@ class PrefillModel:
     b: float = -1.0
     c: float = PRIOR_C
     samples: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    unfit: int = field(default=0, repr=False, compare=False)  # samples since the last fit
 
     def __post_init__(self) -> None:
         if self.a < 0:
@@ -73,9 +83,12 @@ class PrefillModel:
 
     def observe(self, x: float, ttft: float, r: float = 0.0) -> None:
         self.samples.append((x, r, ttft))
-        self._fit()
+        self.unfit += 1
+        if refit_due(len(self.samples), self.unfit):
+            self._fit()
 
     def _fit(self) -> None:
+        self.unfit = 0
         data = np.array(self.samples, dtype=float).reshape(-1, 3)
         sol = fit_with_prior(data[:, :2], data[:, 2], ((self.prior_a, 1.0), (self.prior_b, PRIOR_SLOPE_SPAN),
                                                        (PRIOR_C, PRIOR_REQUEST_SPAN)))
@@ -142,12 +155,17 @@ class ErrorWindow:
     quantile: float = 0.95
     errors: deque[float] = field(default_factory=lambda: deque(maxlen=ERROR_WINDOW))
     margin: float = MARGIN_PRIOR
+    unfit: int = field(default=0, repr=False, compare=False)
 
     def observe(self, measured: float, predicted: float) -> None:
         """The margin: the quantile of the errors, blended with MARGIN_PRIOR while they are few
-        (as MARGIN_PRIOR_WEIGHT errors would weigh)."""
+        (as MARGIN_PRIOR_WEIGHT errors would weigh); recomputed as :func:`refit_due` says."""
         self.errors.append((measured - predicted) / max(predicted, MARGIN_FLOOR_S))
+        self.unfit += 1
         n = len(self.errors)
+        if not refit_due(n, self.unfit):
+            return
+        self.unfit = 0
         q = max(0.0, float(np.quantile(np.fromiter(self.errors, float), self.quantile)))
         self.margin = min(MARGIN_CAP, (n * q + MARGIN_PRIOR_WEIGHT * MARGIN_PRIOR) / (n + MARGIN_PRIOR_WEIGHT))
 

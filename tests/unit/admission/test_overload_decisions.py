@@ -276,10 +276,17 @@ def test_projections_are_judged_with_the_engines_prediction_margin() -> None:
     from narwhal_serve.prediction.ttft import ErrorWindow
 
     w = ErrorWindow(quantile=0.9)
-    for i in range(100):  # measured up to 40 % over the prediction, uniformly
-        w.observe(1.0 * (1 + 0.4 * i / 99), 1.0)
+    for i in range(96):  # measured up to 40 % over the prediction, uniformly
+        w.observe(1.0 * (1 + 0.4 * i / 95), 1.0)
     # the errors' 90th percentile (0.36), blended with the prior (0.25) as 16 errors would weigh
-    assert w.margin == pytest.approx((100 * 0.36 + 16 * 0.25) / 116, abs=0.01)
+    assert w.margin == pytest.approx((96 * 0.36 + 16 * 0.25) / 112, abs=0.01)
+    # past the first 32 errors the margin is recomputed every 8th (prediction/ttft.py refit_due)
+    later = ErrorWindow(quantile=0.9, errors=type(w.errors)(w.errors, maxlen=w.errors.maxlen), margin=w.margin)
+    for _ in range(7):
+        later.observe(3.0, 1.0)
+    assert later.margin == w.margin
+    later.observe(3.0, 1.0)
+    assert later.margin > w.margin
     assert ErrorWindow().margin == 0.25  # before any error is known
     quiet = ErrorWindow()
     for _ in range(200):
