@@ -14,7 +14,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from narwhal_serve.bench import assembly, decision, profile, ramp, soak, transport, views
+from narwhal_serve.bench import assembly, decision, profile, ramp, soak, transport, views, vllmbench
 from narwhal_serve.bench.fleet import NARWHAL_PREFIX, TARGETS, Fleet, FleetSpec, SimTiming, base_of, known_target
 from narwhal_serve.bench.goodput import GoodputArgs, run_goodput_suite
 from narwhal_serve.bench.overhead import OverheadArgs, run_overhead
@@ -32,7 +32,8 @@ DEFAULT_TIMING = {
     "goodput": SimTiming(0.02, 0.0001, 0.025, 0.002, 4),
 }
 DEFAULT_TIMING["profile"] = DEFAULT_TIMING["overhead"]
-DEFAULT_ENGINES = {"overhead": 1, "goodput": 2, "profile": 1}
+DEFAULT_TIMING["vllm-bench"] = DEFAULT_TIMING["overhead"]
+DEFAULT_ENGINES = {"overhead": 1, "goodput": 2, "profile": 1, "vllm-bench": 1}
 
 
 def _floats(s: str) -> list[float]:
@@ -131,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--prompt-tokens", type=int, default=64)
     pr.add_argument("--output-tokens", type=int, default=16)
     pr.add_argument("--py-spy", default="", help="py-spy binary (default: next to this Python, else on PATH)")
+    vb = sub.add_parser("vllm-bench", help="vLLM's own `vllm bench serve` through each target against external "
+                                           "engines (--engine-url), side by side in rotated rounds")
+    _common(vb)
+    vb.add_argument("--rates", type=_floats, default=[4.0, 16.0], help="request rates (comma list)")
+    vb.add_argument("--rounds", type=int, default=2)
+    vb.add_argument("--num-prompts", type=int, default=120)
+    vb.add_argument("--input-len", type=int, default=64)
+    vb.add_argument("--output-len", type=int, default=32)
+    vb.add_argument("--vllm-python", default=".cache/vllm-venv/bin/python", help="the vLLM venv's interpreter")
+    vb.add_argument("--cpus", default=None, help="pin this process, the router and the client to these cores "
+                                                  "(e.g. 0, with the engine started under `taskset -c 1`)")
     d = sub.add_parser("decision", help="CPU cost of one admission decision, lease and scheduler (no servers)")
     d.add_argument("--engines", type=_ints, default=[3, 16, 64], help="fleet sizes (comma list)")
     d.add_argument("--requests", type=int, default=5000)
@@ -384,6 +396,31 @@ def run_profile(ns: argparse.Namespace) -> int:
     return 0
 
 
+def run_vllm_bench(ns: argparse.Namespace) -> int:
+    if not ns.engine_url or not ns.tokenizer:
+        raise SystemExit("vllm-bench needs --engine-url (the engines) and --tokenizer (their model directory)")
+    targets: list[str] = ns.targets or ["direct", "narwhal-predictive"]
+    if "direct" not in targets:
+        targets = ["direct", *targets]
+    a = vllmbench.VllmBenchArgs(rates=tuple(ns.rates), rounds=ns.rounds, num_prompts=ns.num_prompts,
+                                input_len=ns.input_len, output_len=ns.output_len, api=ns.api,
+                                tokenizer=str(Path(ns.tokenizer).resolve()), model=ns.model,
+                                vllm_python=ns.vllm_python, seed=ns.seed)
+    vllmbench.pin(ns.cpus)
+    out = run_dir(ns.out, "vllm-bench")
+    fleet = Fleet(fleet_spec(ns, 2.0), out / "logs")
+    print(f"narwhal-bench vllm-bench: {', '.join(targets)}; results in {out}", file=sys.stderr)
+    try:
+        fleet.start(targets, ns.narwhal_start_timeout_s)
+        res = vllmbench.run(a, fleet, targets, out)
+    finally:
+        fleet.stop()
+    write_json(out / "results.json", {"args": repr(a), "targets": targets, "cpus": ns.cpus, **res})
+    print(vllmbench.view(res["summary"]))
+    print(f"results: {out / 'results.json'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.mode == "decision":
@@ -412,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if ns.mode == "profile":
         return run_profile(ns)
+    if ns.mode == "vllm-bench":
+        return run_vllm_bench(ns)
     targets: list[str] = ns.targets or DEFAULT_TARGETS[ns.mode]
     if ns.mode == "goodput" and "direct" not in targets and not ns.capacity_rps:
         targets = ["direct", *targets]  # the calibration run needs the engines directly
