@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from narwhal_serve.bench import assembly, decision, profile, ramp, soak, transport, views, vllmbench
-from narwhal_serve.bench.fleet import NARWHAL_PREFIX, TARGETS, Fleet, FleetSpec, SimTiming, base_of, known_target
+from narwhal_serve.bench.fleet import TARGETS, Fleet, FleetSpec, SimTiming, known_target
 from narwhal_serve.bench.goodput import GoodputArgs, run_goodput_suite
 from narwhal_serve.bench.overhead import OverheadArgs, run_overhead
 from narwhal_serve.bench.report import RequestLog, run_dir, write_json
@@ -118,31 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--refusal-s", type=float, default=4.0)
     o.add_argument("--prompt-tokens", type=int, default=64)
     o.add_argument("--output-tokens", type=int, default=16)
-    pr = sub.add_parser("profile", help="py-spy over every router process under a fixed load: flame graphs, "
-                                        "CPU per request per process, what runs during the slowest first tokens")
-    _common(pr)
-    pr.add_argument("--target", default="narwhal-predictive", help="the Narwhal application profiled")
-    pr.add_argument("--concurrency", type=int, default=8, help="closed-loop streaming clients")
-    pr.add_argument("--duration-s", type=float, default=15.0, help="seconds of load recorded")
-    pr.add_argument("--idle-s", type=float, default=10.0, help="seconds of no traffic measured first")
-    pr.add_argument("--rate-hz", type=int, default=200, help="py-spy samples per second per process")
-    pr.add_argument("--tail-share", type=float, default=0.01, help="the slowest share of first tokens traced")
-    pr.add_argument("--min-core-share", type=float, default=0.02,
-                    help="under load, py-spy only the processes that used at least this share of a core")
-    pr.add_argument("--prompt-tokens", type=int, default=64)
-    pr.add_argument("--output-tokens", type=int, default=16)
-    pr.add_argument("--py-spy", default="", help="py-spy binary (default: next to this Python, else on PATH)")
-    vb = sub.add_parser("vllm-bench", help="vLLM's own `vllm bench serve` through each target against external "
-                                           "engines (--engine-url), side by side in rotated rounds")
-    _common(vb)
-    vb.add_argument("--rates", type=_floats, default=[4.0, 16.0], help="request rates (comma list)")
-    vb.add_argument("--rounds", type=int, default=2)
-    vb.add_argument("--num-prompts", type=int, default=120)
-    vb.add_argument("--input-len", type=int, default=64)
-    vb.add_argument("--output-len", type=int, default=32)
-    vb.add_argument("--vllm-python", default=".cache/vllm-venv/bin/python", help="the vLLM venv's interpreter")
-    vb.add_argument("--cpus", default=None, help="pin this process, the router and the client to these cores "
-                                                  "(e.g. 0, with the engine started under `taskset -c 1`)")
+    profile.add_parser(sub, _common)
+    vllmbench.add_parser(sub, _common)
     d = sub.add_parser("decision", help="CPU cost of one admission decision, lease and scheduler (no servers)")
     d.add_argument("--engines", type=_ints, default=[3, 16, 64], help="fleet sizes (comma list)")
     d.add_argument("--requests", type=int, default=5000)
@@ -323,7 +300,10 @@ def fleet_spec(ns: argparse.Namespace, budget_s: float) -> FleetSpec:
     engines = len(ns.engine_url) or (ns.engines or DEFAULT_ENGINES[ns.mode])
     return FleetSpec(engines=engines, timing=timing, model=ns.model, external_urls=tuple(ns.engine_url),
                      narwhal_budget_s=budget_s, ray_niceness=ns.ray_niceness,
-                     ray_env=tuple(_key_value(kv) for kv in ns.ray_env), tokenizer=ns.tokenizer,
+                     ray_env=tuple(_key_value(kv) for kv in ns.ray_env),
+                     # absolute: a --baseline-tree's `serve run` starts in another directory
+                     tokenizer=str(Path(ns.tokenizer).resolve()) if ns.tokenizer and Path(ns.tokenizer).exists()
+                     else ns.tokenizer,
                      baseline_tree=ns.baseline_tree)
 
 
@@ -375,52 +355,6 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(coro)
 
 
-def run_profile(ns: argparse.Namespace) -> int:
-    if ns.target not in NARWHAL_PREFIX and base_of(ns.target) is None:
-        raise SystemExit(f"--target must be one of {', '.join(NARWHAL_PREFIX)} (or one of them @base)")
-    a = profile.ProfileArgs(target=ns.target, concurrency=ns.concurrency, duration_s=ns.duration_s, idle_s=ns.idle_s,
-                            rate_hz=ns.rate_hz, tail_share=ns.tail_share, min_core_share=ns.min_core_share, prompt_tokens=ns.prompt_tokens,
-                            output_tokens=ns.output_tokens, api=ns.api, model=ns.model, py_spy=ns.py_spy)
-    out = run_dir(ns.out, "profile")
-    fleet = Fleet(fleet_spec(ns, 2.0), out / "logs")
-    print(f"narwhal-bench profile: {a.target} at c={a.concurrency}; results in {out}", file=sys.stderr)
-    try:
-        fleet.start(["direct", a.target], ns.narwhal_start_timeout_s)
-        res = profile.run(a, fleet, out, run_async)
-    finally:
-        fleet.stop()
-    print(profile.view(res))
-    print(f"\nresults: {out / 'results.json'}")
-    for p in profile.folded_paths(out):
-        print(f"flame graph: {p}")
-    return 0
-
-
-def run_vllm_bench(ns: argparse.Namespace) -> int:
-    if not ns.engine_url or not ns.tokenizer:
-        raise SystemExit("vllm-bench needs --engine-url (the engines) and --tokenizer (their model directory)")
-    targets: list[str] = ns.targets or ["direct", "narwhal-predictive"]
-    if "direct" not in targets:
-        targets = ["direct", *targets]
-    a = vllmbench.VllmBenchArgs(rates=tuple(ns.rates), rounds=ns.rounds, num_prompts=ns.num_prompts,
-                                input_len=ns.input_len, output_len=ns.output_len, api=ns.api,
-                                tokenizer=str(Path(ns.tokenizer).resolve()), model=ns.model,
-                                vllm_python=ns.vllm_python, seed=ns.seed)
-    vllmbench.pin(ns.cpus)
-    out = run_dir(ns.out, "vllm-bench")
-    fleet = Fleet(fleet_spec(ns, 2.0), out / "logs")
-    print(f"narwhal-bench vllm-bench: {', '.join(targets)}; results in {out}", file=sys.stderr)
-    try:
-        fleet.start(targets, ns.narwhal_start_timeout_s)
-        res = vllmbench.run(a, fleet, targets, out)
-    finally:
-        fleet.stop()
-    write_json(out / "results.json", {"args": repr(a), "targets": targets, "cpus": ns.cpus, **res})
-    print(vllmbench.view(res["summary"]))
-    print(f"results: {out / 'results.json'}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.mode == "decision":
@@ -448,9 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nresults: {out / 'results.json'}")
         return 0
     if ns.mode == "profile":
-        return run_profile(ns)
+        return profile.main(ns, fleet_spec(ns, 2.0), run_async)
     if ns.mode == "vllm-bench":
-        return run_vllm_bench(ns)
+        return vllmbench.main(ns, fleet_spec(ns, 2.0))
     targets: list[str] = ns.targets or DEFAULT_TARGETS[ns.mode]
     if ns.mode == "goodput" and "direct" not in targets and not ns.capacity_rps:
         targets = ["direct", *targets]  # the calibration run needs the engines directly

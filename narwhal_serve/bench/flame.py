@@ -51,7 +51,11 @@ class Span:
 
     @property
     def waiting(self) -> bool:
-        return not self.stack or self.stack[-1].split(" (", 1)[0] in WAIT_LEAVES
+        if not self.stack:
+            return True
+        if len(self.stack) == 1 and self.stack[0].endswith("(<string>)"):
+            return True  # a thread whose whole Python stack is a generated target (Ray's): it sits in C
+        return self.stack[-1].split(" (", 1)[0] in WAIT_LEAVES
 
     @property
     def us(self) -> int:

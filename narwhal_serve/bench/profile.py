@@ -27,6 +27,7 @@ the slow first tokens.  :mod:`narwhal_serve.bench.flame` says how the two py-spy
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import shutil
@@ -36,13 +37,14 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from narwhal_serve.bench import flame, procs
 from narwhal_serve.bench.client import Shape, make_session, run_closed_loop
-from narwhal_serve.bench.fleet import Fleet
+from narwhal_serve.bench.fleet import NARWHAL_PREFIX, Fleet, FleetSpec, base_of
 from narwhal_serve.bench.overhead import LOOSE_SLO, OverheadArgs, _workload
-from narwhal_serve.bench.report import RequestLog, table, write_json
+from narwhal_serve.bench.report import RequestLog, run_dir, table, write_json
 from narwhal_serve.bench.stats import RequestResult, diff, summarize
 
 
@@ -327,3 +329,42 @@ def run(a: ProfileArgs, fleet: Fleet, out: Path, runner: Any) -> dict[str, Any]:
 def folded_paths(out: Path) -> list[str]:
     return sorted(str(p) for p in out.glob("*.svg"))
 
+
+
+def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    pr = sub.add_parser("profile", help="py-spy over every router process under a fixed load: flame graphs, "
+                                        "CPU per request per process, what runs during the slowest first tokens")
+    common(pr)
+    pr.add_argument("--target", default="narwhal-predictive", help="the Narwhal application profiled")
+    pr.add_argument("--concurrency", type=int, default=8, help="closed-loop streaming clients")
+    pr.add_argument("--duration-s", type=float, default=15.0, help="seconds of load recorded")
+    pr.add_argument("--idle-s", type=float, default=10.0, help="seconds of no traffic measured first")
+    pr.add_argument("--rate-hz", type=int, default=200, help="py-spy samples per second per process")
+    pr.add_argument("--tail-share", type=float, default=0.01, help="the slowest share of first tokens traced")
+    pr.add_argument("--min-core-share", type=float, default=0.02,
+                    help="under load, py-spy only the processes that used at least this share of a core")
+    pr.add_argument("--prompt-tokens", type=int, default=64)
+    pr.add_argument("--output-tokens", type=int, default=16)
+    pr.add_argument("--py-spy", default="", help="py-spy binary (default: next to this Python, else on PATH)")
+
+
+def main(ns: argparse.Namespace, spec: FleetSpec, runner: Any) -> int:
+    if ns.target not in NARWHAL_PREFIX and base_of(ns.target) is None:
+        raise SystemExit(f"--target must be one of {', '.join(NARWHAL_PREFIX)} (or one of them @base)")
+    a = ProfileArgs(target=ns.target, concurrency=ns.concurrency, duration_s=ns.duration_s, idle_s=ns.idle_s,
+                    rate_hz=ns.rate_hz, tail_share=ns.tail_share, min_core_share=ns.min_core_share,
+                    prompt_tokens=ns.prompt_tokens, output_tokens=ns.output_tokens, api=ns.api, model=ns.model,
+                    py_spy=ns.py_spy)
+    out = run_dir(ns.out, "profile")
+    fleet = Fleet(spec, out / "logs")
+    print(f"narwhal-bench profile: {a.target} at c={a.concurrency}; results in {out}", file=sys.stderr)
+    try:
+        fleet.start(["direct", a.target], ns.narwhal_start_timeout_s)
+        res = run(a, fleet, out, runner)
+    finally:
+        fleet.stop()
+    print(view(res))
+    print(f"\nresults: {out / 'results.json'}")
+    for p in folded_paths(out):
+        print(f"flame graph: {p}")
+    return 0

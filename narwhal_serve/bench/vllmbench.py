@@ -14,6 +14,7 @@ to itself.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -21,10 +22,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-from narwhal_serve.bench.fleet import Fleet
-from narwhal_serve.bench.report import table
+from narwhal_serve.bench.fleet import Fleet, FleetSpec
+from narwhal_serve.bench.report import run_dir, table, write_json
 
 METRICS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_itl_ms", "p50_itl_ms")
 
@@ -125,3 +127,45 @@ def pin(cpus: str | None) -> None:
     """Pin this process (and so every child it starts from now on) to ``cpus`` (``"0"``, ``"0,1"``)."""
     if cpus:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",") if c.strip()})
+
+
+def _floats(v: str) -> list[float]:
+    return [float(x) for x in v.split(",") if x.strip()]
+
+
+def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    vb = sub.add_parser("vllm-bench", help="vLLM's own `vllm bench serve` through each target against external "
+                                           "engines (--engine-url), side by side in rotated rounds")
+    common(vb)
+    vb.add_argument("--rates", type=_floats, default=[4.0, 16.0], help="request rates (comma list)")
+    vb.add_argument("--rounds", type=int, default=2)
+    vb.add_argument("--num-prompts", type=int, default=120)
+    vb.add_argument("--input-len", type=int, default=64)
+    vb.add_argument("--output-len", type=int, default=32)
+    vb.add_argument("--vllm-python", default=".cache/vllm-venv/bin/python", help="the vLLM venv's interpreter")
+    vb.add_argument("--cpus", default=None, help="pin this process, the router and the client to these cores "
+                                                  "(e.g. 0, with the engine started under `taskset -c 1`)")
+
+
+def main(ns: argparse.Namespace, spec: FleetSpec) -> int:
+    if not ns.engine_url or not ns.tokenizer:
+        raise SystemExit("vllm-bench needs --engine-url (the engines) and --tokenizer (their model directory)")
+    targets: list[str] = ns.targets or ["direct", "narwhal-predictive"]
+    if "direct" not in targets:
+        targets = ["direct", *targets]
+    a = VllmBenchArgs(rates=tuple(ns.rates), rounds=ns.rounds, num_prompts=ns.num_prompts, input_len=ns.input_len,
+                      output_len=ns.output_len, api=ns.api, tokenizer=str(Path(ns.tokenizer).resolve()),
+                      model=ns.model, vllm_python=ns.vllm_python, seed=ns.seed)
+    pin(ns.cpus)
+    out = run_dir(ns.out, "vllm-bench")
+    fleet = Fleet(spec, out / "logs")
+    print(f"narwhal-bench vllm-bench: {', '.join(targets)}; results in {out}", file=sys.stderr)
+    try:
+        fleet.start(targets, ns.narwhal_start_timeout_s)
+        res = run(a, fleet, targets, out)
+    finally:
+        fleet.stop()
+    write_json(out / "results.json", {"args": repr(a), "targets": targets, "cpus": ns.cpus, **res})
+    print(view(res["summary"]))
+    print(f"results: {out / 'results.json'}")
+    return 0

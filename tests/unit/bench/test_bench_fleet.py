@@ -109,3 +109,23 @@ def test_cli_defaults_and_targets() -> None:
     assert goodput_args(ns).slo.ttft_s == 0.5
     with pytest.raises(SystemExit):
         build_parser().parse_args(["overhead", "--targets", "nope"])
+
+
+def test_baseline_targets_and_their_config(tmp_path: Path) -> None:
+    from narwhal_serve.bench.fleet import Fleet, FleetSpec, base_of, known_target
+
+    assert base_of("narwhal-predictive@base") == "narwhal-predictive"
+    assert base_of("direct@base") is None and base_of("narwhal-predictive") is None
+    assert known_target("narwhal-open@base") and not known_target("proxy@base")
+    ns = build_parser().parse_args(["overhead", "--targets", "direct,narwhal-predictive@base",
+                                    "--baseline-tree", str(tmp_path), "--tokenizer", str(tmp_path)])
+    spec = fleet_spec(ns, 2.0)
+    assert spec.baseline_tree == tmp_path and spec.tokenizer == str(tmp_path.resolve())
+    fleet = Fleet(FleetSpec(), tmp_path / "logs")
+    assert fleet.process("narwhal-predictive@base") is fleet.baseline is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["overhead", "--targets", "proxy@base"])
+    # the Assembler shape as a target: the same application with deployment.relay: assembler
+    cfg = narwhal_serve_config(8000, ["http://127.0.0.1:1"], "m", ["narwhal-assembler"], 2.0)
+    args = NarwhalConfig.model_validate(cfg["applications"][0]["args"])
+    assert args.deployment.relay == "assembler" and args.admission.mode == "predictive"
