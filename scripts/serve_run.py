@@ -20,6 +20,15 @@ workers, and so to HAProxy), and HAProxy's command line names this run's own con
 left are sent SIGTERM, then SIGKILL. Processes of other Ray sessions on the machine carry neither,
 whatever their name. A second signal (more than 1 s after the first) skips the wait: force stop.
 
+SIGTERM drains first (a rolling restart must not drop the answers in progress): every application
+of the config is told `POST /admin/drain {"grace_s": serving.drain_grace_s}` (default 30 s) with the
+admin token from its `admin.token_env` -- set here to a random one when the operator set none --, so
+it admits nothing new (503 `router_unavailable`, `Retry-After: 1`, `/ready` 503 `draining`) while
+the requests in flight finish; streams still open when the grace period ends are ended by the
+ingress with an error event and `[DONE]`. Once no application holds a request (their `/status`
+gauges), or the grace period and a short flush have passed, the SIGINT above follows.
+NARWHAL_DRAIN=0 skips the drain; a second signal ends it at once; SIGINT and SIGHUP do not drain.
+
 Several Ray sessions on one machine in this mode need distinct ports (the router's http port, the
 sim's base_port, RAY_SERVE_HAPROXY_STATS_PORT (8404), RAY_SERVE_HAPROXY_METRICS_PORT (9101),
 RAY_SERVE_FALLBACK_PROXY_HTTP_PORT (8500, bound with SO_REUSEPORT: a clash is silent, not an error));
@@ -37,9 +46,15 @@ import signal
 import subprocess
 import sys
 import tempfile
+import json
+import secrets
+import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -276,8 +291,96 @@ def sweep(run_id: str, haproxy_dir: str | None, pgid: int | None, settle_s: floa
     return left
 
 
+# --- draining on SIGTERM ---------------------------------------------------------------------------
+
+DRAIN_POLL_S = 0.2
+DRAIN_FLUSH_S = 2.0  # after the grace: the ingress ends the streams still open and flushes their events
+
+
+@dataclass
+class DrainTarget:
+    """One application of the run: where its admin routes are, its token, its grace period."""
+
+    base: str  # http://host:port/prefix
+    token_env: str
+    grace_s: float
+
+
+def drain_targets(args: list[str]) -> list[DrainTarget]:
+    """The applications of the config ``serve run`` was given (the first argument that is a file)."""
+    path = next((a for a in (args or ["serve_config.yaml"]) if not a.startswith("-") and os.path.isfile(a)), None)
+    if path is None:
+        return []
+    try:
+        import yaml  # type: ignore[import-untyped]
+
+        cfg = yaml.safe_load(Path(path).read_text()) or {}
+    except Exception as exc:  # a config serve run reads its own way: drain nothing, stop as before
+        log(f"cannot read {path} for draining ({type(exc).__name__}); SIGTERM stops without draining")
+        return []
+    http = cfg.get("http_options") or {}
+    host = str(http.get("host") or "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    port = int(http.get("port") or 8000)
+    out = []
+    for app in cfg.get("applications") or []:
+        args_ = app.get("args") or {}
+        prefix = str(app.get("route_prefix") or "/").rstrip("/")
+        out.append(DrainTarget(f"http://{host}:{port}{prefix}", str((args_.get("admin") or {}).get("token_env")
+                                                                  or "NARWHAL_ADMIN_TOKEN"),
+                               float((args_.get("serving") or {}).get("drain_grace_s", 30.0))))
+    return out
+
+
+def _call(url: str, token: str | None = None, body: dict[str, object] | None = None) -> tuple[int, object]:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=5.0) as r:  # noqa: S310 (the run's own router)
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, None
+    except (OSError, ValueError):
+        return 0, None
+
+
+def drain(targets: list[DrainTarget], env: dict[str, str], stop: threading.Event) -> None:
+    """Tell every application to drain (no new admissions, ``/ready`` 503), then wait until none
+    holds a request (or its grace period and the flush after it pass, or a second signal)."""
+    started = time.monotonic()
+    waiting = []
+    for t in targets:
+        code, _ = _call(t.base + "/admin/drain", env.get(t.token_env), {"grace_s": t.grace_s})
+        if code == 200:
+            waiting.append(t)
+        else:
+            log(f"drain of {t.base} failed (HTTP {code}); it stops without draining")
+    if waiting:
+        log(f"draining {', '.join(t.base for t in waiting)} (grace {max(t.grace_s for t in waiting):g} s)")
+    while waiting and not stop.is_set():
+        left = []
+        for t in waiting:
+            code, snap = _call(t.base + "/status")
+            gauges = snap.get("gauges", {}) if isinstance(snap, dict) else {}
+            held = (gauges.get("retained", 0) or 0) + (gauges.get("queued", 0) or 0)
+            if code == 200 and held == 0:
+                continue
+            if time.monotonic() - started > t.grace_s + DRAIN_FLUSH_S:
+                log(f"{t.base}: {held} request(s) still held after the grace period")
+                continue
+            left.append(t)
+        waiting = left
+        stop.wait(DRAIN_POLL_S)
+    log(f"drained in {time.monotonic() - started:.1f} s")
+
+
 def main(argv: list[str]) -> int:
     env, haproxy_dir = build_env(dict(os.environ))
+    targets = drain_targets(argv)
+    for t in targets:  # the run's own admin token where the operator set none: draining needs one
+        env.setdefault(t.token_env, secrets.token_hex(16))
     run_id = env[RUN_ID_ENV]
     stop_timeout_s = float(env.get("NARWHAL_STOP_TIMEOUT_S", DEFAULT_STOP_TIMEOUT_S))
 
@@ -301,6 +404,8 @@ def main(argv: list[str]) -> int:
     handled = 0
     deadline: float | None = None
     t_stop: float | None = None
+    drainer: threading.Thread | None = None
+    forced = threading.Event()
     try:
         while True:
             try:
@@ -308,16 +413,30 @@ def main(argv: list[str]) -> int:
                 break
             except subprocess.TimeoutExpired:
                 pass
+            if drainer is not None and not drainer.is_alive() and deadline is None:
+                log(f"stopping serve (SIGINT), up to {stop_timeout_s:.0f} s")
+                _signal_all([child.pid], signal.SIGINT)
+                deadline = time.monotonic() + stop_timeout_s
             if len(received) > handled:
                 if handled == 0:
                     t_stop = time.monotonic()
+                    handled = 1
+                    if received[0] == signal.SIGTERM and targets and os.environ.get("NARWHAL_DRAIN", "1") != "0":
+                        # a rolling restart: requests in flight finish (README, "Operations")
+                        log("SIGTERM: draining first")
+                        drainer = threading.Thread(target=drain, args=(targets, env, forced), daemon=True)
+                        drainer.start()
+                        continue
                     log(f"{signal.Signals(received[0]).name}: stopping serve (SIGINT), up to {stop_timeout_s:.0f} s")
                     _signal_all([child.pid], signal.SIGINT)
                     deadline = t_stop + stop_timeout_s
-                    handled = 1
                 elif t_stop is not None and time.monotonic() - t_stop < REPEAT_WINDOW_S:
                     # The same stop delivered twice (e.g. a process-group SIGTERM that `make` also
                     # forwards to its child): not a request to force.
+                    handled = len(received)
+                elif drainer is not None and drainer.is_alive():
+                    log("second signal: draining no longer")
+                    forced.set()  # the drainer returns; SIGINT follows
                     handled = len(received)
                 else:
                     log("second signal: stopping now")

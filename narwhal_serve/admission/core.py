@@ -95,6 +95,7 @@ class FleetView:
     outputs: tuple[tuple[str, int, float], ...] = ()  # learned output lengths (OutputLengths.table)
     output_prior: float = DEFAULT_OUTPUT_PRIOR
     reservations: tuple[Reservation, ...] = ()  # room kept for refused clients' retries (admission/retry.py)
+    streams_end_at: float | None = None  # draining: wall time the ingress ends the streams still open
 
     def adjusted(self, deltas: Mapping[str, EngineDelta]) -> "FleetView":
         """This view with a holder's own changes since it was taken."""

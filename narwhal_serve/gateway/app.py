@@ -114,6 +114,7 @@ def build_api(
         return error_response(ErrorInfo(exc.status_code, "invalid_request_error", code, msg), None)
     sizer = sizer if sizer is not None else PromptSizer.from_config(cfg)
     handler = CompletionHandler(cfg, backend, reporter, clock, echo_request_id=echo_request_id, sizer=sizer)
+    reporter.on_view = handler.on_view
     app.state.reporter = reporter
     created = int(clock())
 
@@ -200,6 +201,10 @@ def build_api(
         "/admin/engines", admin_route("register", "deregister", _engine_arg), methods=["POST", "DELETE"]
     )
     app.add_api_route("/admin/state", admin_route("set_mode", "set_mode", _mode_arg), methods=["POST"])
+    # draining (the run command sends it on SIGTERM): no new admissions, the streams still open
+    # after grace_s ended with an error event (README, "Operations")
+    app.add_api_route("/admin/drain", admin_route("drain", "drain", lambda b: _drain_arg(b, cfg.serving.drain_grace_s)),
+                      methods=["POST"])
     return app
 
 
@@ -221,6 +226,13 @@ def _engine_arg(body: Any) -> Any:
     if not isinstance(body, dict):
         raise InvalidRequest("body must be an object")
     return body.get("name") if set(body) == {"name"} else body
+
+
+def _drain_arg(body: Any, default_s: float) -> float:
+    grace = body.get("grace_s", default_s) if isinstance(body, dict) else default_s
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < 86400:
+        raise InvalidRequest("'grace_s' must be a number of seconds, 0 to 86400", param="grace_s")
+    return float(grace)
 
 
 def _mode_arg(body: Any) -> str:

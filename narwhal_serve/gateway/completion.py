@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from narwhal_serve.admission.controller import NONE, Refusal
-from narwhal_serve.admission.core import Ask
+from narwhal_serve.admission.core import Ask, FleetView
 from narwhal_serve.admission.retry import retry_count
 from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.config import NarwhalConfig
@@ -30,7 +30,14 @@ from narwhal_serve.gateway.backend import Backend
 from narwhal_serve.gateway.body import BodyIncomplete, read_body
 from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.gateway.responses import error_response
-from narwhal_serve.gateway.streaming import Flow, RelayStreamResponse, close_detached, internal_error, outcome_of
+from narwhal_serve.gateway.streaming import (
+    Flow,
+    RelayStreamResponse,
+    close_detached,
+    drained_error,
+    internal_error,
+    outcome_of,
+)
 from narwhal_serve.observability import Observability, RequestTrail
 from narwhal_serve.placement.prefix import request_prefix
 from narwhal_serve.protocol.placement import PlacedRequest
@@ -85,6 +92,25 @@ class CompletionHandler:
         self.clock = clock
         self.api_keys = frozenset(cfg.serving.api_keys)
         self.obs = Observability(cfg.observability, clock)
+        self.streams: set[RelayStreamResponse] = set()  # open SSE answers, ended together when draining ends
+        self._drain_end: float | None = None
+        self._drain_timer: asyncio.TimerHandle | None = None
+
+    def on_view(self, view: FleetView) -> None:
+        """A fresh view from the scheduler: when the router drains, end the streams still open at
+        the end of its grace period (each with an error event and ``[DONE]``, never cut)."""
+        end = view.streams_end_at
+        if end is None or end == self._drain_end:
+            return
+        self._drain_end = end
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+        self._drain_timer = asyncio.get_running_loop().call_later(max(0.0, end - self.clock()), self.end_streams)
+
+    def end_streams(self) -> None:
+        err = drained_error()
+        for s in list(self.streams):
+            s.cut(err)
 
     def auth(self, request: Request) -> None:
         if not self.api_keys:
@@ -282,8 +308,13 @@ class CompletionHandler:
             close_detached(gen)
             return Response(first.data, media_type="application/json", headers={**rid_header, **ok_headers})
         sv = self.cfg.serving
-        return RelayStreamResponse(first, gen, flow, sv.stream_keepalive_s, {**SSE_HEADERS, **rid_header, **ok_headers},
+        resp = RelayStreamResponse(first, gen, flow, sv.stream_keepalive_s, {**SSE_HEADERS, **rid_header, **ok_headers},
                                    buffer_bytes=sv.stream_buffer_bytes, write_timeout_s=sv.slow_reader_timeout_s)
+        self.streams.add(resp)
+        resp.on_done = self.streams.discard
+        if self._drain_end is not None and self.clock() >= self._drain_end:
+            resp.cut(drained_error())  # admitted just before the drain began, started after its grace
+        return resp
 
     def _first_token(self, ticket: str, msg: RelayMessage) -> None:
         if self.reporter.lease is not None:

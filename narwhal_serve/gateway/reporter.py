@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from narwhal_serve.admission.core import FleetView
 from narwhal_serve.admission.lease import AdmissionLease
 from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.relay.messages import EngineFault, RelayStats
@@ -52,6 +53,7 @@ class Reporter:
         self._queued = 0  # reports ever queued
         self._flushed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
+        self.on_view: Callable[[FleetView], None] | None = None  # each fresh lease view (the gateway's drain)
 
     def _ensure_task(self) -> None:
         if self._task is None or self._task.done():
@@ -167,6 +169,8 @@ class Reporter:
                     continue
                 if self.lease is not None and grant is not None:
                     self.lease.apply(grant, self._clock(), cut_at)
+                    if self.on_view is not None and self.lease.view is not None:
+                        self.on_view(self.lease.view)
             self._sent = upto
             async with self._flushed:
                 self._flushed.notify_all()

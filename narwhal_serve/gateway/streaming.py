@@ -26,10 +26,16 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from narwhal_serve.admission.outcomes import Outcome
-from narwhal_serve.errors import ErrorInfo, NarwhalError
+from narwhal_serve.errors import ErrorInfo, NarwhalError, Unavailable
 from narwhal_serve.relay.messages import EngineFault, RelayMessage, RelayStats
 
 KEEPALIVE = b": keep-alive\n\n"
+DRAINED = "router_draining"
+
+
+def drained_error() -> ErrorInfo:
+    return Unavailable("the router is stopping: this stream was ended at the end of its drain grace period",
+                       code=DRAINED, retry_after=1).info()
 
 
 def internal_error(message: str) -> ErrorInfo:
@@ -38,6 +44,8 @@ def internal_error(message: str) -> ErrorInfo:
 
 def outcome_of(err: ErrorInfo) -> Outcome:
     """The terminal class of a request that ended with ``err`` after admission."""
+    if err.code == DRAINED:
+        return Outcome.FAILED  # admitted, served in part, ended by the router's stop
     if err.status == 504:
         return Outcome.EXPIRED  # the deadline passed (before or after headers)
     if err.status == 503:
@@ -151,6 +159,8 @@ class RelayStreamResponse(Response):
         self._buf: deque[RelayMessage] = deque([first])
         self._size = len(first.data)
         self._more = asyncio.Event()  # the reader added a message
+        self._cut = False
+        self.on_done: Callable[[RelayStreamResponse], None] | None = None  # the handler's registry
         self._room = asyncio.Event()  # the writer brought the buffer down to half its cap
 
     async def _read(self) -> None:
@@ -169,7 +179,17 @@ class RelayStreamResponse(Response):
         except Exception as exc:
             self._take(_failure(f"relay failed: {type(exc).__name__}"))
 
+    def cut(self, err: ErrorInfo) -> None:
+        """End the stream with ``err`` (an error event and ``[DONE]``) after what is already
+        buffered: the router is stopping.  The relay is closed as the stream ends."""
+        if not self._cut:
+            self._cut = True
+            self._buf.append(RelayMessage(data=error_event(err), error=err, final=True))
+            self._more.set()
+
     def _take(self, msg: RelayMessage) -> bool:
+        if self._cut:
+            return True  # the stream is being ended: nothing more goes into it
         self.flow.observe(msg)
         self._buf.append(msg)
         self._size += len(msg.data)
@@ -226,6 +246,8 @@ class RelayStreamResponse(Response):
         finally:
             self.flow.end(*end)
             close_detached(self.gen, reader)
+            if self.on_done is not None:
+                self.on_done(self)
 
 
 def _failure(message: str) -> RelayMessage:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from narwhal_serve.config import EngineConfig
@@ -47,6 +48,10 @@ class SchedulerApi:
             return True
         if op == "deregister":
             return svc.deregister_engine(str(arg))
+        if op == "drain":
+            until = svc.drain(float(arg), time.time())
+            await svc.ha.release()  # under a router lease: the standby takes over now
+            return until
         if op == "set_mode":
             svc.set_mode(str(arg))
             return True

@@ -47,6 +47,7 @@ class RouterHA:
         self.last_pass: float | None = None  # wall clock: the monitor loop's last completed pass
         self.degraded_why: str | None = None
         self._last_mode: str | None = None
+        self._giving_up = False  # draining: stop renewing (the lease is released)
 
     # -- lease --------------------------------------------------------------------------------
     def lease_mode(self) -> LeaseMode | None:
@@ -80,12 +81,16 @@ class RouterHA:
         if self.cfg.ha.role == "standby":
             await asyncio.sleep(lc.renew_s)
         try:
-            while True:
+            while not self._giving_up:
                 await self.renew_once()
                 on_change()
                 await asyncio.sleep(lc.renew_s)
         finally:
             await self.release()
+
+    def give_up(self) -> None:
+        """Draining: renew no more (:meth:`release` hands the lease over now)."""
+        self._giving_up = True
 
     async def renew_once(self) -> None:
         if self.lease is None or self.backend is None:

@@ -204,6 +204,7 @@ class SchedulerService:
             queued=len(self.admission.queue) if queued_tokens is None else 0,
             outputs=self.outputs.table(),
             reservations=self._live_reservations(now),
+            streams_end_at=self.router.drain_until,
         )
 
     def _live_reservations(self, now: float) -> tuple[Reservation, ...]:
@@ -475,6 +476,17 @@ class SchedulerService:
         if self.ha.lease is not None:
             raise ValueError("with ha.lease.backend: redis the lease decides the router's mode")
         self.router.mode = mode  # type: ignore[assignment]
+
+    def drain(self, grace_s: float, now: float) -> float:
+        """Stop admitting (503 ``router_unavailable``, reason ``draining``; ``/ready`` 503) and let
+        the requests in flight finish; ``grace_s`` from now the ingress replicas end the streams
+        still open with an error event.  Under a router lease, the lease is given up at once so
+        that the standby takes over now, not after its TTL.  Returns the end of the grace period;
+        a second call can only shorten it."""
+        until = now + max(0.0, grace_s)
+        self.router.drain_until = until if self.router.drain_until is None else min(until, self.router.drain_until)
+        self.ha.give_up()
+        return self.router.drain_until
 
     def maintenance(self, waves: list[str], on: bool) -> list[str]:
         """Engines of these waves take no new work; in-flight requests finish (``draining``)."""

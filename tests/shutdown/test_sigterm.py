@@ -74,8 +74,13 @@ def _http(url: str, body: dict[str, object] | None = None, timeout: float = 10.0
 
 
 @pytest.fixture
-def run(tmp_path: Path) -> Iterator[Run]:
+def run(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Run]:
     cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    slow = request.node.get_closest_marker("slow_engines")
+    if slow is not None:  # the embedded fleet at 20 ms a token, no early end: answers that take seconds
+        cfg["applications"][0]["args"]["sim"]["engines"] = [
+            {"name": f"slow-{role}", "role": role, "tpot_base_s": 0.02, "tpot_per_running_s": 0.0, "eos_prob": 0.0}
+            for role in ("prefill", "decode", "unified")]
     port = free_port()
     # Below Linux's ephemeral range and away from the replicas' 30000-31000 and the default 20000 that
     # the integration suite starts from.
@@ -198,3 +203,71 @@ def test_signal_stops_everything(run: Run, sig: signal.Signals) -> None:
     now = serve_run.listening()
     left = {p: now[p] for p in used if p in now and (p in run.fixed_ports.values() or any(o in run.session for _, o in now[p]))}
     assert left == {}, f"still listening after {sig.name}: {left}"
+
+
+def _stream_chat(base: str, max_tokens: int, out: dict[str, object]) -> None:
+    """One streaming chat through the run; ``out``: status, the data events, an exception."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(base)
+    body = json.dumps({"model": "narwhal-sim", "messages": [{"role": "user", "content": "Tell me more"}],
+                       "max_tokens": max_tokens, "stream": True})
+    try:
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        out["status"] = resp.status
+        events = []
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                events.append(line[6:])
+        out["events"] = events
+        conn.close()
+    except Exception as exc:  # the test reports it
+        out["error"] = repr(exc)
+
+
+@pytest.mark.slow_engines
+def test_sigterm_drains_the_requests_in_flight(run: Run) -> None:
+    """A rolling restart: SIGTERM while streams and a non-streaming request are in flight. The
+    router stops admitting (/ready 503, new requests 503 router_unavailable), every request in
+    flight completes, each stream with its [DONE]; then the run stops cleanly."""
+    import threading
+
+    _wait_serving(run)
+    base = f"http://127.0.0.1:{run.port}"
+    results: list[dict[str, object]] = [{} for _ in range(4)]
+    threads = [threading.Thread(target=_stream_chat, args=(base, 150, results[i])) for i in range(3)]
+    plain: dict[str, object] = {}
+
+    def one_plain() -> None:
+        chat = {"model": "narwhal-sim", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 100}
+        plain["status"], plain["body"] = _http(f"{base}/v1/chat/completions", chat, timeout=60)
+
+    threads.append(threading.Thread(target=one_plain))
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # in flight (each takes a few seconds)
+    os.kill(run.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while _http(f"{base}/ready", timeout=5)[0] != 503 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    status, body = _http(f"{base}/ready", timeout=5)
+    assert status == 503 and json.loads(body)["reason"] == "draining", run.log_tail()
+    status, body = _http(f"{base}/v1/chat/completions",
+                         {"model": "narwhal-sim", "messages": [{"role": "user", "content": "late"}], "max_tokens": 2})
+    assert status == 503 and json.loads(body)["error"]["code"] == "router_unavailable"
+    for t in threads:
+        t.join(timeout=60)
+    for r in results[:3]:
+        assert r.get("status") == 200 and "error" not in r, (r, run.log_tail())
+        events = r["events"]
+        assert isinstance(events, list) and events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+        assert sum(1 for e in events if '"content"' in e) >= 100  # the whole answer, not a cut
+    assert plain.get("status") == 200, plain
+    rc = run.proc.wait(timeout=STOP_TIMEOUT_S)
+    assert rc == 0, run.log_tail()
+    assert "draining" in run.log_tail(200)
+    assert serve_run.run_processes(run.run_id, run.haproxy_dir) == []
