@@ -6,6 +6,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
+from narwhal_serve.admission.outcomes import KNOWN_REASONS
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
@@ -88,6 +90,8 @@ ENGINE_GAUGES = (
      "Prompt-prefix blocks the router believes the engine holds (prefix-aware placement)."),
 )
 
+# the label values each per-engine counter has from the start, at zero
+ENGINE_COUNTER_VALUES = {"faults_total": ("backpressure", "error", "timeout"), "probes_total": ("failed", "ok")}
 # Per-engine counters kept as {label value: count} in the engine view: (metric, view key, label, help)
 ENGINE_COUNTERS = (
     ("narwhal_engine_attempt_faults_total", "faults_total", "kind",
@@ -143,13 +147,14 @@ def render_metrics(snap: dict[str, Any], histograms: dict[str, Histogram]) -> st
     out: list[str] = []
     for key in ("offered", "unsized_offered", "completed"):
         out += [f"# TYPE narwhal_{key}_total counter", f"narwhal_{key}_total {c[key]}"]
-    by_reason: dict[str, list[tuple[str, int]]] = {k: [] for k in _LABELLED}
+    # every known reason from the start, at zero until it happens (KNOWN_REASONS)
+    by_reason: dict[str, dict[str, int]] = {o.value: dict.fromkeys(KNOWN_REASONS[o], 0) for o in KNOWN_REASONS}
     for row in snap["counters_by_reason"]:
         if row["outcome"] in by_reason:
-            by_reason[row["outcome"]].append((row["reason"], row["count"]))
+            by_reason[row["outcome"]][row["reason"]] = row["count"]
     for key in sorted(_LABELLED):
         out.append(f"# TYPE narwhal_{key}_total counter")
-        for reason, n in by_reason[key]:
+        for reason, n in sorted(by_reason[key].items()):
             out.append(f'narwhal_{key}_total{{reason="{_esc(reason)}"}} {n}')
     g = snap["gauges"]
     out += [
@@ -181,10 +186,10 @@ def render_metrics(snap: dict[str, Any], histograms: dict[str, Histogram]) -> st
     for name, key, label, help_text in ENGINE_COUNTERS:
         out += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
         for e in snap["engines"]:
-            for value, n in sorted((e.get(key) or {}).items()):
+            for value, n in sorted({**dict.fromkeys(ENGINE_COUNTER_VALUES[key], 0), **(e.get(key) or {})}.items()):
                 out.append(f'{name}{{engine="{_esc(e["name"])}",{label}="{_esc(value)}"}} {n}')
     out += _engine_info(snap["engines"])
-    out += _served(snap.get("served"))
+    out += _served(snap.get("served"), [e["name"] for e in snap["engines"]])
     for key, (name, help_text) in HISTOGRAM_HELP.items():
         if key in histograms:
             out += histograms[key].render(name, help_text)
@@ -209,7 +214,7 @@ def _engine_info(engines: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _served(served: dict[str, Any] | None) -> list[str]:
+def _served(served: dict[str, Any] | None, engines: list[str]) -> list[str]:
     """Admissions, goodput, and per-engine predicted vs measured TTFT (:meth:`Tally.view`)."""
     served = served or Tally().view()
     out = [
@@ -227,7 +232,9 @@ def _served(served: dict[str, Any] | None) -> list[str]:
         "# TYPE narwhal_prefix_cached_tokens_total counter",
         f"narwhal_prefix_cached_tokens_total {served.get('prefix_cached_tokens', 0)}",
     ]
-    rows = served["ttft_by_engine"]
+    rows = list(served["ttft_by_engine"])
+    seen = {r["engine"] for r in rows}  # every engine from the start, at zero
+    rows += [{"engine": e, "n": 0, "predicted_s_sum": 0.0, "measured_s_sum": 0.0} for e in engines if e not in seen]
     for name, key, help_text in (
         ("narwhal_engine_ttft_predictions_total", "n", "Requests with a predicted and a measured TTFT"),
         ("narwhal_engine_ttft_predicted_seconds_total", "predicted_s_sum", "Sum of those requests' predicted TTFT"),

@@ -67,7 +67,8 @@ async def test_predicted_vs_measured_ttft_per_first_token_engine() -> None:
     text = svc.metrics_text()
     s = samples(text)
     n = {k[1][0][1]: v for k, v in s.items() if k[0] == "narwhal_engine_ttft_predictions_total"}
-    assert n == {e: first.count(e) for e in set(first)}
+    engines = {e["name"] for e in svc.snapshot()["engines"]}
+    assert n == {e: first.count(e) for e in engines}  # every engine, at zero where none was first
     measured = sum(v for k, v in s.items() if k[0] == "narwhal_engine_ttft_measured_seconds_total")
     predicted = sum(v for k, v in s.items() if k[0] == "narwhal_engine_ttft_predicted_seconds_total")
     assert abs(measured - (0.1 + 0.2 + 0.3 + 0.4)) < 1e-9
@@ -160,3 +161,22 @@ def test_a_snapshot_without_served_figures_renders_zeros() -> None:
     hists = {k: Histogram() for k in ("ttft", "tpot", "admission_wait", "ttft_prediction_error")}
     text = render_metrics(snap, hists)
     assert value(text, "narwhal_admitted_total") == 0 and value(text, "narwhal_goodput_total") == 0
+
+
+def test_a_fresh_router_exports_every_known_family_at_zero() -> None:
+    """Dashboards chart a new router, and rate() sees the first increment: every terminal class
+    with each of its known reasons, and each engine's fault, probe and TTFT families, at 0."""
+    from narwhal_serve.admission.outcomes import KNOWN_REASONS
+
+    svc, _ = service()
+    s = samples(svc.metrics_text())
+    for outcome, reasons in KNOWN_REASONS.items():
+        for reason in reasons:
+            assert s[(f"narwhal_{outcome.value}_total", (("reason", reason),))] == 0, (outcome, reason)
+    for e in svc.snapshot()["engines"]:
+        name = e["name"]
+        for kind in ("error", "timeout", "backpressure"):
+            assert s[("narwhal_engine_attempt_faults_total", (("engine", name), ("kind", kind)))] == 0
+        for result in ("ok", "failed"):
+            assert s[("narwhal_engine_probes_total", (("engine", name), ("result", result)))] == 0
+        assert s[("narwhal_engine_ttft_predictions_total", (("engine", name),))] == 0
