@@ -36,6 +36,9 @@ class ServingConfig(_Strict):
     # (engine request aborted, outcome failed/slow_reader) instead of being buffered.
     stream_buffer_bytes: int = Field(1_048_576, gt=0)
     slow_reader_timeout_s: float = Field(30.0, gt=0)
+    # the engines' --max-logprobs (vLLM's default 20): top_logprobs / logprobs above it are refused
+    # by the router with a clear 400 (the engine's own answer is a validation dump)
+    max_logprobs: int = Field(20, ge=0)
     # draining (POST /admin/drain, SIGTERM to the run command): how long requests in flight may
     # take to finish before the streams still open are ended with an error event
     drain_grace_s: float = Field(30.0, ge=0)

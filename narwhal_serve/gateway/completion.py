@@ -173,7 +173,8 @@ class CompletionHandler:
                 self.reporter.outcome(Outcome.CANCELLED, "body_incomplete")
                 trail.end(Outcome.CANCELLED, "body_incomplete", 499)
                 raise
-            sized = await self.sizer.size(parse_request(route, raw, model=self.cfg.model))
+            sized = await self.sizer.size(parse_request(route, raw, model=self.cfg.model,
+                                                        max_logprobs=self.cfg.serving.max_logprobs))
             parsed = sized.parsed
             deadline = self._deadline(request, arrived)
             budget = self._ttft_budget(request)
@@ -186,9 +187,12 @@ class CompletionHandler:
             err = InvalidRequest("the request body ended before its Content-Length", code="body_incomplete")
             return error_response(err.info(), echo)
         except NarwhalError as err:
+            resp = self._refused(trail, Outcome.INVALID, err.info(), echo)
             if isinstance(err, BodyTimeout):
                 self.reporter.unsized()  # the body never ended: it was never sized
-            return self._refused(trail, Outcome.INVALID, err.info(), echo)
+                # the rest of that body may still come: the connection cannot carry another request
+                resp.headers["Connection"] = "close"
+            return resp
         trail.parsed(parsed.stream, parsed.prompt_tokens, _prompt_text(parsed), sized.method)
         task = asyncio.current_task()
         gone = asyncio.Event()

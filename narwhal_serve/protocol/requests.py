@@ -279,8 +279,14 @@ def _check_prompt(body: dict[str, Any]) -> tuple[int, tuple[int, ...] | None]:
     raise _bad("prompt", "is required and must be a string or a list of token ids")
 
 
-def parse_request(route: Route, raw: bytes, *, model: str) -> ParsedRequest:
-    """Validate ``raw`` for ``route``; raises an :class:`InvalidRequest` subclass."""
+MAX_LOGPROBS = 20  # vLLM's --max-logprobs default (and OpenAI's top_logprobs bound)
+
+
+def parse_request(route: Route, raw: bytes, *, model: str, max_logprobs: int = MAX_LOGPROBS) -> ParsedRequest:
+    """Validate ``raw`` for ``route``; raises an :class:`InvalidRequest` subclass.  ``max_logprobs``:
+    the engines' ``--max-logprobs`` (``serving.max_logprobs``): more is refused here, in the
+    router's words, instead of relaying the engine's validation dump."""
+    cap = f"an integer from 0 to {max_logprobs}"
     body = decode_json(raw)
     _check_common(body, model)
     stream = bool(body.get("stream", False))
@@ -288,12 +294,12 @@ def parse_request(route: Route, raw: bytes, *, model: str) -> ParsedRequest:
     if route == "chat":
         chars = check_messages(body)
         _opt(body, "logprobs", lambda v: isinstance(v, bool), "must be a boolean")
-        _opt(body, "top_logprobs", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
+        _opt(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= max_logprobs, f"must be {cap}")
         _opt(body, "max_completion_tokens", lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")
         max_out = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
         chars, ids = _check_prompt(body)
-        _opt(body, "logprobs", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
+        _opt(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= max_logprobs, f"must be {cap}")
         _opt(body, "echo", lambda v: isinstance(v, bool), "must be a boolean")
         max_out = body.get("max_tokens")
     if not stream:

@@ -182,7 +182,8 @@ async def test_slowloris_headers_get_a_408_and_a_closed_connection(fleet: Fleet)
 @pytest.mark.parametrize("trickled", [True, False], ids=["trickled_body", "content_length_longer_than_the_body"])
 async def test_body_that_never_completes_gets_a_408_envelope(fleet: Fleet, trickled: bool) -> None:
     """A body trickled a byte at a time, or one shorter than its Content-Length from a client that
-    keeps the connection open: 408 in the envelope once serving.body_timeout_s has passed."""
+    keeps the connection open: 408 in the envelope once serving.body_timeout_s has passed, and the
+    connection closed (the rest of that body could not be told from a next request)."""
     app = fleet.tight
     before = await status(app.url)
     conn = await Raw.open(app)
@@ -196,12 +197,19 @@ async def test_body_that_never_completes_gets_a_408_envelope(fleet: Fleet, trick
     t0 = time.monotonic()
     dripping = asyncio.get_running_loop().create_task(trickle())
     try:
-        code, _, payload = await conn.response(timeout=BODY_TIMEOUT_S + 5)
+        code, headers, payload = await conn.response(timeout=BODY_TIMEOUT_S + 5)
+        dripping.cancel()
+        await asyncio.gather(dripping, return_exceptions=True)
+        try:
+            left = await conn.rest(timeout=5)  # EOF: the server closed the connection
+        except ConnectionError:
+            left = b""  # closed while the last trickled byte was in flight: reset, closed all the same
     finally:
         dripping.cancel()
         await asyncio.gather(dripping, return_exceptions=True)
         conn.close()
     assert code == 408, payload[:200]
+    assert left == b"" and headers.get("connection", "").lower() == "close", headers
     err = json.loads(payload)["error"]
     assert (err["code"], err["type"]) == ("request_timeout", "invalid_request_error") and "param" in err
     assert time.monotonic() - t0 < BODY_TIMEOUT_S + 3
@@ -273,3 +281,22 @@ async def test_serve_request_timeout_header_is_not_an_outside_control(fleet: Fle
     assert 1.0 <= took < 1.2 + 2, took
     snap = await assert_quiescent(app)
     assert delta(before, snap) == {"offered": 2, "completed": 1, "expired": 1, "expired/deadline_expired": 1}
+
+
+async def test_logprobs_beyond_the_engines_limit_are_refused_in_the_routers_words(fleet: Fleet) -> None:
+    """``top_logprobs`` (chat) or ``logprobs`` (completions) above ``serving.max_logprobs`` (the
+    engines' --max-logprobs): a 400 naming the field and the bound, not the engine's validation dump."""
+    app = fleet.tight
+    before = await status(app.url)
+    r, _ = await timed_post(app, chat_body(logprobs=True, top_logprobs=1000))
+    assert_envelope(r, 400, "invalid_request")
+    err = r.json()["error"]
+    assert err["param"] == "top_logprobs" and "0 to 20" in err["message"], err
+    r, _ = await timed_post(app, {"model": "narwhal-sim", "prompt": "x", "logprobs": 21}, path="/v1/completions")
+    assert_envelope(r, 400, "invalid_request")
+    assert r.json()["error"]["param"] == "logprobs"
+    r, _ = await timed_post(app, chat_body(logprobs=True, top_logprobs=20, max_tokens=2))
+    assert r.status_code == 200, r.text
+    snap = await assert_quiescent(app)
+    assert delta(before, snap) == {"offered": 3, "completed": 1, "invalid_requests": 2,
+                                   "invalid_requests/invalid_request": 2}
