@@ -18,7 +18,10 @@ a 408 and a closed connection (HAProxy 2.8 sends its own HTML page there: its H1
 before any ``errorfile`` or ``http-error`` applies — tried both).  An ``X-Request-Id`` with bytes
 outside ASCII gets the 400 envelope from HAProxy itself: Ray Serve decodes that header as UTF-8
 before Narwhal sees the request, and a byte that is not UTF-8 would be its plain-text 500 (such a
-request is not counted: it never reaches the router).  Ray reads the variable in its HAProxy manager actor, which inherits
+request is not counted: it never reaches the router).  A 408 from the router (a request body that
+did not arrive within ``serving.body_timeout_s``) goes out with ``Connection: close``, so the client
+stops sending on that connection (HAProxy itself keeps it until the client closes it or its client
+timeout passes: the announced body never completes).  Ray reads the variable in its HAProxy manager actor, which inherits
 the environment of the process that starts Ray: ``scripts/serve_run.py`` (``make run``), the tests
 and the benchmark set it.
 """
@@ -48,6 +51,7 @@ for a in "$@"; do
         -e '/^frontend http_frontend/a\\
     http-request del-header x-request-timeout-seconds\\
     http-request del-header x-request-disconnect-disabled\\
+    http-after-response set-header connection close if {{ status 408 }}\\
     http-request return status 400 content-type application/json file {bad_rid} if {{ req.hdr(x-request-id) -m reg "[\\\\x80-\\\\xff]" }} || {{ hdr_len(x-request-id) gt 128 }}' "$a" > "$a.narwhal"
     a="$a.narwhal"
   fi
