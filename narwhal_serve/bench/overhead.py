@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -70,7 +71,10 @@ class OverheadRun:
         self._pools: dict[int, list[RequestSpec]] = {}
 
     async def closed(self, target: str, label: str, concurrency: int, duration_s: float, stream: bool,
-                     out_tokens: int, headers: tuple[tuple[str, str], ...] = ()) -> list[RequestResult]:
+                     out_tokens: int, headers: tuple[tuple[str, str], ...] = (),
+                     on_start: Callable[[], None] | None = None) -> list[RequestResult]:
+        """``concurrency`` closed-loop clients at ``target`` for ``duration_s`` (``on_start``: called
+        as the load begins, e.g. to stamp its wall time)."""
         ep: Endpoint = self.fleet.endpoints[target]
         n = min(20_000, max(100, int(concurrency * duration_s / 0.002)))
         pool = self._pools.get(out_tokens)
@@ -82,7 +86,7 @@ class OverheadRun:
         async with make_session() as session:
             with Progress(f"{label} {target} c={concurrency}") as prog:
                 res = await run_closed_loop(session, ep, shape, specs, concurrency=concurrency,
-                                            duration_s=duration_s, drain_s=10.0, progress=prog)
+                                            duration_s=duration_s, drain_s=10.0, progress=prog, on_start=on_start)
         self.log.append(({"phase": label, "target": target, "concurrency": concurrency}, res))
         return res
 

@@ -35,17 +35,17 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
 from narwhal_serve.bench import flame, procs
-from narwhal_serve.bench.client import Shape, make_session, run_closed_loop
 from narwhal_serve.bench.fleet import NARWHAL_PREFIX, Fleet, FleetSpec, base_of
-from narwhal_serve.bench.overhead import LOOSE_SLO, OverheadArgs, _workload
+from narwhal_serve.bench.overhead import LOOSE_SLO, OverheadArgs, OverheadRun
 from narwhal_serve.bench.report import RequestLog, run_dir, table, write_json
 from narwhal_serve.bench.stats import RequestResult, diff, summarize
+from narwhal_serve.bench.workload import Api
 
 
 @dataclass
@@ -59,7 +59,7 @@ class ProfileArgs:
     min_core_share: float = 0.02
     prompt_tokens: int = 64
     output_tokens: int = 16
-    api: str = "chat"
+    api: Api = "chat"
     model: str = "narwhal-sim"
     py_spy: str = ""
 
@@ -179,21 +179,16 @@ def analyse(rec: Recording, out: Path, period_us: float, span_s: float, what: st
 class ProfileRun:
     def __init__(self, a: ProfileArgs, fleet: Fleet, out: Path) -> None:
         self.a, self.fleet, self.out = a, fleet, out
-        self.log: list[tuple[dict[str, Any], list[RequestResult]]] = []
-        oa = OverheadArgs(prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens)
-        self.pool = _workload(oa, a.output_tokens).closed_loop_specs(512)
+        # the overhead bench's closed loop and prompts (its log is this run's requests.jsonl)
+        self.loads = OverheadRun(OverheadArgs(prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens,
+                                              api=a.api, model=a.model), fleet, [a.target])
+        self.log = self.loads.log
 
-    async def load(self, target: str, label: str, duration_s: float, on_start: Any = None) -> list[RequestResult]:
-        n = min(50_000, max(100, int(self.a.concurrency * duration_s / 0.002)))
-        specs = [replace(self.pool[i % len(self.pool)], idx=i) for i in range(n)]
-        shape = Shape(api=self.a.api, model=self.a.model, stream=True, timeout_s=30.0)  # type: ignore[arg-type]
-        await asyncio.to_thread(self.fleet.settle)
-        async with make_session() as session:
-            res = await run_closed_loop(session, self.fleet.endpoints[target], shape, specs,
-                                        concurrency=self.a.concurrency, duration_s=duration_s, drain_s=10.0,
-                                        on_start=on_start)
-        self.log.append(({"phase": label, "target": target, "concurrency": self.a.concurrency}, res))
-        return res
+    async def load(self, target: str, label: str, duration_s: float,
+                   on_start: Callable[[], None] | None = None) -> list[RequestResult]:
+        """Streaming closed-loop clients at ``target`` (``--concurrency`` of them)."""
+        return await self.loads.closed(target, label, self.a.concurrency, duration_s, True, self.a.output_tokens,
+                                       on_start=on_start)
 
     def tree(self) -> dict[int, tuple[str, float]]:
         proc = self.fleet.process(self.a.target)

@@ -26,6 +26,7 @@ from narwhal_serve.gateway.completion import CompletionHandler
 from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.gateway.body import BodyIncomplete, read_body
 from narwhal_serve.gateway.responses import error_response
+from narwhal_serve.gateway.streaming import internal_error
 from narwhal_serve.gateway.tokenize import detokenize, tokenize
 from narwhal_serve.tokenization.sizer import PromptSizer
 
@@ -73,15 +74,14 @@ async def _call_fast(endpoint: Endpoint, scope: Scope, receive: Receive, send: S
         response = await endpoint(Request(scope, receive, send))
     except Exception as exc:  # the endpoint answers its own errors: this is a bug, still in the envelope
         log.exception("completion endpoint failed")
-        response = error_response(NarwhalError(f"internal error: {type(exc).__name__}", code="internal_error").info(), None)
+        response = error_response(internal_error(f"internal error: {type(exc).__name__}"), None)
     try:
         await response(scope, receive, sending)
     except Exception:
         if started:
             raise  # the stream is out: the server closes the connection
         log.exception("completion response failed before its headers")
-        err = NarwhalError("internal error", code="internal_error").info()
-        await error_response(err, None)(scope, receive, send)
+        await error_response(internal_error("internal error"), None)(scope, receive, send)
 
 
 def build_api(
