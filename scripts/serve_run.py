@@ -46,18 +46,15 @@ import signal
 import subprocess
 import sys
 import tempfile
-import json
 import secrets
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from narwhal_serve.drain import drain, drain_targets
 from narwhal_serve.runenv import direct_ingress_env
 
 RUN_ID_ENV = "NARWHAL_SERVE_RUN_ID"
@@ -291,94 +288,9 @@ def sweep(run_id: str, haproxy_dir: str | None, pgid: int | None, settle_s: floa
     return left
 
 
-# --- draining on SIGTERM ---------------------------------------------------------------------------
-
-DRAIN_POLL_S = 0.2
-DRAIN_FLUSH_S = 2.0  # after the grace: the ingress ends the streams still open and flushes their events
-
-
-@dataclass
-class DrainTarget:
-    """One application of the run: where its admin routes are, its token, its grace period."""
-
-    base: str  # http://host:port/prefix
-    token_env: str
-    grace_s: float
-
-
-def drain_targets(args: list[str]) -> list[DrainTarget]:
-    """The applications of the config ``serve run`` was given (the first argument that is a file)."""
-    path = next((a for a in (args or ["serve_config.yaml"]) if not a.startswith("-") and os.path.isfile(a)), None)
-    if path is None:
-        return []
-    try:
-        import yaml  # type: ignore[import-untyped]
-
-        cfg = yaml.safe_load(Path(path).read_text()) or {}
-    except Exception as exc:  # a config serve run reads its own way: drain nothing, stop as before
-        log(f"cannot read {path} for draining ({type(exc).__name__}); SIGTERM stops without draining")
-        return []
-    http = cfg.get("http_options") or {}
-    host = str(http.get("host") or "127.0.0.1")
-    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    port = int(http.get("port") or 8000)
-    out = []
-    for app in cfg.get("applications") or []:
-        args_ = app.get("args") or {}
-        prefix = str(app.get("route_prefix") or "/").rstrip("/")
-        out.append(DrainTarget(f"http://{host}:{port}{prefix}", str((args_.get("admin") or {}).get("token_env")
-                                                                  or "NARWHAL_ADMIN_TOKEN"),
-                               float((args_.get("serving") or {}).get("drain_grace_s", 30.0))))
-    return out
-
-
-def _call(url: str, token: str | None = None, body: dict[str, object] | None = None) -> tuple[int, object]:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if body is not None else "GET")
-    try:
-        with urllib.request.urlopen(req, timeout=5.0) as r:  # noqa: S310 (the run's own router)
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, None
-    except (OSError, ValueError):
-        return 0, None
-
-
-def drain(targets: list[DrainTarget], env: dict[str, str], stop: threading.Event) -> None:
-    """Tell every application to drain (no new admissions, ``/ready`` 503), then wait until none
-    holds a request (or its grace period and the flush after it pass, or a second signal)."""
-    started = time.monotonic()
-    waiting = []
-    for t in targets:
-        code, _ = _call(t.base + "/admin/drain", env.get(t.token_env), {"grace_s": t.grace_s})
-        if code == 200:
-            waiting.append(t)
-        else:
-            log(f"drain of {t.base} failed (HTTP {code}); it stops without draining")
-    if waiting:
-        log(f"draining {', '.join(t.base for t in waiting)} (grace {max(t.grace_s for t in waiting):g} s)")
-    while waiting and not stop.is_set():
-        left = []
-        for t in waiting:
-            code, snap = _call(t.base + "/status")
-            gauges = snap.get("gauges", {}) if isinstance(snap, dict) else {}
-            held = (gauges.get("retained", 0) or 0) + (gauges.get("queued", 0) or 0)
-            if code == 200 and held == 0:
-                continue
-            if time.monotonic() - started > t.grace_s + DRAIN_FLUSH_S:
-                log(f"{t.base}: {held} request(s) still held after the grace period")
-                continue
-            left.append(t)
-        waiting = left
-        stop.wait(DRAIN_POLL_S)
-    log(f"drained in {time.monotonic() - started:.1f} s")
-
-
 def main(argv: list[str]) -> int:
     env, haproxy_dir = build_env(dict(os.environ))
-    targets = drain_targets(argv)
+    targets = drain_targets(argv, log)
     for t in targets:  # the run's own admin token where the operator set none: draining needs one
         env.setdefault(t.token_env, secrets.token_hex(16))
     run_id = env[RUN_ID_ENV]
@@ -424,7 +336,7 @@ def main(argv: list[str]) -> int:
                     if received[0] == signal.SIGTERM and targets and os.environ.get("NARWHAL_DRAIN", "1") != "0":
                         # a rolling restart: requests in flight finish (README, "Operations")
                         log("SIGTERM: draining first")
-                        drainer = threading.Thread(target=drain, args=(targets, env, forced), daemon=True)
+                        drainer = threading.Thread(target=drain, args=(targets, env, forced, log), daemon=True)
                         drainer.start()
                         continue
                     log(f"{signal.Signals(received[0]).name}: stopping serve (SIGINT), up to {stop_timeout_s:.0f} s")

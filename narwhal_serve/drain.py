@@ -1,0 +1,98 @@
+"""Draining a run on SIGTERM (``scripts/serve_run.py``; README, "Stopping"): every application of
+the run's config is told ``POST /admin/drain``, then polled until it holds no request, or its grace
+period and a short flush have passed.  Plain HTTP to the run's own router; no Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+DRAIN_POLL_S = 0.2
+DRAIN_FLUSH_S = 2.0  # after the grace: the ingress ends the streams still open and flushes their events
+
+
+@dataclass
+class DrainTarget:
+    """One application of the run: where its admin routes are, its token, its grace period."""
+
+    base: str  # http://host:port/prefix
+    token_env: str
+    grace_s: float
+
+
+def drain_targets(args: list[str], log: Callable[[str], None] = print) -> list[DrainTarget]:
+    """The applications of the config ``serve run`` was given (the first argument that is a file)."""
+    path = next((a for a in (args or ["serve_config.yaml"]) if not a.startswith("-") and os.path.isfile(a)), None)
+    if path is None:
+        return []
+    try:
+        import yaml  # type: ignore[import-untyped]
+
+        cfg = yaml.safe_load(Path(path).read_text()) or {}
+    except Exception as exc:  # a config serve run reads its own way: drain nothing, stop as before
+        log(f"cannot read {path} for draining ({type(exc).__name__}); SIGTERM stops without draining")
+        return []
+    http = cfg.get("http_options") or {}
+    host = str(http.get("host") or "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    port = int(http.get("port") or 8000)
+    out = []
+    for app in cfg.get("applications") or []:
+        args_ = app.get("args") or {}
+        prefix = str(app.get("route_prefix") or "/").rstrip("/")
+        out.append(DrainTarget(f"http://{host}:{port}{prefix}", str((args_.get("admin") or {}).get("token_env")
+                                                                  or "NARWHAL_ADMIN_TOKEN"),
+                               float((args_.get("serving") or {}).get("drain_grace_s", 30.0))))
+    return out
+
+
+def _call(url: str, token: str | None = None, body: dict[str, object] | None = None) -> tuple[int, object]:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=5.0) as r:  # noqa: S310 (the run's own router)
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, None
+    except (OSError, ValueError):
+        return 0, None
+
+
+def drain(targets: list[DrainTarget], env: dict[str, str], stop: threading.Event,
+          log: Callable[[str], None] = print) -> None:
+    """Tell every application to drain (no new admissions, ``/ready`` 503), then wait until none
+    holds a request (or its grace period and the flush after it pass, or a second signal)."""
+    started = time.monotonic()
+    waiting = []
+    for t in targets:
+        code, _ = _call(t.base + "/admin/drain", env.get(t.token_env), {"grace_s": t.grace_s})
+        if code == 200:
+            waiting.append(t)
+        else:
+            log(f"drain of {t.base} failed (HTTP {code}); it stops without draining")
+    if waiting:
+        log(f"draining {', '.join(t.base for t in waiting)} (grace {max(t.grace_s for t in waiting):g} s)")
+    while waiting and not stop.is_set():
+        left = []
+        for t in waiting:
+            code, snap = _call(t.base + "/status")
+            gauges = snap.get("gauges", {}) if isinstance(snap, dict) else {}
+            held = (gauges.get("retained", 0) or 0) + (gauges.get("queued", 0) or 0)
+            if code == 200 and held == 0:
+                continue
+            if time.monotonic() - started > t.grace_s + DRAIN_FLUSH_S:
+                log(f"{t.base}: {held} request(s) still held after the grace period")
+                continue
+            left.append(t)
+        waiting = left
+        stop.wait(DRAIN_POLL_S)
+    log(f"drained in {time.monotonic() - started:.1f} s")
