@@ -49,6 +49,58 @@ class ServingConfig(_Strict):
         return max(2.0, 3.0 * ttft_budget_s)
 
 
+class TenantSpec(_Strict):
+    """One tenant (README, "Tenants"): its API keys, hashed, and its budgets (None: unlimited)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    # SHA-256 hex digests of its keys (`printf %s "$KEY" | sha256sum`): keys are never configured in clear
+    key_sha256: tuple[str, ...] = ()
+    requests_per_minute: float | None = Field(None, gt=0)
+    input_tokens_per_minute: float | None = Field(None, gt=0)  # prompt tokens, as the router counts them
+    output_tokens_per_minute: float | None = Field(None, gt=0)  # validated output token IDs
+    max_concurrent: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _digests(self) -> "TenantSpec":
+        for d in self.key_sha256:
+            if len(d) != 64 or any(c not in "0123456789abcdef" for c in d.lower()):
+                raise ValueError(f"tenant {self.name!r}: key_sha256 entries are SHA-256 hex digests (64 hex digits)")
+        return self
+
+    def limit(self, kind: str) -> float | None:
+        """The budget of one kind (``tenants.amounts.KINDS``): per minute, or concurrent requests."""
+        return {"requests": self.requests_per_minute, "input_tokens": self.input_tokens_per_minute,
+                "output_tokens": self.output_tokens_per_minute,
+                "concurrent": None if self.max_concurrent is None else float(self.max_concurrent)}[kind]
+
+    def budgeted(self) -> bool:
+        return any(v is not None for v in (self.requests_per_minute, self.input_tokens_per_minute,
+                                           self.output_tokens_per_minute, self.max_concurrent))
+
+
+class TenantsConfig(_Strict):
+    """Who may send requests, and what each may use. Absent: one anonymous tenant, no key needed
+    (or ``serving.api_keys``, the flat set of keys of before)."""
+
+    list: tuple[TenantSpec, ...] = ()
+    # More keys, one per line: `<tenant> <sha256 hex digest>` (# comments); re-read when it changes,
+    # without a restart
+    keys_file: str | None = None
+    keys_reload_s: float = Field(1.0, gt=0)  # how often the file's modification time is checked
+
+    @model_validator(mode="after")
+    def _unique(self) -> "TenantsConfig":
+        names = [t.name for t in self.list]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tenants.list: names must be unique; repeated: {sorted({n for n in names if names.count(n) > 1})}")
+        if not names:
+            raise ValueError("tenants.list: at least one tenant (omit the tenants section for none)")
+        return self
+
+    def spec(self, name: str) -> TenantSpec | None:
+        return next((t for t in self.list if t.name == name), None)
+
+
 class PhaseConcurrency(_Strict):
     prefill: int = Field(64, gt=0)
     decode: int = Field(1024, gt=0)
@@ -288,9 +340,13 @@ class NarwhalConfig(_Strict):
     sim: SimFleetConfig = SimFleetConfig()
     deployment: DeploymentKnobs = DeploymentKnobs()
     observability: ObservabilityConfig = ObservabilityConfig()
+    tenants: TenantsConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "NarwhalConfig":
+        if self.tenants is not None and self.serving.api_keys:
+            raise ValueError("serving.api_keys and tenants are exclusive: give the keys to tenants "
+                             "(tenants.list[].key_sha256)")
         names = [n for e in self.engines for n in e.names()]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})

@@ -10,7 +10,8 @@
     ├── InvalidApiKey                 401     authentication_error        invalid_api_key
     ├── RateLimited                   429     rate_limit_error            (retention_full, queue_full,
     │                                                                      ttft_budget_exceeded,
-    │                                                                      prompt_exceeds_ttft_budget)
+    │                                                                      prompt_exceeds_ttft_budget,
+    │                                                                      rate_limit_exceeded)
     ├── TerminalExpiry                504     timeout_error               (admission_wait_expired,
     │                                                                      deadline_expired)
     ├── Unavailable                   503     service_unavailable_error   (backend_unavailable,
@@ -39,6 +40,7 @@ class ErrorInfo:
     param: str | None = None
     retry_after: int | None = None
     reason: str | None = None
+    extra_headers: tuple[tuple[str, str], ...] = ()  # e.g. a tenant's x-ratelimit-* (tenants/budget.py)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -54,6 +56,7 @@ class ErrorInfo:
         out: dict[str, str] = {"X-Narwhal-Reason": self.reason or self.code}
         if self.retry_after is not None:
             out["Retry-After"] = str(self.retry_after)
+        out.update(self.extra_headers)
         return out
 
 

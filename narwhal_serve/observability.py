@@ -174,6 +174,7 @@ class RequestTrail:
     admission_wait_s: float | None = None
     predicted_ttft_s: float | None = None
     prompt_text: str | None = None
+    tenant: str | None = None  # its tenant's label (None: no tenants configured, or not identified)
     span: "Span | None" = None
     ended: bool = False
     _admission_span: "Span | None" = field(default=None, repr=False)
@@ -218,6 +219,7 @@ class RequestTrail:
             "attempts": stats.attempts if stats else 0,
             "prompt_tokens": self.prompt_tokens,
             "prompt_sizing": self.prompt_sizing,
+            "tenant": self.tenant,
             "admission": self.admission,
             "admission_wait_s": _round(self.admission_wait_s),
             "predicted_ttft_s": _round(self.predicted_ttft_s),

@@ -132,6 +132,7 @@ class Ask:
     prefix_block_tokens: float = 0.0  # prompt tokens one block stands for
     retry: bool = False  # a client's retry (it may use the room reserved for retries)
     reserves: bool = False  # the client retries after Retry-After: a TTFT refusal reserves room
+    tenant: str = ""  # whose budget it is charged to (tenants/: "" the anonymous tenant)
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ class Placement:
     matched_tokens: int = 0  # the prefix match those were credited from (learning: hit or miss)
     prefix: tuple[int, ...] = field(default=(), repr=False)
     tpot_budget_s: float | None = None
+    tenant: str = ""
 
     @property
     def engines(self) -> tuple[str, ...]:
@@ -256,12 +258,13 @@ def _placement(ordered: tuple[RouteChoice, ...], best: _Scored | None, facts: Ma
     if best is None:
         return Placement(ordered, None, ask.prompt_tokens, ask.prompt_tokens, 0.0, None, 0, ask.ttft_budget_s,
                          ask.kind, ask.max_output_tokens, expected_out, ordered[0].decode.name if ordered else None,
-                         prefix=ask.prefix, tpot_budget_s=ask.tpot_budget_s)
+                         prefix=ask.prefix, tpot_budget_s=ask.tpot_budget_s, tenant=ask.tenant)
     e = facts[_first_token_engine(best.route)]
     predicted = best.wait + linear_ttft(e.ttft_a, e.ttft_b, best.x, e.ttft_c, best.r)
     return Placement(ordered, e.cfg.name, ask.prompt_tokens, best.x, best.wait, predicted, best.r, ask.ttft_budget_s,
                      ask.kind, ask.max_output_tokens, expected_out, best.route.decode.name, best.batch,
-                     best.tpot_s if best.tpot_known else None, best.cached, best.matched, ask.prefix, ask.tpot_budget_s)
+                     best.tpot_s if best.tpot_known else None, best.cached, best.matched, ask.prefix, ask.tpot_budget_s,
+                     ask.tenant)
 
 
 SCORED_ROUTES = 8  # predictive mode projects this many least loaded routes (plus prefix holders)

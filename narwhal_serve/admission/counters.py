@@ -13,16 +13,20 @@ class Counters:
     offered: int = 0
     unsized_offered: int = 0
     by_outcome: Counter[tuple[str, str]] = field(default_factory=Counter)  # (outcome, reason) -> n
+    by_tenant: Counter[tuple[str, str]] = field(default_factory=Counter)  # (tenant, outcome) -> n
 
-    def add(self, outcome: Outcome | str, reason: str = "", n: int = 1) -> None:
+    def add(self, outcome: Outcome | str, reason: str = "", n: int = 1, tenant: str | None = None) -> None:
         key = outcome.value if isinstance(outcome, Outcome) else outcome
         self.by_outcome[(key, reason)] += n
+        if tenant is not None:
+            self.by_tenant[(tenant, key)] += n
 
     def merge(self, delta: "CounterDelta") -> None:
         self.offered += delta.offered
         self.unsized_offered += delta.unsized_offered
         for (o, r), n in delta.outcomes.items():
             self.by_outcome[(o, r)] += n
+        self.by_tenant.update(delta.tenants)
 
     def total(self, outcome: Outcome) -> int:
         return sum(n for (o, _), n in self.by_outcome.items() if o == outcome.value)
@@ -45,9 +49,12 @@ class CounterDelta:
     offered: int = 0
     unsized_offered: int = 0
     outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    tenants: Counter[tuple[str, str]] = field(default_factory=Counter)  # (tenant, outcome) -> n
 
-    def add(self, outcome: Outcome, reason: str = "") -> None:
+    def add(self, outcome: Outcome, reason: str = "", tenant: str | None = None) -> None:
         self.outcomes[(outcome.value, reason)] += 1
+        if tenant is not None:
+            self.tenants[(tenant, outcome.value)] += 1
 
     def empty(self) -> bool:
         return not (self.offered or self.unsized_offered or self.outcomes)

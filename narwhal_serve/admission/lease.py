@@ -22,10 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from narwhal_serve.admission.controller import NONE, ONE_REQUEST, Permits, Refusal
+from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.admission.core import Ask, EngineDelta, FleetView, Placement, charge, decide
 from narwhal_serve.admission.retry import Reservation, earliest
 from narwhal_serve.prediction.decode import remaining_tokens
 from narwhal_serve.scheduler.messages import LeaseGrant, LeasePart, LocalPlacement
+from narwhal_serve.tenants.amounts import request_cost
+from narwhal_serve.tenants.budget import LeaseShares, budget_error
 
 
 # Refusals that only restate the scheduler's state; the scheduler gives them, from the state as it is.
@@ -70,6 +73,7 @@ class AdmissionLease:
     _sent: dict[int, _Sent] = field(default_factory=dict)
     _reserved: list[Reservation] = field(default_factory=list)  # since the last cut
     _consumed: list[str] = field(default_factory=list)  # since the last cut
+    shares: LeaseShares | None = None  # tenants' budgets (tenants/budget.py); None: no budgets
 
     # -- admission ----------------------------------------------------------------------------
     def valid(self, mono: float) -> bool:
@@ -97,6 +101,13 @@ class AdmissionLease:
         view = self.current_view()
         if view is None or not self.valid(mono) or view.queued:
             return None
+        cost = request_cost(ask.prompt_tokens)
+        if self.shares is not None:
+            budget = self.shares.check(ask.tenant, cost, now, retry=ask.retry, reserves=ask.reserves)
+            if budget is False:
+                return None
+            if budget is not True:
+                return Refusal(budget_error(budget), Outcome.REJECTED)
         self.rotation += 1
         verdict = decide(view, ask, now, self.rotation)
         if isinstance(verdict, Refusal):
@@ -111,6 +122,8 @@ class AdmissionLease:
             return None
         self.spare = self.spare - ONE_REQUEST
         self.in_use = self.in_use + ONE_REQUEST
+        if self.shares is not None:
+            self.shares.take(ticket_id, ask.tenant, cost)
         self.tickets[ticket_id] = _Local(verdict, verdict.engines, decode_engine=verdict.decode_engine,
                                          decode_charged=verdict.expected_out if verdict.decode_engine else 0.0)
         _add(self._deltas, charge(verdict))
@@ -144,6 +157,8 @@ class AdmissionLease:
         if t is not None:
             p = t.placement
             self._recharge(t, t.decode_engine, remaining_tokens(p.expected_out, tokens, p.max_output_tokens))
+            if self.shares is not None:
+                self.shares.progress(ticket_id, tokens)
 
     def _recharge(self, t: _Local, engine: str | None, amount: float) -> None:
         if t.decode_engine is not None and t.decode_charged:
@@ -153,10 +168,13 @@ class AdmissionLease:
             _add(self._deltas, {engine: EngineDelta(decode_tokens=amount)})
             t.decode_charged = amount
 
-    def release(self, ticket_id: str) -> None:
+    def release(self, ticket_id: str, output_tokens: int | None = None) -> None:
+        """``output_tokens``: the stream's identified output tokens, charged to its tenant."""
         t = self.tickets.pop(ticket_id, None)
         if t is None:
             return
+        if self.shares is not None:
+            self.shares.release(ticket_id, output_tokens)
         freed = Permits(retention=1, decode=1)
         if not t.prefill_done:
             freed = freed + Permits(prefill=1)
@@ -194,7 +212,8 @@ class AdmissionLease:
             self.spare = self.spare - back
         self.generation += 1
         part = LeasePart(self.lease_id, self.generation, self.epoch, self._placed, self._to_return, self.in_use,
-                         self._reserved, self._consumed)
+                         self._reserved, self._consumed,
+                         self.shares.cut(self.generation) if self.shares is not None else None)
         self._sent[self.generation] = _Sent(part, self._deltas)
         self._placed, self._to_return, self._deltas = [], NONE, {}
         self._reserved, self._consumed = [], []
@@ -205,6 +224,8 @@ class AdmissionLease:
         s = self._sent.pop(generation, None)
         if s is None:
             return
+        if self.shares is not None:
+            self.shares.restore(generation)
         self._placed = s.part.placed + self._placed
         self._to_return = self._to_return + s.part.returned
         self._reserved = s.part.reserved + self._reserved
@@ -218,6 +239,9 @@ class AdmissionLease:
         answered = self._sent.get(grant.generation)
         for g in [g for g in self._sent if g <= grant.generation]:
             del self._sent[g]
+        if self.shares is not None:
+            self.shares.apply(grant.generation, grant.tenant_granted, grant.tenant_targets, grant.tenant_facts,
+                              new_record=grant.epoch != self.epoch, dt=now - grant.sched_now)
         if grant.epoch != self.epoch:
             # A new record reserved exactly what that report had in use (plus ``granted``): what
             # this lease holds now must add up to it. Permits freed since the cut stay (they are in

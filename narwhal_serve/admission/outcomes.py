@@ -22,7 +22,7 @@ TERMINAL = tuple(Outcome)
 # increment.  A reason not listed here is still counted when it happens (an engine's own code).
 KNOWN_REASONS: dict[Outcome, tuple[str, ...]] = {
     Outcome.REJECTED: ("retention_full", "queue_full", "backend_unavailable", "router_unavailable",
-                       "engine_backpressure"),
+                       "engine_backpressure", "rate_limit_exceeded"),
     Outcome.REFUSED: ("ttft_budget_exceeded", "prompt_exceeds_ttft_budget", "tpot_budget_exceeded",
                       "tpot_budget_unattainable"),
     Outcome.INVALID: ("invalid_request", "model_not_found", "request_too_large", "invalid_api_key",

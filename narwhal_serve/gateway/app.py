@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
 from narwhal_serve.admission.lease import AdmissionLease
+from narwhal_serve.tenants.budget import LeaseShares
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.errors import ErrorInfo, InvalidApiKey, InvalidRequest, NarwhalError
 from narwhal_serve.gateway.backend import Backend
@@ -94,6 +95,8 @@ def build_api(
 ) -> GatewayApp:
     """``echo_request_id=False`` where a proxy in front (Ray Serve's) already returns X-Request-Id."""
     lease = AdmissionLease(f"ingress-{secrets.token_hex(6)}") if cfg.admission.ingress_leases else None
+    if lease is not None and cfg.tenants is not None and any(t.budgeted() for t in cfg.tenants.list):
+        lease.shares = LeaseShares({t.name: t for t in cfg.tenants.list})
     reporter = Reporter(backend.report, lease=lease)
 
     @contextlib.asynccontextmanager

@@ -44,6 +44,10 @@ from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.protocol.requests import ParsedRequest, Route, parse_request
 from narwhal_serve.relay.messages import RelayMessage, RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
+from narwhal_serve.tenants.amounts import Amounts
+from narwhal_serve.tenants.budget import ratelimit_headers
+from narwhal_serve.tenants.keys import KeyRing
+from narwhal_serve.tenants.tally import TenantTally
 from narwhal_serve.tokenization.sizer import PromptSizer, Sized
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -90,7 +94,8 @@ class CompletionHandler:
         self.backend = backend
         self.reporter = reporter
         self.clock = clock
-        self.api_keys = frozenset(cfg.serving.api_keys)
+        self.keys = KeyRing(cfg.tenants, cfg.serving.api_keys, mono=mono)
+        self.tenant_labels = TenantTally(tuple(t.name for t in cfg.tenants.list) if cfg.tenants is not None else ())
         self.obs = Observability(cfg.observability, clock)
         self.streams: set[RelayStreamResponse] = set()  # open SSE answers, ended together when draining ends
         self._drain_end: float | None = None
@@ -112,13 +117,13 @@ class CompletionHandler:
         for s in list(self.streams):
             s.cut(err)
 
-    def auth(self, request: Request) -> None:
-        if not self.api_keys:
-            return
-        given = request.headers.get("authorization", "")
-        key = given[7:] if given.startswith("Bearer ") else ""
-        if key not in self.api_keys:
+    def auth(self, request: Request) -> str:
+        """The request's tenant (README, "Tenants"); 401 ``invalid_api_key`` for a missing or unknown
+        key where keys are required.  The key itself is never logged."""
+        tenant = self.keys.identify(request.headers.get("authorization"))
+        if tenant is None:
             raise InvalidApiKey("Incorrect or missing API key: send 'Authorization: Bearer <key>'.")
+        return tenant
 
     def _deadline(self, request: Request, now: float) -> float:
         limits = [self.cfg.serving.request_timeout_s]
@@ -140,7 +145,8 @@ class CompletionHandler:
             return self.cfg.admission.tpot_budget_s
         return min(v, self.cfg.admission.max_tpot_budget_s)
 
-    def _ask(self, sized: Sized, ttft_budget: float, tpot_budget: float | None, retries: int | None) -> Ask:
+    def _ask(self, sized: Sized, ttft_budget: float, tpot_budget: float | None, retries: int | None,
+             tenant: str = "") -> Ask:
         """What admission judges: sizes, targets, the prompt's prefix blocks, and whether the client
         retries (``X-Stainless-Retry-Count``: admission/retry.py).  Blocks are of the prompt's token
         IDs where the router has them (its tokenizer, or a token-ID prompt), else of characters."""
@@ -152,7 +158,7 @@ class CompletionHandler:
             prefix, block_tokens = request_prefix(parsed.route, parsed.body, sized.ids,
                                                   pl.prefix_block_chars, pl.prefix_block_tokens, pl.prefix_max_blocks)
         return Ask(parsed.prompt_tokens, ttft_budget, tpot_budget, parsed.route, parsed.max_output_tokens,
-                   prefix, block_tokens, retry=bool(retries), reserves=retries is not None)
+                   prefix, block_tokens, retry=bool(retries), reserves=retries is not None, tenant=tenant)
 
     async def handle(self, request: Request, route: Route) -> Response:
         arrived = self.clock()
@@ -165,12 +171,13 @@ class CompletionHandler:
         try:
             if given is not None and given != rid:  # it goes to every engine leg as a header: keep it plain
                 raise InvalidRequest("header X-Request-Id must be 1-128 printable ASCII characters", param="x-request-id")
-            self.auth(request)
+            tenant = self.auth(request)
+            trail.tenant = self.tenant_labels.label(tenant)
             try:
                 raw = await read_body(request, self.cfg.serving.max_request_bytes, self.cfg.serving.body_timeout_s)
             except asyncio.CancelledError:  # Serve cancels the handler when the client leaves mid-body
                 self.reporter.unsized()
-                self.reporter.outcome(Outcome.CANCELLED, "body_incomplete")
+                self.reporter.outcome(Outcome.CANCELLED, "body_incomplete", trail.tenant)
                 trail.end(Outcome.CANCELLED, "body_incomplete", 499)
                 raise
             sized = await self.sizer.size(parse_request(route, raw, model=self.cfg.model,
@@ -178,10 +185,11 @@ class CompletionHandler:
             parsed = sized.parsed
             deadline = self._deadline(request, arrived)
             budget = self._ttft_budget(request)
-            ask = self._ask(sized, budget, self._tpot_budget(request), retry_count(request.headers.get("x-stainless-retry-count")))
+            ask = self._ask(sized, budget, self._tpot_budget(request), retry_count(request.headers.get("x-stainless-retry-count")),
+                            tenant)
         except BodyIncomplete:
             self.reporter.unsized()
-            self.reporter.outcome(Outcome.CANCELLED, "body_incomplete")
+            self.reporter.outcome(Outcome.CANCELLED, "body_incomplete", trail.tenant)
             trail.end(Outcome.CANCELLED, "body_incomplete", 400)
             # the client ended the body early (it most likely left; if it still reads, it gets why)
             err = InvalidRequest("the request body ended before its Content-Length", code="body_incomplete")
@@ -212,7 +220,7 @@ class CompletionHandler:
     ) -> Response:
         """A refusal before response headers: counted (unless the scheduler did), logged, answered."""
         if not counted:
-            self.reporter.outcome(outcome, err.code)
+            self.reporter.outcome(outcome, err.code, trail.tenant)
         trail.end(outcome, err.code, err.status)
         return error_response(err, echo)
 
@@ -233,7 +241,9 @@ class CompletionHandler:
                 placed = PlacedRequest(rid, self.cfg.model, parsed, verdict.routes, deadline, trail.traceparent(),
                                        self._first_token_s(ask.ttft_budget_s, verdict.predicted_s),
                                        lease.view.epoch if lease.view is not None else 0)
-                return await self._respond(placed, ticket, parsed, echo, trail, verdict.predicted_s)
+                return await self._respond(placed, ticket, parsed, echo, trail, verdict.predicted_s,
+                                           self._limits(ask.tenant, lease.shares.remaining(ask.tenant, self.clock())
+                                                        if lease.shares is not None else None))
         admit_req = AdmitRequest.of(
             ticket, deadline, ask,
             lease_id=lease.lease_id if lease is not None else None,
@@ -251,7 +261,16 @@ class CompletionHandler:
         trail.admitted("scheduler", wait, result.predicted_ttft_s, result.candidates[0].engines if result.candidates else ())
         placed = PlacedRequest(rid, self.cfg.model, parsed, result.candidates, deadline, trail.traceparent(),
                                self._first_token_s(ask.ttft_budget_s, result.predicted_ttft_s), result.epoch)
-        return await self._respond(placed, ticket, parsed, echo, trail, result.predicted_ttft_s)
+        return await self._respond(placed, ticket, parsed, echo, trail, result.predicted_ttft_s,
+                                   self._limits(ask.tenant, result.remaining))
+
+    def _limits(self, tenant: str, remaining: Amounts | None) -> dict[str, str]:
+        """OpenAI's rate-limit headers for an admitted request of a budgeted tenant (the router's
+        remaining budget as this replica last heard it)."""
+        spec = self.cfg.tenants.spec(tenant) if self.cfg.tenants is not None and remaining is not None else None
+        if spec is None or remaining is None:
+            return {}
+        return dict(ratelimit_headers(spec, remaining))
 
     def _first_token_s(self, budget: float, predicted: float | None) -> float:
         """Before headers, how long an attempt may wait for its first token while another route is
@@ -263,10 +282,10 @@ class CompletionHandler:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            self._abandon(task, req.ticket_id)
+            self._abandon(task, req.ticket_id, self.tenant_labels.label(req.tenant))
             raise
 
-    def _abandon(self, task: asyncio.Task[AdmitResult], ticket_id: str) -> None:
+    def _abandon(self, task: asyncio.Task[AdmitResult], ticket_id: str, tenant: str | None) -> None:
         """The client left while waiting for admission: withdraw the ticket (the scheduler frees a
         queue slot or a grant, now or when the admit call arrives) and count the cancellation,
         unless the scheduler had already refused — and counted — the request."""
@@ -278,13 +297,13 @@ class CompletionHandler:
                 err = t.result().error
                 if err is not None and err.code != "cancelled":
                     return
-            self.reporter.outcome(Outcome.CANCELLED, "client_disconnected")
+            self.reporter.outcome(Outcome.CANCELLED, "client_disconnected", tenant)
 
         task.add_done_callback(on_done)
 
     async def _respond(
         self, placed: PlacedRequest, ticket: str, parsed: ParsedRequest, rid: str | None, trail: RequestTrail,
-        predicted_ttft_s: float | None = None,
+        predicted_ttft_s: float | None = None, limits: dict[str, str] | None = None,
     ) -> Response:
         gen = self.backend.relay(placed)
         flow = Flow(lambda msg: self._first_token(ticket, msg), lambda o, r, st, code: self._end(ticket, trail, o, r, st, code),
@@ -292,6 +311,8 @@ class CompletionHandler:
         rid_header = {"X-Request-Id": rid} if rid else {}
         # the TTFT its admission predicted (predictive mode): clients and benchmarks can check it
         ok_headers = {} if predicted_ttft_s is None else {"X-Narwhal-Predicted-TTFT": f"{predicted_ttft_s:.4f}"}
+        if limits:
+            ok_headers.update(limits)
         try:
             first = await self._first_data(gen, placed.deadline, flow)
         except asyncio.CancelledError:
@@ -329,8 +350,8 @@ class CompletionHandler:
         self, ticket: str, trail: RequestTrail, outcome: Outcome, reason: str, stats: RelayStats | None, status: int
     ) -> None:
         if self.reporter.lease is not None:
-            self.reporter.lease.release(ticket)
-        self.reporter.release(ticket, outcome, reason, stats)
+            self.reporter.lease.release(ticket, stats.output_tokens if stats is not None else None)
+        self.reporter.release(ticket, outcome, reason, stats, trail.tenant)
         trail.end(outcome, reason, status, stats)
 
     async def _first_data(

@@ -74,8 +74,8 @@ class Reporter:
         self._pending.counters.unsized_offered += 1
         self._queue()
 
-    def outcome(self, outcome: Outcome, reason: str = "") -> None:
-        self._pending.counters.add(outcome, reason)
+    def outcome(self, outcome: Outcome, reason: str = "", tenant: str | None = None) -> None:
+        self._pending.counters.add(outcome, reason, tenant)
         self._queue()
 
     def decode_started(self, ticket_id: str, engines: tuple[str, ...] = ()) -> None:
@@ -108,8 +108,9 @@ class Reporter:
         self._pending.admission_waits.append(seconds)
         self._queue()
 
-    def release(self, ticket_id: str, outcome: Outcome, reason: str, stats: RelayStats | None) -> None:
-        self._pending.counters.add(outcome, reason)
+    def release(self, ticket_id: str, outcome: Outcome, reason: str, stats: RelayStats | None,
+                tenant: str | None = None) -> None:
+        self._pending.counters.add(outcome, reason, tenant)
         self._pending.released.append((ticket_id, stats, outcome is Outcome.COMPLETED))
         view = self.lease.view if self.lease is not None else None
         if view is not None and view.queued:

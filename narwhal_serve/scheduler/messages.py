@@ -13,6 +13,8 @@ from narwhal_serve.admission.retry import Reservation
 from narwhal_serve.errors import ErrorInfo
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.relay.messages import EngineFault, RelayStats
+from narwhal_serve.tenants.amounts import Amounts
+from narwhal_serve.tenants.budget import TenantFacts, TenantPart
 
 
 @dataclass(frozen=True)
@@ -31,16 +33,18 @@ class AdmitRequest:
     prefix_block_tokens: float = 0.0
     retry: bool = False
     reserves: bool = False
+    tenant: str = ""
 
     def ask(self) -> Ask:
         return Ask(self.prompt_tokens, self.ttft_budget_s, self.tpot_budget_s, self.kind, self.max_output_tokens,
-                   self.prefix, self.prefix_block_tokens, self.retry, self.reserves)
+                   self.prefix, self.prefix_block_tokens, self.retry, self.reserves, self.tenant)
 
     @classmethod
     def of(cls, ticket_id: str, request_deadline: float, ask: Ask, **lease: Any) -> "AdmitRequest":
         return cls(ticket_id, request_deadline, ask.prompt_tokens, ask.max_output_tokens, ask.ttft_budget_s,
                    tpot_budget_s=ask.tpot_budget_s, kind=ask.kind, prefix=ask.prefix,
-                   prefix_block_tokens=ask.prefix_block_tokens, retry=ask.retry, reserves=ask.reserves, **lease)
+                   prefix_block_tokens=ask.prefix_block_tokens, retry=ask.retry, reserves=ask.reserves,
+                   tenant=ask.tenant, **lease)
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class AdmitResult:
     outcome: Outcome | None = None  # with ``error``: the terminal class the scheduler counted
     predicted_ttft_s: float | None = None  # with ``candidates``, in predictive mode
     epoch: int = 0  # with ``candidates``: the router lease's epoch they were placed under
+    remaining: Amounts | None = None  # with ``candidates``: the tenant's remaining budget (rate-limit headers)
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class LeasePart:
     in_use: Permits = NONE
     reserved: list[Reservation] = field(default_factory=list)  # room kept for refused clients' retries
     consumed: list[str] = field(default_factory=list)  # reservations retries took
+    tenants: TenantPart | None = None  # budget shares spent and given back (tenants/budget.py)
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,10 @@ class LeaseGrant:
     # scheduler forgot the lease — restart, or silent too long): it reserved exactly what the
     # answered report had in use, plus ``granted``; permits held from before are void.
     epoch: int = 0
+    # tenants' budgets (tenants/budget.py): shares added to the lease's, its targets, the buckets
+    tenant_granted: dict[str, Amounts] = field(default_factory=dict)
+    tenant_targets: dict[str, Amounts] = field(default_factory=dict)
+    tenant_facts: tuple[TenantFacts, ...] = ()
 
 
 @dataclass
@@ -115,6 +125,7 @@ class Report:
         self.counters.offered += later.counters.offered
         self.counters.unsized_offered += later.counters.unsized_offered
         self.counters.outcomes.update(later.counters.outcomes)
+        self.counters.tenants.update(later.counters.tenants)
         self.decode_started.extend(later.decode_started)
         self.released.extend(later.released)
         self.admission_waits.extend(later.admission_waits)

@@ -41,6 +41,9 @@ from narwhal_serve.scheduler.monitor import scrape_all, scrape_one
 from narwhal_serve.scheduler.kvfeeds import KVEventFeeds
 from narwhal_serve.scheduler.snapshot import snapshot
 from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, Tally, render_metrics
+from narwhal_serve.tenants.amounts import Amounts, request_cost
+from narwhal_serve.tenants.budget import TenantBook, budget_error
+from narwhal_serve.tenants.tally import TenantTally
 
 REAP_GRACE_S = 5.0  # a ticket past its request deadline by this much is forgotten (permits freed)
 
@@ -54,6 +57,7 @@ class _Ticket:
     prefill_done: bool = False
     decode_engine: str | None = None  # where its decode work is charged
     decode_charged: float = 0.0  # its share of that engine's decode ledger (corrected as it runs)
+    output_charged: float = 0.0  # output tokens charged to its tenant's budget (admitted here)
 
 
 _CANCELLED = NarwhalError("the client went away while waiting for admission", code="cancelled").info()
@@ -80,6 +84,10 @@ class SchedulerService:
         lone_standby = cfg.ha.role == "standby" and cfg.ha.lease.backend == "none"
         self.router = RouterState(mode="standby" if lone_standby else "active")
         self.counters = Counters()
+        specs = {t.name: t for t in cfg.tenants.list} if cfg.tenants is not None else {}
+        self.tenants = TenantBook(specs)  # tenants' budgets (tenants/budget.py)
+        self.tenant_tally = TenantTally(tuple(specs))
+        self._budgeted: dict[str, tuple[str, Amounts]] = {}  # tickets that took budget here, not placed yet
         self.histograms = {
             "ttft": Histogram(),
             "tpot": Histogram(TPOT_BUCKETS),
@@ -168,6 +176,7 @@ class SchedulerService:
         their tickets) whose ingress went silent."""
         now = self.clock()
         for lease_id, rec in self.leases.orphans(now):
+            self.tenants.forget_lease(lease_id)
             for tid in list(rec.tickets):
                 self._release(tid, None)
         for tid in [t for t, k in self._tickets.items() if now > k.deadline + REAP_GRACE_S]:
@@ -231,13 +240,19 @@ class SchedulerService:
         return None
 
     # -- admission ---------------------------------------------------------------------------
-    def _refuse(self, refusal: Refusal) -> AdmitResult:
-        self.counters.add(refusal.outcome, refusal.reason)
+    def _refuse(self, refusal: Refusal, tenant: str = "") -> AdmitResult:
+        self.counters.add(refusal.outcome, refusal.reason, tenant=self.tenant_tally.label(tenant))
         return AdmitResult(error=refusal.error, outcome=refusal.outcome)
 
-    def _refuse_info(self, err: ErrorInfo, outcome: Outcome) -> AdmitResult:
-        self.counters.add(outcome, err.code)
+    def _refuse_info(self, err: ErrorInfo, outcome: Outcome, tenant: str = "") -> AdmitResult:
+        self.counters.add(outcome, err.code, tenant=self.tenant_tally.label(tenant))
         return AdmitResult(error=err, outcome=outcome)
+
+    def _refund(self, tid: str) -> None:
+        """The ticket took budget here and never ran: its tenant gets it back."""
+        got = self._budgeted.pop(tid, None)
+        if got is not None:
+            self.tenants.refund(got[0], got[1], self.clock())
 
     def _charge(self, tid: str, placement: Placement, deadline: float, lease: str | None) -> None:
         self.tally.admitted += 1
@@ -271,10 +286,16 @@ class SchedulerService:
         if t is not None:
             p = t.placement
             self._charge_decode(t, t.decode_engine, remaining_tokens(p.expected_out, tokens, p.max_output_tokens))
+            if t.lease is None and tokens > t.output_charged:  # (a lease charges its own tickets' outputs)
+                self.tenants.charge_output(p.tenant, tokens - t.output_charged, self.clock())
+                t.output_charged = tokens
 
     def _placed(self, tid: str, placement: Placement, deadline: float) -> AdmitResult:
+        self._budgeted.pop(tid, None)  # its ticket holds the budget now (released with it)
         self._charge(tid, placement, deadline, None)
-        return AdmitResult(candidates=placement.routes, predicted_ttft_s=placement.predicted_s, epoch=self.ha.epoch())
+        st = self.tenants.states.get(placement.tenant)
+        return AdmitResult(candidates=placement.routes, predicted_ttft_s=placement.predicted_s, epoch=self.ha.epoch(),
+                           remaining=st.remaining() if st is not None else None)
 
     def _prefill_done(self, t: _Ticket) -> None:
         if not t.prefill_done:
@@ -293,18 +314,27 @@ class SchedulerService:
             self._tombstones.pop(req.ticket_id)
             self._pump()
             return AdmitResult(error=_CANCELLED)  # the ingress counts the cancellation
+        if self.tenants.specs:
+            over = self.tenants.check(req.tenant, request_cost(req.prompt_tokens), now, ticket=req.ticket_id,
+                                      retry=req.retry, reserves=req.reserves)
+            if over is not None:
+                self._pump()
+                return self._refuse(Refusal(budget_error(over), Outcome.REJECTED), req.tenant)
+            self._budgeted[req.ticket_id] = (req.tenant, request_cost(req.prompt_tokens))
         self._rotation += 1
         view = self.view(now)
         verdict = decide(view, req.ask(), now, self._rotation)
         if isinstance(verdict, Refusal):
+            self._refund(req.ticket_id)
             if verdict.reserve is not None:
                 self._reserve(replace(verdict.reserve, id=req.ticket_id))
             self._pump()
-            return self._refuse(verdict)
+            return self._refuse(verdict, req.tenant)
         decision = self.admission.offer(req.ticket_id, now, req.request_deadline)
         if isinstance(decision, Refusal):
+            self._refund(req.ticket_id)
             self._pump()
-            return self._refuse(decision)
+            return self._refuse(decision, req.tenant)
         if req.retry and (r := earliest(view.reservations, now)) is not None:
             self.reservations.pop(r.id, None)  # the retry takes the room kept for it
         if isinstance(decision, Grant):
@@ -334,26 +364,30 @@ class SchedulerService:
         now = self.clock()
         granted, expired = self.admission.pump(now)
         for t, refusal in expired:
-            self._unqueue(t.id)
+            req = self._unqueue(t.id)
+            self._refund(t.id)
             fut = self._waiters.pop(t.id, None)
             if fut is not None and not fut.done():
-                fut.set_result(self._refuse(refusal))
+                fut.set_result(self._refuse(refusal, req.tenant if req is not None else ""))
         for t in granted:
             req = self._unqueue(t.id)
             fut = self._waiters.pop(t.id, None)
             if req is None or fut is None or fut.done():
+                self._refund(t.id)
                 self.admission.release(t.id)
                 continue
             if (reason := self.unavailable(now)) is not None:  # fenced, standby...: nothing is admitted
+                self._refund(t.id)
                 self.admission.release(t.id)
-                fut.set_result(self._refuse_info(router_unavailable(reason), Outcome.REJECTED))
+                fut.set_result(self._refuse_info(router_unavailable(reason), Outcome.REJECTED, req.tenant))
                 continue
             # ranked again now (it waited); nothing queued is ahead of it any more
             self._rotation += 1
             placement, _ = rank(self.view(now, queued_tokens=0), req.ask(), now, self._rotation)
             if placement is None:
+                self._refund(t.id)
                 self.admission.release(t.id)
-                fut.set_result(self._refuse_info(backend_unavailable(), Outcome.REJECTED))
+                fut.set_result(self._refuse_info(backend_unavailable(), Outcome.REJECTED, req.tenant))
             else:
                 fut.set_result(self._placed(t.id, placement, req.request_deadline))
         self._arm_expiry()
@@ -374,6 +408,7 @@ class SchedulerService:
         fut = self._waiters.pop(ticket_id, None)
         if fut is not None:
             self._unqueue(ticket_id)
+            self._refund(ticket_id)
             self.admission.release(ticket_id)
             if not fut.done():
                 fut.set_result(AdmitResult(error=_CANCELLED))
@@ -395,6 +430,8 @@ class SchedulerService:
             part = rep.lease
             rec, fresh = self.leases.touch(part.lease_id, part.in_use, now)
             self.leases.returned(part.lease_id, part.returned, part.epoch)
+            if part.tenants is not None:
+                self.tenants.lease_report(part.lease_id, part.tenants, now, fresh=fresh or part.epoch != rec.epoch)
             for lp in part.placed:
                 self._local_placed(lp, part.lease_id)
             for r in part.reserved:
@@ -427,8 +464,10 @@ class SchedulerService:
             return None
         rec, _ = grant_for
         granted, target = self.leases.grant(rec, bool(self.admission.queue))
+        shares, targets = self.tenants.grant(rep.lease.lease_id, now, len(self.leases.leases))
         return LeaseGrant(rep.lease.lease_id, rep.lease.generation, self.view(now, frozen=True), now,
-                          self.ha.ingress_ttl(LEASE_TTL_S), granted, target, epoch=rec.epoch)
+                          self.ha.ingress_ttl(LEASE_TTL_S), granted, target, epoch=rec.epoch,
+                          tenant_granted=shares, tenant_targets=targets, tenant_facts=self.tenants.facts(now))
 
     def _local_placed(self, lp: LocalPlacement, lease_id: str) -> None:
         self._charge(lp.ticket_id, lp.placement, lp.deadline, lease_id)
@@ -465,6 +504,13 @@ class SchedulerService:
         if stats is not None:
             learn_from(stats, t.placement, self.engines, self.histograms, self.tally, completed, self.outputs,
                        self.clock(), self.cfg.placement)
+        if self.tenants.specs:
+            p = t.placement
+            out = stats.output_tokens if stats is not None else t.output_charged
+            duration = stats.ttft_s + stats.decode_s if stats is not None and stats.ttft_s is not None else None
+            self.tenants.ended(p.tenant, self.clock(), output_tokens=max(0.0, out - t.output_charged) if t.lease is None else 0.0,
+                               duration_s=duration, own=t.lease is None)
+            self.tenant_tally.ended(p.tenant, p, stats, completed)
 
     def metrics_text(self) -> str:
         return render_metrics(self.snapshot(), self.histograms)

@@ -17,9 +17,12 @@ class Clock:
         return self.t
 
 
-def scheduler_service(admission: dict[str, Any], serving: dict[str, Any] | None = None) -> tuple[SchedulerService, Clock]:
+def scheduler_service(admission: dict[str, Any], serving: dict[str, Any] | None = None,
+                      **more: Any) -> tuple[SchedulerService, Clock]:
+    """``more``: other config sections (``tenants=...``)."""
     clock = Clock()
     cfg = NarwhalConfig.model_validate({
+        **more,
         "serving": serving or {},
         "admission": admission,
         "engines": [{"name": "u", "url": "http://127.0.0.1:1", "role": "unified"},

@@ -1,0 +1,567 @@
+"""Per-tenant budgets that hold for the whole router (README, "Tenants").  Pure: ``now`` passed in.
+
+Each budgeted tenant has, per minute, a request, an input-token and an output-token budget, and a
+concurrent-request limit.  Each per-minute budget is a token bucket: it holds at most its limit and
+refills at limit/60 per second.  The scheduler keeps the buckets (:class:`TenantBook`); each ingress
+lease holds a *share* of each active tenant's bucket (:class:`LeaseShares`), carved out of it, and
+admits that tenant's requests locally while the share covers them — no scheduler call per request.
+
+Why the bound is exact: a share is taken out of the bucket when it is granted, and a bucket refills
+only up to its limit less the shares out (as last reported).  So what the whole router can admit in
+any window of W seconds is at most the limit plus W × limit/60, however many ingress replicas share
+it.  Output tokens are the exception, by the issue's rule: a stream is never cut for them; they are
+charged as they are identified, and a tenant in debt (bucket below zero) is refused until the debt
+is paid back by the refill.  The overshoot of output tokens is therefore what the streams in flight
+generate after the bucket ran dry, paid back before the next request.
+
+Retry-After a client can trust: a refusal says when the bucket will hold this request *after every
+request promised before it*.  A client that says it retries (``X-Stainless-Retry-Count``: the
+official SDKs) gets a *promise*: that room is kept for it until ``PROMISE_GRACE_S`` after its
+Retry-After; new requests queue behind the promises, and a retry takes the earliest one.  While a
+tenant has promises outstanding, its requests are decided by the scheduler (leases are given no
+share of it), which keeps the order exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from narwhal_serve.config import TenantSpec
+from narwhal_serve.errors import ErrorInfo, RateLimited
+from narwhal_serve.tenants.amounts import KINDS, NOTHING, Amounts
+
+RATE_KINDS = ("requests", "input_tokens", "output_tokens")
+PROMISE_GRACE_S = 2.0  # a promise whose client has not come back this long after its Retry-After lapses
+PROMISE_HORIZON_S = 120.0  # no promise is made further ahead than this (its Retry-After is still honest)
+MAX_PROMISES = 4096  # per tenant
+SHARE_S = 1.0  # a lease's share covers about this long of the tenant's budget rate
+ACTIVE_S = 10.0  # a lease that has not seen a tenant this long gets no share of it
+DURATION_PRIOR_S = 1.0  # a tenant's request duration before any was measured (concurrency Retry-After)
+
+
+def lacking(have: Amounts, cost: Amounts, spec: TenantSpec) -> tuple[str, ...]:
+    """The budget kinds that do not cover ``cost``: requests, input tokens and concurrent slots must
+    cover it; output tokens must not be in debt (they are charged later, as generated)."""
+    out = []
+    for kind in KINDS:
+        if spec.limit(kind) is None:
+            continue
+        if kind == "output_tokens":
+            if have.output_tokens <= 0:
+                out.append(kind)
+        elif have.get(kind) < cost.get(kind):
+            out.append(kind)
+    return tuple(out)
+
+
+def limited(a: Amounts, spec: TenantSpec) -> Amounts:
+    """``a`` with the kinds the tenant has no budget of set to zero."""
+    return Amounts.of({k: a.get(k) if spec.limit(k) is not None else 0.0 for k in KINDS})
+
+
+def never_fits(cost: Amounts, spec: TenantSpec) -> str | None:
+    """A kind whose whole per-minute budget is less than this one request (it can never be admitted)."""
+    for kind in ("requests", "input_tokens", "concurrent"):
+        cap = spec.limit(kind)
+        if cap is not None and cost.get(kind) > cap:
+            return kind
+    return None
+
+
+def wait_s(have: Amounts, cost: Amounts, kinds: Iterable[str], spec: TenantSpec, slot_wait_s: float) -> float:
+    """How long until the lacking ``kinds`` have refilled enough for ``cost`` (rates of their
+    limits); a concurrent slot: ``slot_wait_s``, the tenant's expected wait for one to free."""
+    worst = 0.0
+    for kind in kinds:
+        if kind == "concurrent":
+            worst = max(worst, slot_wait_s)
+            continue
+        cap = spec.limit(kind)
+        assert cap is not None
+        need = (cost.get(kind) if kind != "output_tokens" else 1.0) - have.get(kind)
+        worst = max(worst, need / (cap / 60.0))
+    return worst
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's reset format: ``6m0s``, ``1.5s``, ``20ms``."""
+    if seconds < 1.0:
+        return f"{max(0, int(math.ceil(seconds * 1000)))}ms"
+    if seconds < 60.0:
+        return f"{seconds:.3g}s"
+    m, s = divmod(int(math.ceil(seconds)), 60)
+    return f"{m}m{s}s"
+
+
+_HEADER_KINDS = (("requests", "requests"), ("tokens", "input_tokens"), ("output-tokens", "output_tokens"))
+
+
+def ratelimit_headers(spec: TenantSpec, remaining: Amounts) -> tuple[tuple[str, str], ...]:
+    """OpenAI's ``x-ratelimit-limit-*``, ``-remaining-*`` and ``-reset-*`` (when the bucket is full
+    again) for the tenant's budgeted kinds; ``tokens`` are input tokens, as OpenAI counts them up
+    front, and ``output-tokens`` the output budget."""
+    out: list[tuple[str, str]] = []
+    for name, kind in _HEADER_KINDS:
+        cap = spec.limit(kind)
+        if cap is None:
+            continue
+        left = max(0.0, min(cap, remaining.get(kind)))
+        out += [(f"x-ratelimit-limit-{name}", str(int(cap))), (f"x-ratelimit-remaining-{name}", str(int(left))),
+                (f"x-ratelimit-reset-{name}", _duration((cap - left) / (cap / 60.0)))]
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class BudgetRefusal:
+    """A request over its tenant's budget: which kinds, and when it fits (None: it never does)."""
+
+    tenant: str
+    kinds: tuple[str, ...]
+    retry_after_s: float | None
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+_KIND_NAMES = {"requests": "requests per minute", "input_tokens": "input tokens per minute",
+               "output_tokens": "output tokens per minute", "concurrent": "concurrent requests"}
+
+
+def budget_error(r: BudgetRefusal) -> ErrorInfo:
+    """The 429 ``rate_limit_exceeded`` of a refusal, with its rate-limit headers.  ``Retry-After``
+    is rounded up to whole seconds; ``retry-after-ms`` (which the OpenAI SDKs read first) is exact.
+    A request that can never fit says so, and ``x-should-retry: false`` stops the SDKs retrying."""
+    what = " and ".join(_KIND_NAMES[k] for k in r.kinds)
+    if r.retry_after_s is None:
+        err = RateLimited(f"Request too large for tenant {r.tenant!r}: its budget of {what} is smaller than "
+                          "this one request.", code="rate_limit_exceeded")
+        return _with_headers(err.info(), r.headers + (("x-should-retry", "false"),))
+    ms = max(1, int(math.ceil(r.retry_after_s * 1000)))
+    err = RateLimited(f"Rate limit reached for tenant {r.tenant!r} on {what}: this request fits in "
+                      f"{ms / 1000:.3f} s (Retry-After).", code="rate_limit_exceeded",
+                      retry_after=max(1, int(math.ceil(r.retry_after_s))))
+    return _with_headers(err.info(), r.headers + (("retry-after-ms", str(ms)),))
+
+
+def _with_headers(info: ErrorInfo, headers: tuple[tuple[str, str], ...]) -> ErrorInfo:
+    return replace(info, extra_headers=headers)
+
+
+def refusal(spec: TenantSpec, have: Amounts, cost: Amounts, slot_wait_s: float) -> BudgetRefusal:
+    big = never_fits(cost, spec)
+    if big is not None:
+        return BudgetRefusal(spec.name, (big,), None, ratelimit_headers(spec, have))
+    kinds = lacking(have, cost, spec)
+    return BudgetRefusal(spec.name, kinds, wait_s(have, cost, kinds, spec, slot_wait_s), ratelimit_headers(spec, have))
+
+
+@dataclass(frozen=True)
+class TenantFacts:
+    """What a lease knows of a tenant's global budget (sent with each grant)."""
+
+    name: str
+    level: Amounts  # the unshared bucket at ``at`` (concurrent: free slots nobody holds)
+    at: float  # the scheduler's wall clock
+    pressed: bool  # promises outstanding: every request of this tenant goes to the scheduler
+    slot_wait_s: float
+
+    def shifted(self, dt: float) -> "TenantFacts":
+        return TenantFacts(self.name, self.level, self.at + dt, self.pressed, self.slot_wait_s)
+
+
+def refilled(spec: TenantSpec, level: Amounts, dt: float, cap_less: Amounts = NOTHING) -> Amounts:
+    """``level`` after ``dt`` seconds of refill, each rate kind capped at its limit less ``cap_less``
+    (a level already above that cap is left as it is)."""
+    vals = {}
+    for kind in RATE_KINDS:
+        cur = level.get(kind)
+        cap = spec.limit(kind)
+        if cap is None or dt <= 0:
+            vals[kind] = cur
+            continue
+        vals[kind] = max(cur, min(cap - cap_less.get(kind), cur + dt * cap / 60.0))
+    return Amounts(vals["requests"], vals["input_tokens"], vals["output_tokens"], level.concurrent)
+
+
+@dataclass(frozen=True)
+class Promise:
+    id: str
+    due: float
+    until: float
+    cost: Amounts
+
+
+@dataclass
+class TenantState:
+    """The scheduler's bucket of one tenant."""
+
+    spec: TenantSpec
+    level: Amounts  # rate kinds; concurrent unused (free slots are computed)
+    at: float
+    held: dict[str, Amounts] = field(default_factory=dict)  # lease → its share, as last reported
+    lease_in_use: dict[str, int] = field(default_factory=dict)  # lease → its requests in flight
+    active: dict[str, float] = field(default_factory=dict)  # lease → when it last saw this tenant
+    in_use: int = 0  # requests in flight the scheduler admitted itself
+    promises: list[Promise] = field(default_factory=list)
+    duration_s: float = DURATION_PRIOR_S  # EWMA of its requests' durations
+    mean_cost: Amounts = Amounts(1.0, 1.0, 1.0, 1.0)  # EWMA of one request's cost
+
+    def held_total(self) -> Amounts:
+        total = NOTHING
+        for a in self.held.values():
+            total = total + a
+        return total
+
+    def free_slots(self) -> float:
+        cap = self.spec.max_concurrent
+        if cap is None:
+            return math.inf
+        held = sum(max(0.0, a.concurrent) for a in self.held.values())
+        return cap - self.in_use - sum(self.lease_in_use.values()) - held
+
+    def refill(self, now: float) -> None:
+        self.level = refilled(self.spec, self.level, now - self.at, self.held_total())
+        self.at = now
+
+    def available(self) -> Amounts:
+        free = self.free_slots()
+        return Amounts(self.level.requests, self.level.input_tokens, self.level.output_tokens,
+                       free if math.isfinite(free) else 0.0)
+
+    def remaining(self) -> Amounts:
+        """The whole router's remaining budget: the bucket and the shares out."""
+        return self.level + self.held_total() + Amounts(concurrent=self.available().concurrent)
+
+    def slot_wait_s(self) -> float:
+        running = self.in_use + sum(self.lease_in_use.values())
+        return self.duration_s / max(1, running)
+
+    def live_promises(self, now: float) -> list[Promise]:
+        self.promises = [p for p in self.promises if p.until >= now]
+        return self.promises
+
+
+@dataclass
+class TenantBook:
+    """The scheduler's side: every budgeted tenant's bucket, the shares leases hold, the promises."""
+
+    specs: Mapping[str, TenantSpec]
+    states: dict[str, TenantState] = field(default_factory=dict)
+
+    def state(self, tenant: str, now: float) -> TenantState | None:
+        st = self.states.get(tenant)
+        if st is None:
+            spec = self.specs.get(tenant)
+            if spec is None or not spec.budgeted():
+                return None
+            full = Amounts(*(spec.limit(k) or 0.0 for k in RATE_KINDS))
+            st = self.states[tenant] = TenantState(spec, full, now)
+        st.refill(now)
+        return st
+
+    def check(self, tenant: str, cost: Amounts, now: float, *, ticket: str, retry: bool, reserves: bool
+              ) -> BudgetRefusal | None:
+        """None: the budget covers ``cost`` (taken); else the refusal, with a promise for a client
+        that retries.  A retry takes the earliest promise; others queue behind every promise."""
+        st = self.state(tenant, now)
+        if st is None:
+            return None
+        promises = st.live_promises(now)
+        taken = min(promises, key=lambda p: p.due) if retry and promises else None
+        ahead = NOTHING
+        for p in promises:
+            if p is not taken and (taken is None or p.due < taken.due):
+                ahead = ahead + p.cost
+        have = st.available() - ahead
+        if taken is not None:
+            promises.remove(taken)
+        if not lacking(have, cost, st.spec):
+            self._take(st, cost)
+            return None
+        out = refusal(st.spec, have, cost, st.slot_wait_s())
+        ra = out.retry_after_s
+        if (reserves and ra is not None and "concurrent" not in out.kinds and ra <= PROMISE_HORIZON_S
+                and len(promises) < MAX_PROMISES):
+            promises.append(Promise(ticket, now + ra, now + ra + PROMISE_GRACE_S,
+                                    Amounts(cost.requests, cost.input_tokens)))
+        return out
+
+    def _take(self, st: TenantState, cost: Amounts) -> None:
+        cost = limited(cost, st.spec)
+        st.level = st.level - Amounts(cost.requests, cost.input_tokens)
+        st.in_use += int(cost.concurrent)
+        st.mean_cost = Amounts(*(0.9 * st.mean_cost.get(k) + 0.1 * cost.get(k) for k in KINDS))
+
+    def refund(self, tenant: str, cost: Amounts, now: float) -> None:
+        """A request the scheduler took budget for that never ran (it expired in the queue, its
+        client left, no engine): its requests and tokens go back, and its slot."""
+        st = self.state(tenant, now)
+        if st is not None:
+            cost = limited(cost, st.spec)
+            st.level = st.level + Amounts(cost.requests, cost.input_tokens)
+            st.in_use = max(0, st.in_use - int(cost.concurrent))
+
+    def ended(self, tenant: str, now: float, *, output_tokens: float, duration_s: float | None, own: bool) -> None:
+        """A request ended: an own one (admitted here) frees its slot and pays its remaining output
+        tokens; any measured duration teaches the concurrency Retry-After."""
+        st = self.state(tenant, now)
+        if st is None:
+            return
+        if own:
+            st.in_use = max(0, st.in_use - 1)
+        self.charge_output(tenant, output_tokens, now)
+        if duration_s is not None:
+            st.duration_s = 0.8 * st.duration_s + 0.2 * duration_s
+
+    def charge_output(self, tenant: str, tokens: float, now: float) -> None:
+        st = self.state(tenant, now)
+        if st is not None and tokens:
+            st.level = st.level - Amounts(output_tokens=tokens)
+
+    # -- leases ------------------------------------------------------------------------------
+    def lease_report(self, lease: str, part: "TenantPart", now: float, *, fresh: bool) -> None:
+        """A lease's report: what it spent from its shares and gives back, its requests in flight.
+        ``fresh``: the scheduler has no record of the lease (new, or forgotten): its shares are void."""
+        for tenant in part.seen:
+            st = self.state(tenant, now)
+            if st is not None:
+                st.active[lease] = now
+        for tenant, n in part.in_use.items():
+            st = self.state(tenant, now)
+            if st is not None:
+                st.lease_in_use[lease] = n
+        for tenant in {*part.spent, *part.returned}:
+            st = self.state(tenant, now)
+            if st is None:
+                continue
+            spent = part.spent.get(tenant, NOTHING)
+            back = part.returned.get(tenant, NOTHING)
+            if fresh:  # its shares were reserved under a record forgotten since: only a debt is owed
+                st.level = st.level - Amounts(output_tokens=max(0.0, spent.output_tokens - back.output_tokens))
+                st.held.pop(lease, None)
+                continue
+            st.held[lease] = st.held.get(lease, NOTHING) - spent - back
+            st.level = st.level + Amounts(back.requests, back.input_tokens, back.output_tokens)
+            if spent.requests > 0:
+                st.mean_cost = Amounts(*(0.9 * st.mean_cost.get(k) + 0.1 * spent.get(k) / spent.requests
+                                         for k in KINDS))
+
+    def grant(self, lease: str, now: float, live_leases: int) -> tuple[dict[str, Amounts], dict[str, Amounts]]:
+        """(granted, targets) for the tenants this lease saw lately: a share of each one's bucket,
+        none while the tenant has promises outstanding (its requests go to the scheduler)."""
+        granted: dict[str, Amounts] = {}
+        targets: dict[str, Amounts] = {}
+        for tenant, st in self.states.items():
+            seen = st.active.get(lease)
+            if seen is None:
+                continue
+            if now - seen > ACTIVE_S:
+                del st.active[lease]
+                targets[tenant] = NOTHING
+                continue
+            st.refill(now)
+            if st.live_promises(now):
+                targets[tenant] = NOTHING
+                continue
+            n = max(1, min(live_leases, len(st.active)))
+            target = self._target(st, n)
+            held = st.held.get(lease, NOTHING)
+            avail = st.available()
+            vals = {k: max(0.0, min(target.get(k) - held.get(k), avail.get(k))) for k in KINDS}
+            vals["concurrent"] = float(math.floor(vals["concurrent"]))
+            got = Amounts.of(vals)
+            targets[tenant] = target
+            if got.any():
+                granted[tenant] = got
+                st.held[lease] = held + got
+                st.level = st.level - Amounts(got.requests, got.input_tokens, got.output_tokens)
+        return granted, targets
+
+    @staticmethod
+    def _target(st: TenantState, n: int) -> Amounts:
+        vals = {}
+        for kind in KINDS:
+            cap = st.spec.limit(kind)
+            if cap is None:
+                vals[kind] = 0.0
+            elif kind == "concurrent":
+                vals[kind] = float(int(cap // (2 * n)))
+            elif kind == "output_tokens" and st.level.output_tokens < 0:
+                vals[kind] = 0.0  # in debt: shares come back until it is paid
+            else:
+                vals[kind] = min(cap / (2 * n), max(cap / 60.0 * SHARE_S, 2 * st.mean_cost.get(kind)))
+        return Amounts.of(vals)
+
+    def forget_lease(self, lease: str) -> None:
+        """A lease gone silent (its ingress died): its shares and requests in flight are dropped."""
+        for st in self.states.values():
+            st.held.pop(lease, None)
+            st.lease_in_use.pop(lease, None)
+            st.active.pop(lease, None)
+
+    def remaining(self, now: float) -> dict[str, dict[str, float]]:
+        """Per budgeted tenant, what is left of each of its budgets, router-wide (``/status``)."""
+        out = {}
+        for name, spec in self.specs.items():
+            st = self.state(name, now)
+            if st is not None:
+                left = st.remaining()
+                out[name] = {k: left.get(k) for k in KINDS if spec.limit(k) is not None}
+        return out
+
+    def facts(self, now: float) -> tuple[TenantFacts, ...]:
+        out = []
+        for name, st in self.states.items():
+            st.refill(now)
+            out.append(TenantFacts(name, st.available(), now, bool(st.live_promises(now)), st.slot_wait_s()))
+        return tuple(out)
+
+
+@dataclass
+class TenantPart:
+    """A lease's tenant accounting in one report."""
+
+    spent: dict[str, Amounts] = field(default_factory=dict)  # from its shares since the last cut
+    returned: dict[str, Amounts] = field(default_factory=dict)  # shares given back (an output debt: negative)
+    in_use: dict[str, int] = field(default_factory=dict)  # its requests in flight, per tenant
+    seen: tuple[str, ...] = ()  # tenants it saw requests from since the last cut
+
+
+def _bump(into: dict[str, Amounts], tenant: str, a: Amounts) -> None:
+    into[tenant] = into.get(tenant, NOTHING) + a
+
+
+@dataclass
+class _Local:
+    tenant: str
+    output_charged: float = 0.0
+
+
+@dataclass
+class LeaseShares:
+    """An ingress lease's side: its shares of the tenants' budgets, spent locally."""
+
+    specs: Mapping[str, TenantSpec]
+    held: dict[str, Amounts] = field(default_factory=dict)
+    target: dict[str, Amounts] = field(default_factory=dict)
+    facts: dict[str, TenantFacts] = field(default_factory=dict)
+    in_use: dict[str, int] = field(default_factory=dict)
+    tickets: dict[str, _Local] = field(default_factory=dict)
+    _spent: dict[str, Amounts] = field(default_factory=dict)
+    _returned: dict[str, Amounts] = field(default_factory=dict)
+    _seen: set[str] = field(default_factory=set)
+    _sent: dict[int, TenantPart] = field(default_factory=dict)
+
+    def budgeted(self, tenant: str) -> TenantSpec | None:
+        spec = self.specs.get(tenant)
+        return spec if spec is not None and spec.budgeted() else None
+
+    def check(self, tenant: str, cost: Amounts, now: float, *, retry: bool, reserves: bool
+              ) -> BudgetRefusal | bool:
+        """True: the share covers it (take it with :meth:`take`); False: ask the scheduler; or a
+        refusal, when even the whole router's bucket (as last heard) cannot cover it and the client
+        is not one that gets a promise."""
+        spec = self.budgeted(tenant)
+        if spec is None:
+            return True
+        self._seen.add(tenant)
+        f = self.facts.get(tenant)
+        if f is not None and f.pressed:
+            return False
+        have = self.held.get(tenant, NOTHING)
+        if f is not None and spec.output_tokens_per_minute is not None:
+            debt = refilled(spec, f.level, now - f.at).output_tokens
+            if debt < 0:  # in debt router-wide (another lease's streams): this share does not pay it
+                have = have + Amounts(output_tokens=debt)
+        if not lacking(have, cost, spec):
+            return True
+        if f is None or retry or reserves:
+            return False
+        est = refilled(spec, f.level, now - f.at) + have
+        if lacking(est, cost, spec):
+            return refusal(spec, est, cost, f.slot_wait_s)
+        return False
+
+    def take(self, ticket: str, tenant: str, cost: Amounts) -> None:
+        spec = self.budgeted(tenant)
+        if spec is None:
+            return
+        cost = limited(cost, spec)
+        self.held[tenant] = self.held.get(tenant, NOTHING) - cost
+        _bump(self._spent, tenant, cost)
+        self.in_use[tenant] = self.in_use.get(tenant, 0) + 1
+        self.tickets[ticket] = _Local(tenant)
+
+    def remaining(self, tenant: str, now: float) -> Amounts | None:
+        """The router's remaining budget for ``tenant`` as this lease last heard it (headers)."""
+        spec = self.budgeted(tenant)
+        f = self.facts.get(tenant)
+        if spec is None or f is None:
+            return None
+        return refilled(spec, f.level, now - f.at) + self.held.get(tenant, NOTHING)
+
+    def progress(self, ticket: str, tokens: float) -> None:
+        t = self.tickets.get(ticket)
+        if t is not None and tokens > t.output_charged:
+            more = Amounts(output_tokens=tokens - t.output_charged)
+            t.output_charged = tokens
+            self.held[t.tenant] = self.held.get(t.tenant, NOTHING) - more
+            _bump(self._spent, t.tenant, more)
+
+    def release(self, ticket: str, output_tokens: float | None) -> None:
+        if output_tokens is not None:
+            self.progress(ticket, output_tokens)
+        t = self.tickets.pop(ticket, None)
+        if t is None:
+            return
+        spec = self.budgeted(t.tenant)
+        slot = Amounts(concurrent=1.0 if spec is not None and spec.max_concurrent is not None else 0.0)
+        self.held[t.tenant] = self.held.get(t.tenant, NOTHING) + slot
+        _bump(self._spent, t.tenant, NOTHING - slot)
+        self.in_use[t.tenant] = max(0, self.in_use.get(t.tenant, 0) - 1)
+
+    def cut(self, generation: int) -> TenantPart:
+        """Shares beyond their targets go back (and an output debt, as a negative return)."""
+        for tenant, have in list(self.held.items()):
+            target = self.target.get(tenant, NOTHING)
+            vals = {}
+            for kind in KINDS:
+                h = have.get(kind)
+                vals[kind] = h - target.get(kind) if h > target.get(kind) else (h if kind == "output_tokens" and h < 0 else 0.0)
+            back = Amounts.of(vals)
+            if back.any():
+                self.held[tenant] = have - back
+                _bump(self._returned, tenant, back)
+        part = TenantPart(self._spent, self._returned, {k: v for k, v in self.in_use.items() if v or k in self._seen},
+                          tuple(self._seen))
+        self._sent[generation] = part
+        self._spent, self._returned, self._seen = {}, {}, set()
+        return part
+
+    def restore(self, generation: int) -> None:
+        part = self._sent.pop(generation, None)
+        if part is None:
+            return
+        for t, a in part.spent.items():
+            _bump(self._spent, t, a)
+        for t, a in part.returned.items():
+            _bump(self._returned, t, a)
+        self._seen |= set(part.seen)
+
+    def apply(self, generation: int, granted: Mapping[str, Amounts], targets: Mapping[str, Amounts],
+              facts: Iterable[TenantFacts], *, new_record: bool, dt: float) -> None:
+        """The answer to the report of ``generation``.  ``new_record``: the scheduler started a new
+        record of this lease; the shares held before are void, and what was spent since that
+        report (on void shares) becomes a debt to repay from the new ones."""
+        later = [p for g, p in self._sent.items() if g > generation]
+        for g in [g for g in self._sent if g <= generation]:
+            del self._sent[g]
+        if new_record:
+            self.held = {}
+            for part in (*later, TenantPart(self._spent)):
+                for t, a in part.spent.items():
+                    self.held[t] = self.held.get(t, NOTHING) - Amounts(a.requests, a.input_tokens, a.output_tokens)
+        for t, a in granted.items():
+            self.held[t] = self.held.get(t, NOTHING) + a
+        self.target = dict(targets)
+        self.facts = {f.name: f.shifted(dt) for f in facts}

@@ -1,0 +1,84 @@
+"""Per-tenant counts for ``/metrics`` and ``/status`` (README, "Tenants"): admitted, goodput, tokens,
+terminal classes, budget left.  Labels are the configured tenants only (anything else is ``other``),
+so the series are bounded by the config; without a tenants section there are none."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from narwhal_serve.admission.core import Placement
+from narwhal_serve.admission.outcomes import TERMINAL
+from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.tenants.amounts import KINDS
+
+OTHER = "other"
+
+
+def _esc(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+@dataclass
+class TenantTally:
+    tenants: tuple[str, ...]  # configured (empty: no tenants section, nothing counted)
+    served: Counter[tuple[str, str]] = field(default_factory=Counter)  # (tenant, what) -> n
+
+    def label(self, tenant: str) -> str | None:
+        """The metric label of ``tenant`` (None: no tenants configured, no per-tenant series)."""
+        if not self.tenants:
+            return None
+        return tenant if tenant in self.tenants else OTHER
+
+    def ended(self, tenant: str, p: Placement, stats: RelayStats | None, completed: bool) -> None:
+        label = self.label(tenant)
+        if label is None:
+            return
+        self.served[(label, "admitted")] += 1
+        self.served[(label, "input_tokens")] += p.prompt_tokens
+        if stats is not None:
+            self.served[(label, "output_tokens")] += stats.output_tokens
+            if completed and stats.ttft_s is not None and p.ttft_budget_s is not None and stats.ttft_s <= p.ttft_budget_s:
+                self.served[(label, "goodput")] += 1
+
+    def view(self, outcomes: Counter[tuple[str, str]], remaining: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+        """One row per configured tenant (and ``other`` once it counted something)."""
+        names = list(self.tenants) + ([OTHER] if any(t == OTHER for t, _ in (*self.served, *outcomes)) else [])
+        return [{
+            "tenant": t,
+            "admitted": self.served[(t, "admitted")],
+            "goodput": self.served[(t, "goodput")],
+            "input_tokens": self.served[(t, "input_tokens")],
+            "output_tokens": self.served[(t, "output_tokens")],
+            "outcomes": {o.value: outcomes[(t, o.value)] for o in TERMINAL},
+            "budget_remaining": remaining.get(t, {}),
+        } for t in names]
+
+
+def render_tenants(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    out = ["# HELP narwhal_tenant_requests_total Offered requests by tenant and terminal class",
+           "# TYPE narwhal_tenant_requests_total counter"]
+    for r in rows:
+        for o, n in sorted(r["outcomes"].items()):
+            out.append(f'narwhal_tenant_requests_total{{tenant="{_esc(r["tenant"])}",outcome="{o}"}} {n}')
+    for key, help_text in (("admitted", "Requests admitted (counted when they end)"),
+                           ("goodput", "Requests served with their first token within their TTFT target")):
+        out += [f"# HELP narwhal_tenant_{key}_total {help_text}, by tenant", f"# TYPE narwhal_tenant_{key}_total counter"]
+        out += [f'narwhal_tenant_{key}_total{{tenant="{_esc(r["tenant"])}"}} {r[key]}' for r in rows]
+    out += ["# HELP narwhal_tenant_tokens_total Prompt tokens and validated output tokens served, by tenant",
+            "# TYPE narwhal_tenant_tokens_total counter"]
+    for r in rows:
+        for kind in ("input", "output"):
+            out.append(f'narwhal_tenant_tokens_total{{tenant="{_esc(r["tenant"])}",kind="{kind}"}} {r[kind + "_tokens"]}')
+    out += ["# HELP narwhal_tenant_budget_remaining What is left of each budget of the tenant, router-wide "
+            "(per-minute buckets; concurrent: free slots)",
+            "# TYPE narwhal_tenant_budget_remaining gauge"]
+    for r in rows:
+        for kind in KINDS:
+            if kind in r["budget_remaining"]:
+                out.append(f'narwhal_tenant_budget_remaining{{tenant="{_esc(r["tenant"])}",budget="{kind}"}} '
+                           f'{round(r["budget_remaining"][kind], 3)}')
+    return out

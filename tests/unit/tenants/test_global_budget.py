@@ -1,0 +1,131 @@
+"""A tenant's budget holds for the whole router, whatever the number of ingress leases: three
+leases and the scheduler (no Ray, a virtual clock) under 5 minutes of 10× demand admit no more
+than the bucket bound (limit + rate × time), and most of it; shares go back when a tenant goes quiet
+or gets promises; output debt taken at one lease stops new requests at the others."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from narwhal_serve.admission.controller import Refusal
+from narwhal_serve.admission.core import Ask, Placement
+from narwhal_serve.admission.lease import AdmissionLease
+from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.scheduler.messages import AdmitRequest, Report
+from narwhal_serve.scheduler.service import SchedulerService
+from narwhal_serve.tenants.budget import LeaseShares
+from tests.support.scheduler import Clock, scheduler_service
+
+RPM, TPM, PROMPT = 120.0, 6000.0, 50
+
+
+def service(**limits: float) -> tuple[SchedulerService, Clock]:
+    tenants = {"list": [{"name": "acme", "key_sha256": [hashlib.sha256(b"k").hexdigest()], **limits},
+                        {"name": "free"}]}
+    return scheduler_service({"mode": "open", "queue_limit": 0, "phase_concurrency": {"prefill": 512, "decode": 512}},
+                             {"http_retention_limit": 1024}, tenants=tenants)
+
+
+class Ingress:
+    """One ingress replica: its lease, and the scheduler call when the lease defers."""
+
+    def __init__(self, svc: SchedulerService, clock: Clock, name: str) -> None:
+        self.svc, self.clock = svc, clock
+        self.lease = AdmissionLease(name, shares=LeaseShares({t.name: t for t in svc.cfg.tenants.list}))  # type: ignore[union-attr]
+        self.n = 0
+        self.scheduler_calls = 0
+
+    def sync(self) -> None:
+        for e in self.svc.engines.values():  # (their scrapes, by hand)
+            e.last_ok = self.clock.t
+        part = self.lease.cut(self.clock.t)
+        grant = self.svc.report(Report(lease=part))
+        assert grant is not None
+        self.lease.apply(grant, self.clock(), self.clock.t)
+
+    async def request(self, tenant: str = "acme", prompt: int = PROMPT, output: int = 0) -> bool:
+        self.n += 1
+        tid = f"{self.lease.lease_id}-{self.n}"
+        ask = Ask(prompt, 5.0, tenant=tenant)
+        v = self.lease.try_admit(tid, ask, self.clock() + 60, self.clock(), self.clock.t)
+        if isinstance(v, Refusal):
+            return False
+        stats = RelayStats("chat", ("u",), 0.1, output, 0.1, 1)
+        if isinstance(v, Placement):
+            self.lease.release(tid, output)
+            self.svc.report(Report(released=[(tid, stats, True)]))
+            return True
+        self.scheduler_calls += 1
+        res = await self.svc.admit(AdmitRequest.of(tid, self.clock() + 60, ask, lease_id=self.lease.lease_id,
+                                                   lease_epoch=self.lease.epoch))
+        if res.error is not None:
+            assert res.error.code == "rate_limit_exceeded", res.error
+            return False
+        self.svc.report(Report(released=[(tid, stats, True)]))
+        return True
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+async def test_three_leases_under_ten_times_demand_never_pass_the_bucket_bound(replicas: int) -> None:
+    svc, clock = service(requests_per_minute=RPM, input_tokens_per_minute=TPM)
+    ingresses = [Ingress(svc, clock, f"i{k}") for k in range(replicas)]
+    seconds, dt = 300.0, 0.1
+    demand = 10 * TPM / PROMPT / 60.0  # requests a second: 10× what the binding (input) budget allows
+    admitted = offered = 0
+    carry = 0.0
+    for step in range(int(seconds / dt)):
+        clock.t += dt
+        for ing in ingresses:
+            ing.sync()
+        carry += demand * dt
+        while carry >= 1.0:
+            carry -= 1.0
+            offered += 1
+            admitted += await ingresses[offered % replicas].request()
+        # another tenant without budgets is never limited, and never limits acme
+        assert await ingresses[step % replicas].request("free", prompt=10**5)
+    bound = min(RPM + RPM / 60 * seconds, (TPM + TPM / 60 * seconds) / PROMPT)
+    assert admitted <= bound  # exact: no overshoot of requests or input tokens
+    assert admitted >= 0.9 * bound, (admitted, bound)  # and the budget is used, not starved
+    # most requests were decided under the leases, not by a scheduler call
+    served_locally = offered + int(seconds / dt) - sum(i.scheduler_calls for i in ingresses)
+    assert served_locally > 0.5 * (offered + int(seconds / dt))
+
+
+async def test_output_debt_at_one_lease_stops_new_requests_at_the_others() -> None:
+    svc, clock = service(output_tokens_per_minute=600)
+    a, b = Ingress(svc, clock, "a"), Ingress(svc, clock, "b")
+    for ing in (a, b, a, b):
+        ing.sync()
+    assert await a.request(output=0)
+    assert await b.request(output=0)
+    for ing in (a, b):
+        ing.sync()
+    assert await a.request(output=2000)  # a long answer: the stream is never cut for its tokens
+    for _ in range(2):
+        a.sync()
+        b.sync()
+    assert not await b.request()  # the tenant is in debt router-wide
+    clock.t += (2000 - 600) / 10.0 + 5  # the debt refilled (10 tokens/s)
+    for _ in range(2):
+        a.sync()
+        b.sync()
+    assert await b.request()
+
+
+async def test_a_quiet_tenant_s_shares_go_back_to_the_bucket() -> None:
+    svc, clock = service(requests_per_minute=60)
+    ing = Ingress(svc, clock, "i")
+    ing.sync()
+    assert await ing.request()
+    ing.sync()
+    ing.sync()
+    st = svc.tenants.states["acme"]
+    assert st.held.get("i") is not None and st.held["i"].requests > 0
+    clock.t += 11.0  # past ACTIVE_S without a request from acme at this lease
+    ing.sync()
+    ing.sync()
+    assert st.held["i"].requests == pytest.approx(0.0)
+    assert st.remaining().requests == pytest.approx(60.0)
