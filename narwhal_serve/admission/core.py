@@ -133,6 +133,7 @@ class Ask:
     retry: bool = False  # a client's retry (it may use the room reserved for retries)
     reserves: bool = False  # the client retries after Retry-After: a TTFT refusal reserves room
     tenant: str = ""  # whose budget it is charged to (tenants/: "" the anonymous tenant)
+    fingerprint: str = ""  # a retrying client's body hash: its budget promise is found again by it
 
 
 @dataclass(frozen=True)

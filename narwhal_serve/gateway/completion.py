@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import hashlib
 import json
 import math
 import re
@@ -125,6 +126,10 @@ class CompletionHandler:
             raise InvalidApiKey("Incorrect or missing API key: send 'Authorization: Bearer <key>'.")
         return tenant
 
+    def budgeted(self, tenant: str) -> bool:
+        spec = self.cfg.tenants.spec(tenant) if self.cfg.tenants is not None else None
+        return spec is not None and spec.budgeted()
+
     def _deadline(self, request: Request, now: float) -> float:
         limits = [self.cfg.serving.request_timeout_s]
         for name in ("x-request-timeout", "x-stainless-timeout"):
@@ -146,7 +151,7 @@ class CompletionHandler:
         return min(v, self.cfg.admission.max_tpot_budget_s)
 
     def _ask(self, sized: Sized, ttft_budget: float, tpot_budget: float | None, retries: int | None,
-             tenant: str = "") -> Ask:
+             tenant: str = "", raw: bytes = b"") -> Ask:
         """What admission judges: sizes, targets, the prompt's prefix blocks, and whether the client
         retries (``X-Stainless-Retry-Count``: admission/retry.py).  Blocks are of the prompt's token
         IDs where the router has them (its tokenizer, or a token-ID prompt), else of characters."""
@@ -158,7 +163,8 @@ class CompletionHandler:
             prefix, block_tokens = request_prefix(parsed.route, parsed.body, sized.ids,
                                                   pl.prefix_block_chars, pl.prefix_block_tokens, pl.prefix_max_blocks)
         return Ask(parsed.prompt_tokens, ttft_budget, tpot_budget, parsed.route, parsed.max_output_tokens,
-                   prefix, block_tokens, retry=bool(retries), reserves=retries is not None, tenant=tenant)
+                   prefix, block_tokens, retry=bool(retries), reserves=retries is not None, tenant=tenant,
+                   fingerprint=fingerprint(tenant, raw) if retries is not None and self.budgeted(tenant) else "")
 
     async def handle(self, request: Request, route: Route) -> Response:
         arrived = self.clock()
@@ -186,7 +192,7 @@ class CompletionHandler:
             deadline = self._deadline(request, arrived)
             budget = self._ttft_budget(request)
             ask = self._ask(sized, budget, self._tpot_budget(request), retry_count(request.headers.get("x-stainless-retry-count")),
-                            tenant)
+                            tenant, raw)
         except BodyIncomplete:
             self.reporter.unsized()
             self.reporter.outcome(Outcome.CANCELLED, "body_incomplete", trail.tenant)
@@ -248,6 +254,7 @@ class CompletionHandler:
             ticket, deadline, ask,
             lease_id=lease.lease_id if lease is not None else None,
             returned=lease.give_back_spare() if lease is not None else NONE,
+            tenant_returned=lease.shares.give_back(ask.tenant) if lease is not None and lease.shares is not None else Amounts(),
             lease_epoch=lease.epoch if lease is not None else 0,
         )
         try:
@@ -367,6 +374,11 @@ class CompletionHandler:
         except TimeoutError:
             return RelayMessage(error=deadline_expired(), final=True)
         return RelayMessage(error=internal_error("the assembler ended without an answer"), final=True)
+
+
+def fingerprint(tenant: str, raw: bytes) -> str:
+    """A retrying client's request, recognised again: an SDK retry resends the same body."""
+    return hashlib.blake2b(raw, digest_size=12, key=tenant.encode()[:64]).hexdigest()
 
 
 def _prompt_text(parsed: ParsedRequest) -> str | None:

@@ -34,17 +34,19 @@ class AdmitRequest:
     retry: bool = False
     reserves: bool = False
     tenant: str = ""
+    tenant_returned: Amounts = Amounts()  # the lease's share of the tenant's budget, handed back
+    fingerprint: str = ""
 
     def ask(self) -> Ask:
         return Ask(self.prompt_tokens, self.ttft_budget_s, self.tpot_budget_s, self.kind, self.max_output_tokens,
-                   self.prefix, self.prefix_block_tokens, self.retry, self.reserves, self.tenant)
+                   self.prefix, self.prefix_block_tokens, self.retry, self.reserves, self.tenant, self.fingerprint)
 
     @classmethod
     def of(cls, ticket_id: str, request_deadline: float, ask: Ask, **lease: Any) -> "AdmitRequest":
         return cls(ticket_id, request_deadline, ask.prompt_tokens, ask.max_output_tokens, ask.ttft_budget_s,
                    tpot_budget_s=ask.tpot_budget_s, kind=ask.kind, prefix=ask.prefix,
                    prefix_block_tokens=ask.prefix_block_tokens, retry=ask.retry, reserves=ask.reserves,
-                   tenant=ask.tenant, **lease)
+                   tenant=ask.tenant, fingerprint=ask.fingerprint, **lease)
 
 
 @dataclass(frozen=True)

@@ -310,13 +310,17 @@ class SchedulerService:
         self.calls["admit"] += 1
         now = self.clock()
         self.leases.returned(req.lease_id, req.returned, req.lease_epoch)
+        if req.tenant_returned.any():
+            rec = self.leases.leases.get(req.lease_id or "")
+            self.tenants.given_back(req.lease_id, req.tenant, req.tenant_returned,
+                                    rec is not None and rec.epoch == req.lease_epoch, now)
         if req.ticket_id in self._tombstones:
             self._tombstones.pop(req.ticket_id)
             self._pump()
             return AdmitResult(error=_CANCELLED)  # the ingress counts the cancellation
         if self.tenants.specs:
-            over = self.tenants.check(req.tenant, request_cost(req.prompt_tokens), now, ticket=req.ticket_id,
-                                      retry=req.retry, reserves=req.reserves)
+            over = self.tenants.check(req.tenant, request_cost(req.prompt_tokens), now, fingerprint=req.fingerprint,
+                                      reserves=req.reserves)
             if over is not None:
                 self._pump()
                 return self._refuse(Refusal(budget_error(over), Outcome.REJECTED), req.tenant)

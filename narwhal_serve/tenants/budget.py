@@ -17,7 +17,9 @@ generate after the bucket ran dry, paid back before the next request.
 Retry-After a client can trust: a refusal says when the bucket will hold this request *after every
 request promised before it*.  A client that says it retries (``X-Stainless-Retry-Count``: the
 official SDKs) gets a *promise*: that room is kept for it until ``PROMISE_GRACE_S`` after its
-Retry-After; new requests queue behind the promises, and a retry takes the earliest one.  While a
+Retry-After; new requests queue behind the promises.  A retry is recognised by its fingerprint (a
+hash of its tenant and body: an SDK resends the same body) and takes its own promise; one that
+comes back early keeps its place and is told the rest of its wait.  While a
 tenant has promises outstanding, its requests are decided by the scheduler (leases are given no
 share of it), which keeps the order exact.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from narwhal_serve.config import TenantSpec
@@ -34,9 +37,11 @@ from narwhal_serve.tenants.amounts import KINDS, NOTHING, Amounts
 
 RATE_KINDS = ("requests", "input_tokens", "output_tokens")
 PROMISE_GRACE_S = 2.0  # a promise whose client has not come back this long after its Retry-After lapses
-PROMISE_HORIZON_S = 120.0  # no promise is made further ahead than this (its Retry-After is still honest)
-MAX_PROMISES = 4096  # per tenant
+PROMISE_HORIZON_S = 3600.0  # no promise is made further ahead than this (its Retry-After is still honest)
+MAX_PROMISES = 100_000  # per tenant (about 10 MB at most)
 SHARE_S = 1.0  # a lease's share covers about this long of the tenant's budget rate
+EARLY_S = 0.05  # a promised retry this much early is told the rest of its wait
+SHARE_RETURN_S = 0.3  # shares of a tight tenant are back at the scheduler within about this (one lease renewal)
 ACTIVE_S = 10.0  # a lease that has not seen a tenant this long gets no share of it
 DURATION_PRIOR_S = 1.0  # a tenant's request duration before any was measured (concurrency Retry-After)
 
@@ -160,13 +165,14 @@ class TenantFacts:
     """What a lease knows of a tenant's global budget (sent with each grant)."""
 
     name: str
-    level: Amounts  # the unshared bucket at ``at`` (concurrent: free slots nobody holds)
+    level: Amounts  # the router-wide remaining budget at ``at``: bucket and shares (concurrent: free slots)
     at: float  # the scheduler's wall clock
     pressed: bool  # promises outstanding: every request of this tenant goes to the scheduler
     slot_wait_s: float
+    tight: bool = False  # the bucket is low: shares are coming back, requests beyond them go to the scheduler
 
     def shifted(self, dt: float) -> "TenantFacts":
-        return TenantFacts(self.name, self.level, self.at + dt, self.pressed, self.slot_wait_s)
+        return TenantFacts(self.name, self.level, self.at + dt, self.pressed, self.slot_wait_s, self.tight)
 
 
 def refilled(spec: TenantSpec, level: Amounts, dt: float, cap_less: Amounts = NOTHING) -> Amounts:
@@ -183,12 +189,57 @@ def refilled(spec: TenantSpec, level: Amounts, dt: float, cap_less: Amounts = NO
     return Amounts(vals["requests"], vals["input_tokens"], vals["output_tokens"], level.concurrent)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Promise:
-    id: str
+    id: str  # the refused request's fingerprint
     due: float
     until: float
     cost: Amounts
+    gone: bool = False
+
+
+@dataclass
+class Promises:
+    """A tenant's promises in the order they were made, which is the order they fall due (each is
+    made behind all the others).  Sums are kept, so a decision costs no walk over the queue."""
+
+    queue: deque[Promise] = field(default_factory=deque)
+    by_id: dict[str, Promise] = field(default_factory=dict)
+    total: Amounts = NOTHING
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def expire(self, now: float) -> None:
+        while self.queue and (self.queue[0].gone or self.queue[0].until < now):
+            p = self.queue.popleft()
+            if not p.gone:
+                self._drop(p)
+
+    def _drop(self, p: Promise) -> None:
+        p.gone = True
+        self.by_id.pop(p.id, None)
+        self.total = self.total - p.cost
+
+    def take(self, p: Promise) -> None:
+        self._drop(p)
+
+    def ahead_of(self, mine: Promise | None) -> Amounts:
+        """What is promised before ``mine`` (all of it, for a request without a promise)."""
+        if mine is None:
+            return self.total
+        out = NOTHING
+        for p in self.queue:  # those before it that are still live: the few within their grace
+            if p is mine:
+                break
+            if not p.gone:
+                out = out + p.cost
+        return out
+
+    def add(self, p: Promise) -> None:
+        self.queue.append(p)
+        self.by_id[p.id] = p
+        self.total = self.total + p.cost
 
 
 @dataclass
@@ -202,7 +253,7 @@ class TenantState:
     lease_in_use: dict[str, int] = field(default_factory=dict)  # lease → its requests in flight
     active: dict[str, float] = field(default_factory=dict)  # lease → when it last saw this tenant
     in_use: int = 0  # requests in flight the scheduler admitted itself
-    promises: list[Promise] = field(default_factory=list)
+    promises: Promises = field(default_factory=Promises)
     duration_s: float = DURATION_PRIOR_S  # EWMA of its requests' durations
     mean_cost: Amounts = Amounts(1.0, 1.0, 1.0, 1.0)  # EWMA of one request's cost
 
@@ -232,12 +283,25 @@ class TenantState:
         """The whole router's remaining budget: the bucket and the shares out."""
         return self.level + self.held_total() + Amounts(concurrent=self.available().concurrent)
 
+    def tight(self) -> bool:
+        """The unshared bucket cannot cover a typical request of one of the budgeted kinds (or a
+        concurrent slot): leases get no more share and give theirs back, so that what is left is
+        decided in one place, and refusals are timed on all of it."""
+        level = self.available()
+        for kind in KINDS:
+            if self.spec.limit(kind) is None:
+                continue
+            need = 1.0 if kind == "concurrent" else (0.0 if kind == "output_tokens" else self.mean_cost.get(kind))
+            if level.get(kind) < need or (kind == "output_tokens" and level.get(kind) <= 0):
+                return True
+        return False
+
     def slot_wait_s(self) -> float:
         running = self.in_use + sum(self.lease_in_use.values())
         return self.duration_s / max(1, running)
 
-    def live_promises(self, now: float) -> list[Promise]:
-        self.promises = [p for p in self.promises if p.until >= now]
+    def live_promises(self, now: float) -> Promises:
+        self.promises.expire(now)
         return self.promises
 
 
@@ -259,31 +323,40 @@ class TenantBook:
         st.refill(now)
         return st
 
-    def check(self, tenant: str, cost: Amounts, now: float, *, ticket: str, retry: bool, reserves: bool
+    def check(self, tenant: str, cost: Amounts, now: float, *, fingerprint: str = "", reserves: bool = False
               ) -> BudgetRefusal | None:
         """None: the budget covers ``cost`` (taken); else the refusal, with a promise for a client
-        that retries.  A retry takes the earliest promise; others queue behind every promise."""
+        that retries (``reserves``, recognised again by ``fingerprint``).  A request queues behind
+        every promise but its own."""
         st = self.state(tenant, now)
         if st is None:
             return None
         promises = st.live_promises(now)
-        taken = min(promises, key=lambda p: p.due) if retry and promises else None
-        ahead = NOTHING
-        for p in promises:
-            if p is not taken and (taken is None or p.due < taken.due):
-                ahead = ahead + p.cost
+        mine = promises.by_id.get(fingerprint) if fingerprint else None
+        if mine is not None and mine.due > now + EARLY_S:  # back before its time: it keeps its place
+            left = st.remaining() - promises.total
+            return BudgetRefusal(tenant, lacking(left, cost, st.spec) or ("requests",), mine.due - now,
+                                 ratelimit_headers(st.spec, left))
+        ahead = promises.ahead_of(mine)
         have = st.available() - ahead
-        if taken is not None:
-            promises.remove(taken)
         if not lacking(have, cost, st.spec):
+            if mine is not None:
+                promises.take(mine)
             self._take(st, cost)
             return None
-        out = refusal(st.spec, have, cost, st.slot_wait_s())
+        # timed on the router-wide budget: shares leases hold come back (the tenant is tight now)
+        everything = st.remaining() - ahead
+        out = refusal(st.spec, everything, cost, st.slot_wait_s())
+        if out.retry_after_s is not None and not lacking(everything, cost, st.spec):
+            out = replace(out, retry_after_s=SHARE_RETURN_S)
         ra = out.retry_after_s
-        if (reserves and ra is not None and "concurrent" not in out.kinds and ra <= PROMISE_HORIZON_S
-                and len(promises) < MAX_PROMISES):
-            promises.append(Promise(ticket, now + ra, now + ra + PROMISE_GRACE_S,
-                                    Amounts(cost.requests, cost.input_tokens)))
+        if mine is not None:  # early: it keeps its place, for the rest of its wait
+            if ra is not None:
+                mine.until = max(mine.until, now + ra + PROMISE_GRACE_S)
+        elif (reserves and fingerprint and ra is not None and "concurrent" not in out.kinds
+              and ra <= PROMISE_HORIZON_S and len(promises) < MAX_PROMISES):
+            promises.add(Promise(fingerprint, now + ra, now + ra + PROMISE_GRACE_S,
+                                 Amounts(cost.requests, cost.input_tokens)))
         return out
 
     def _take(self, st: TenantState, cost: Amounts) -> None:
@@ -360,7 +433,7 @@ class TenantBook:
                 targets[tenant] = NOTHING
                 continue
             st.refill(now)
-            if st.live_promises(now):
+            if st.live_promises(now) or st.tight():
                 targets[tenant] = NOTHING
                 continue
             n = max(1, min(live_leases, len(st.active)))
@@ -392,6 +465,14 @@ class TenantBook:
                 vals[kind] = min(cap / (2 * n), max(cap / 60.0 * SHARE_S, 2 * st.mean_cost.get(kind)))
         return Amounts.of(vals)
 
+    def given_back(self, lease: str | None, tenant: str, back: Amounts, epoch_ok: bool, now: float) -> None:
+        """A lease's share handed back with an admission call (void under another record of it)."""
+        st = self.state(tenant, now)
+        if st is None or lease is None or not back.any() or not epoch_ok or lease not in st.held:
+            return
+        st.held[lease] = st.held[lease] - back
+        st.level = st.level + Amounts(back.requests, back.input_tokens, back.output_tokens)
+
     def forget_lease(self, lease: str) -> None:
         """A lease gone silent (its ingress died): its shares and requests in flight are dropped."""
         for st in self.states.values():
@@ -413,7 +494,7 @@ class TenantBook:
         out = []
         for name, st in self.states.items():
             st.refill(now)
-            out.append(TenantFacts(name, st.available(), now, bool(st.live_promises(now)), st.slot_wait_s()))
+            out.append(TenantFacts(name, st.remaining(), now, bool(st.live_promises(now)), st.slot_wait_s(), st.tight()))
         return tuple(out)
 
 
@@ -470,17 +551,28 @@ class LeaseShares:
             return False
         have = self.held.get(tenant, NOTHING)
         if f is not None and spec.output_tokens_per_minute is not None:
-            debt = refilled(spec, f.level, now - f.at).output_tokens
-            if debt < 0:  # in debt router-wide (another lease's streams): this share does not pay it
-                have = have + Amounts(output_tokens=debt)
+            router = refilled(spec, f.level, now - f.at).output_tokens
+            if router <= 0:  # in debt router-wide (another lease's streams): this share does not pay it
+                have = replace(have, output_tokens=min(have.output_tokens, router))
         if not lacking(have, cost, spec):
             return True
         if f is None or retry or reserves:
             return False
-        est = refilled(spec, f.level, now - f.at) + have
+        est = refilled(spec, f.level, now - f.at)  # the router-wide budget, this share included
         if lacking(est, cost, spec):
             return refusal(spec, est, cost, f.slot_wait_s)
         return False
+
+    def give_back(self, tenant: str) -> Amounts:
+        """The lease's share of ``tenant``, handed back with an admission call to the scheduler
+        (which then decides on all of it); an output debt stays, to be returned with the report."""
+        have = self.held.get(tenant)
+        if have is None:
+            return NOTHING
+        back = Amounts.of({k: max(0.0, have.get(k)) for k in KINDS})
+        if back.any():
+            self.held[tenant] = have - back
+        return back
 
     def take(self, ticket: str, tenant: str, cost: Amounts) -> None:
         spec = self.budgeted(tenant)
@@ -498,7 +590,7 @@ class LeaseShares:
         f = self.facts.get(tenant)
         if spec is None or f is None:
             return None
-        return refilled(spec, f.level, now - f.at) + self.held.get(tenant, NOTHING)
+        return refilled(spec, f.level, now - f.at)
 
     def progress(self, ticket: str, tokens: float) -> None:
         t = self.tickets.get(ticket)

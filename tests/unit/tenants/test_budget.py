@@ -17,9 +17,9 @@ def book(**limits: float) -> TenantBook:
     return TenantBook({"acme": TenantSpec(name="acme", **limits)})  # type: ignore[arg-type]
 
 
-def check(b: TenantBook, now: float, prompt: int = 10, *, ticket: str = "t", retry: bool = False,
-          reserves: bool = False) -> BudgetRefusal | None:
-    return b.check("acme", request_cost(prompt), now, ticket=ticket, retry=retry, reserves=reserves)
+def check(b: TenantBook, now: float, prompt: int = 10, *, ticket: str = "", reserves: bool = False
+          ) -> BudgetRefusal | None:
+    return b.check("acme", request_cost(prompt), now, fingerprint=ticket, reserves=reserves)
 
 
 def test_requests_per_minute_is_a_bucket_and_retry_after_is_when_it_refills() -> None:
@@ -39,7 +39,7 @@ def test_input_tokens_are_charged_up_front_and_unknown_tenants_are_not_budgeted(
     r = check(b, T0, prompt=200)
     assert r is not None and r.kinds == ("input_tokens",)
     assert r.retry_after_s == pytest.approx((200 - 100) / 10.0)
-    assert b.check("nobody", request_cost(10**6), T0, ticket="x", retry=False, reserves=False) is None
+    assert b.check("nobody", request_cost(10**6), T0) is None
 
 
 def test_a_request_larger_than_the_whole_budget_is_told_it_never_fits() -> None:
@@ -84,9 +84,14 @@ def test_refused_clients_that_retry_are_promised_distinct_times_and_each_is_admi
     assert dues == sorted(dues) and dues[-1] - dues[0] == pytest.approx(19.0)  # one a second, in order
     fresh = check(b, T0 + 0.5, reserves=True, ticket="late")  # a newcomer queues behind them all
     assert fresh is not None and fresh.retry_after_s == pytest.approx(20.5)
-    for due in dues:  # each comes back at its Retry-After and is admitted
-        assert check(b, due, retry=True, reserves=True) is None
+    assert check(b, T0 + 0.6, ticket="stranger", reserves=True) is not None  # behind them all
+    early = check(b, dues[0] - 0.3, ticket="r0", reserves=True)  # back early: told the rest, keeps its place
+    assert early is not None and early.retry_after_s == pytest.approx(0.3)
+    for i, due in enumerate(dues):  # each comes back at its Retry-After and is admitted
+        assert check(b, due, ticket=f"r{i}", reserves=True) is None, i
     assert check(b, dues[-1] + 0.01) is not None  # no one jumped the queue: the newcomer's turn is later
+    assert check(b, T0 + 21.0, ticket="late", reserves=True) is None
+    assert check(b, T0 + 22.0, ticket="stranger", reserves=True) is None  # one a second, behind "late"
 
 
 def test_rate_limit_headers_follow_openai_names() -> None:
