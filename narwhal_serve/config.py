@@ -59,6 +59,10 @@ class TenantSpec(_Strict):
     input_tokens_per_minute: float | None = Field(None, gt=0)  # prompt tokens, as the router counts them
     output_tokens_per_minute: float | None = Field(None, gt=0)  # validated output token IDs
     max_concurrent: int | None = Field(None, gt=0)
+    # its requests' class without X-Priority (None: admission.default_class), and the highest class
+    # it may ask for (None: any); a higher X-Priority is lowered to this ceiling
+    default_class: str | None = None
+    max_class: str | None = None
 
     @model_validator(mode="after")
     def _digests(self) -> "TenantSpec":
@@ -101,6 +105,19 @@ class TenantsConfig(_Strict):
         return next((t for t in self.list if t.name == name), None)
 
 
+class PriorityClass(_Strict):
+    """A priority class (``X-Priority``), highest first in ``admission.classes``."""
+
+    name: str = Field(pattern=r"^[a-z0-9_-]{1,32}$")
+    # A request of this class is admitted only while its projected TTFT stays within this share of
+    # the top class's TTFT target (admission.ttft_budget_s): the rest is headroom for the classes above
+    ttft_share: float = Field(1.0, gt=0, le=1)
+
+
+DEFAULT_CLASSES = (PriorityClass(name="interactive"), PriorityClass(name="standard"),
+                   PriorityClass(name="batch", ttft_share=0.5))
+
+
 class PhaseConcurrency(_Strict):
     prefill: int = Field(64, gt=0)
     decode: int = Field(1024, gt=0)
@@ -123,6 +140,23 @@ class AdmissionConfig(_Strict):
     # Each ingress replica admits under a lease of permits from the scheduler, with no scheduler
     # call per request; off: every request asks the scheduler (the pre-lease path, for comparison)
     ingress_leases: bool = True
+    # Priority classes, highest first (README, "Priority classes"): queued requests leave in class
+    # order, lower classes keep headroom for higher ones, and engines that schedule by priority get it
+    classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES
+    default_class: str = "standard"  # a request without X-Priority (a tenant may set its own)
+
+    @model_validator(mode="after")
+    def _classes(self) -> "AdmissionConfig":
+        names = [c.name for c in self.classes]
+        if not names or len(set(names)) != len(names):
+            raise ValueError("admission.classes: at least one class, names unique")
+        if self.default_class not in names:
+            raise ValueError(f"admission.default_class {self.default_class!r} is not one of admission.classes {names}")
+        return self
+
+    def class_rank(self, name: str) -> int | None:
+        """0 for the top class; None for a name that is not a class."""
+        return next((i for i, c in enumerate(self.classes) if c.name == name), None)
 
 
 class KVEventsEndpoint(_Strict):
@@ -154,6 +188,9 @@ class EngineConfig(_Strict):
     # The engine's KV-cache events: the router's index of what it caches is then exact (README,
     # "KV events"), not learned from where requests went
     kv_events: KVEventsEndpoint | None = None
+    # The engine schedules by request priority (vLLM --scheduling-policy priority, SGLang
+    # --enable-priority-scheduling): each request's class rank is sent as its `priority` (0 first)
+    priority_scheduling: bool = False
 
     @model_validator(mode="after")
     def _url_or_launch(self) -> "EngineConfig":
@@ -344,6 +381,12 @@ class NarwhalConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "NarwhalConfig":
+        if self.tenants is not None:
+            names = [c.name for c in self.admission.classes]
+            for t in self.tenants.list:
+                for key in ("default_class", "max_class"):
+                    if getattr(t, key) is not None and getattr(t, key) not in names:
+                        raise ValueError(f"tenant {t.name!r}: {key} {getattr(t, key)!r} is not one of admission.classes {names}")
         if self.tenants is not None and self.serving.api_keys:
             raise ValueError("serving.api_keys and tenants are exclusive: give the keys to tenants "
                              "(tenants.list[].key_sha256)")
@@ -378,6 +421,7 @@ class NarwhalConfig(_Strict):
                 role=e.role,
                 dialect=e.dialect,
                 max_num_seqs=e.max_num_seqs,
+                priority_scheduling=e.priority_scheduling,
                 kv_events=None if e.kv_events_endpoint is None else KVEventsEndpoint(
                     endpoint=e.kv_events_endpoint, replay_endpoint=e.kv_events_replay_endpoint),
             )

@@ -175,6 +175,7 @@ class RequestTrail:
     predicted_ttft_s: float | None = None
     prompt_text: str | None = None
     tenant: str | None = None  # its tenant's label (None: no tenants configured, or not identified)
+    priority: str | None = None  # its priority class
     span: "Span | None" = None
     ended: bool = False
     _admission_span: "Span | None" = field(default=None, repr=False)
@@ -220,6 +221,7 @@ class RequestTrail:
             "prompt_tokens": self.prompt_tokens,
             "prompt_sizing": self.prompt_sizing,
             "tenant": self.tenant,
+            "priority": self.priority,
             "admission": self.admission,
             "admission_wait_s": _round(self.admission_wait_s),
             "predicted_ttft_s": _round(self.predicted_ttft_s),

@@ -6,7 +6,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
-from narwhal_serve.tenants.tally import render_tenants
+from narwhal_serve.tenants.tally import render_classes, render_tenants
 from narwhal_serve.admission.outcomes import KNOWN_REASONS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -192,6 +192,7 @@ def render_metrics(snap: dict[str, Any], histograms: dict[str, Histogram]) -> st
     out += _engine_info(snap["engines"])
     out += _served(snap.get("served"), [e["name"] for e in snap["engines"]])
     out += render_tenants(snap.get("tenants") or [])
+    out += render_classes(snap.get("classes") or [])
     for key, (name, help_text) in HISTOGRAM_HELP.items():
         if key in histograms:
             out += histograms[key].render(name, help_text)

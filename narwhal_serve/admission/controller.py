@@ -13,7 +13,7 @@ reserved and held never passes a global limit.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,6 +67,7 @@ class Ticket:
     deadline: float  # min(request deadline, arrival + max_wait) bounds the wait
     request_deadline: float
     phase: Phase = "queued"
+    rank: int = 0  # priority class (0: top): the queue grants the lowest rank first, FIFO within it
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ class AdmissionController:
         self.retention_limit = serving.http_retention_limit
         self.retained: dict[str, Ticket] = {}
         self.queue: OrderedDict[str, Ticket] = OrderedDict()
+        self._ranks: Counter[int] = Counter()  # queued tickets per priority class
         self.prefill = 0
         self.decode = 0
         self.reserved = NONE  # held by leases (spare or in use)
@@ -160,13 +162,13 @@ class AdmissionController:
         self.prefill += 1
         self.decode += 1
 
-    def offer(self, ticket_id: str, now: float, request_deadline: float) -> Decision:
+    def offer(self, ticket_id: str, now: float, request_deadline: float, rank: int = 0) -> Decision:
         """A request asks for admission (after router-state, eligibility and predictive checks)."""
         if ticket_id in self.retained:
             raise ValueError(f"duplicate ticket {ticket_id}")
         if self.free().retention <= 0:
             return retention_full()
-        t = Ticket(ticket_id, now, min(request_deadline, now + self.cfg.max_wait_s), request_deadline)
+        t = Ticket(ticket_id, now, min(request_deadline, now + self.cfg.max_wait_s), request_deadline, rank=rank)
         if not self.queue and self._permit_free():
             self.retained[ticket_id] = t
             self._grant(t)
@@ -175,22 +177,41 @@ class AdmissionController:
             return queue_full()
         self.retained[ticket_id] = t
         self.queue[ticket_id] = t
+        self._ranks[rank] += 1
         return Enqueued(t)
 
     def pump(self, now: float) -> tuple[list[Ticket], list[tuple[Ticket, Refusal]]]:
-        """Grant queued tickets while permits are free (FIFO); expire the ones past their wait."""
+        """Grant queued tickets while permits are free (class order, FIFO within a class); expire
+        the ones past their wait."""
         granted: list[Ticket] = []
         expired = self.expire_due(now)
         while self.queue and self._permit_free():
-            _, t = self.queue.popitem(last=False)
+            t = self._next()
+            self._unqueue(t.id)
             self._grant(t)
             granted.append(t)
         return granted, expired
 
+    def _next(self) -> Ticket:
+        first = next(iter(self.queue.values()))
+        if len(self._ranks) <= 1:  # one class queued: FIFO
+            return first
+        top = min(self._ranks)
+        return next(t for t in self.queue.values() if t.rank == top)
+
+    def _unqueue(self, tid: str) -> Ticket | None:
+        t = self.queue.pop(tid, None)
+        if t is not None:
+            self._ranks[t.rank] -= 1
+            if not self._ranks[t.rank]:
+                del self._ranks[t.rank]
+        return t
+
     def expire_due(self, now: float) -> list[tuple[Ticket, Refusal]]:
         out = []
         for tid in [tid for tid, t in self.queue.items() if now >= t.deadline]:
-            t = self.queue.pop(tid)
+            t = self.queue[tid]
+            self._unqueue(tid)
             self.retained.pop(tid, None)
             out.append((t, wait_expired(t, now)))
         return out
@@ -211,7 +232,7 @@ class AdmissionController:
         if t is None:
             return False
         if t.phase == "queued":
-            self.queue.pop(ticket_id, None)
+            self._unqueue(ticket_id)
         else:
             if t.phase == "prefill":
                 self.prefill -= 1

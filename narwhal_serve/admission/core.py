@@ -134,6 +134,10 @@ class Ask:
     reserves: bool = False  # the client retries after Retry-After: a TTFT refusal reserves room
     tenant: str = ""  # whose budget it is charged to (tenants/: "" the anonymous tenant)
     fingerprint: str = ""  # a retrying client's body hash: its budget promise is found again by it
+    rank: int = 0  # its priority class (0: the top class): queued requests leave in rank order
+    # admitted only while its projected TTFT is within this (a lower class's headroom for the ones
+    # above: admission.classes ttft_share × the top class's target); None: its own target
+    admit_within_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,7 @@ class Placement:
     prefix: tuple[int, ...] = field(default=(), repr=False)
     tpot_budget_s: float | None = None
     tenant: str = ""
+    rank: int = 0  # its priority class
 
     @property
     def engines(self) -> tuple[str, ...]:
@@ -259,13 +264,14 @@ def _placement(ordered: tuple[RouteChoice, ...], best: _Scored | None, facts: Ma
     if best is None:
         return Placement(ordered, None, ask.prompt_tokens, ask.prompt_tokens, 0.0, None, 0, ask.ttft_budget_s,
                          ask.kind, ask.max_output_tokens, expected_out, ordered[0].decode.name if ordered else None,
-                         prefix=ask.prefix, tpot_budget_s=ask.tpot_budget_s, tenant=ask.tenant)
+                         prefix=ask.prefix, tpot_budget_s=ask.tpot_budget_s, tenant=ask.tenant,
+                         rank=ask.rank)
     e = facts[_first_token_engine(best.route)]
     predicted = best.wait + linear_ttft(e.ttft_a, e.ttft_b, best.x, e.ttft_c, best.r)
     return Placement(ordered, e.cfg.name, ask.prompt_tokens, best.x, best.wait, predicted, best.r, ask.ttft_budget_s,
                      ask.kind, ask.max_output_tokens, expected_out, best.route.decode.name, best.batch,
                      best.tpot_s if best.tpot_known else None, best.cached, best.matched, ask.prefix, ask.tpot_budget_s,
-                     ask.tenant)
+                     ask.tenant, ask.rank)
 
 
 SCORED_ROUTES = 8  # predictive mode projects this many least loaded routes (plus prefix holders)
@@ -354,7 +360,8 @@ def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | 
     if placement is None:
         return Refusal(backend_unavailable(), Outcome.REJECTED)
     if view.predictive and best is not None:
-        refusal = judge(best.projection, ask.ttft_budget_s)
+        limit = ask.ttft_budget_s if ask.admit_within_s is None else min(ask.ttft_budget_s, ask.admit_within_s)
+        refusal = judge(best.projection, limit)
         if refusal is not None:
             retry_after = refusal.error.retry_after
             if ask.reserves and retry_after is not None:

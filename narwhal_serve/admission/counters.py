@@ -14,12 +14,16 @@ class Counters:
     unsized_offered: int = 0
     by_outcome: Counter[tuple[str, str]] = field(default_factory=Counter)  # (outcome, reason) -> n
     by_tenant: Counter[tuple[str, str]] = field(default_factory=Counter)  # (tenant, outcome) -> n
+    by_class: Counter[tuple[str, str]] = field(default_factory=Counter)  # (priority class, outcome) -> n
 
-    def add(self, outcome: Outcome | str, reason: str = "", n: int = 1, tenant: str | None = None) -> None:
+    def add(self, outcome: Outcome | str, reason: str = "", n: int = 1, tenant: str | None = None,
+            klass: str | None = None) -> None:
         key = outcome.value if isinstance(outcome, Outcome) else outcome
         self.by_outcome[(key, reason)] += n
         if tenant is not None:
             self.by_tenant[(tenant, key)] += n
+        if klass is not None:
+            self.by_class[(klass, key)] += n
 
     def merge(self, delta: "CounterDelta") -> None:
         self.offered += delta.offered
@@ -27,6 +31,7 @@ class Counters:
         for (o, r), n in delta.outcomes.items():
             self.by_outcome[(o, r)] += n
         self.by_tenant.update(delta.tenants)
+        self.by_class.update(delta.classes)
 
     def total(self, outcome: Outcome) -> int:
         return sum(n for (o, _), n in self.by_outcome.items() if o == outcome.value)
@@ -50,11 +55,14 @@ class CounterDelta:
     unsized_offered: int = 0
     outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
     tenants: Counter[tuple[str, str]] = field(default_factory=Counter)  # (tenant, outcome) -> n
+    classes: Counter[tuple[str, str]] = field(default_factory=Counter)  # (priority class, outcome) -> n
 
-    def add(self, outcome: Outcome, reason: str = "", tenant: str | None = None) -> None:
+    def add(self, outcome: Outcome, reason: str = "", tenant: str | None = None, klass: str | None = None) -> None:
         self.outcomes[(outcome.value, reason)] += 1
         if tenant is not None:
             self.tenants[(tenant, outcome.value)] += 1
+        if klass is not None:
+            self.classes[(klass, outcome.value)] += 1
 
     def empty(self) -> bool:
         return not (self.offered or self.unsized_offered or self.outcomes)

@@ -39,6 +39,14 @@ class LegCursor:
         self.engine = route.decode.name
 
 
+def prioritized(engine: EngineConfig, body: dict[str, Any], priority: int | None) -> dict[str, Any]:
+    """``body`` with the request's class rank as ``priority`` (vLLM and SGLang: lower runs first),
+    for an engine started to schedule by it; other engines refuse a non-zero priority."""
+    if priority is not None and engine.priority_scheduling and engine.dialect in ("vllm", "sglang"):
+        body["priority"] = priority
+    return body
+
+
 def _url(engine: EngineConfig, req: ParsedRequest) -> str:
     return engine.base_url + PATHS[req.route]
 
@@ -51,14 +59,15 @@ async def open_route(
     tracing: Tracing | None = None,
     parent: "Span | None" = None,
     cursor: LegCursor | None = None,
+    priority: int | None = None,
 ) -> AsyncGenerator[list[dict[str, Any]], None]:
     """Yield the decode stream's chunk batches for ``route``; runs the prefill leg first for P/D.
     With ``tracing``, each leg runs in a span of its own, below ``parent``; ``cursor`` follows
-    the leg being waited on."""
+    the leg being waited on; ``priority`` goes to engines that schedule by it."""
     decode = route.decode
     dialect = dialect_of(decode)
     if route.prefill is None:
-        body = dialect.decode_body(req)
+        body = prioritized(decode, dialect.decode_body(req), priority)
         with leg_span(tracing, parent, "narwhal.decode", decode.name, headers) as h:
             async with aclosing(stream_chunks(client, decode.name, _url(decode, req), body, h)) as chunks:
                 async for batch in chunks:
@@ -67,7 +76,7 @@ async def open_route(
     prefill = route.prefill
     if decode.dialect == "sglang":
         # closed as soon as this generator is: its prefill leg must not outlive the attempt
-        async with aclosing(_sglang_pd(client, prefill, decode, req, headers, tracing, parent)) as pd:
+        async with aclosing(_sglang_pd(client, prefill, decode, req, headers, tracing, parent, priority)) as pd:
             async for batch in pd:
                 yield batch
         return
@@ -76,11 +85,11 @@ async def open_route(
     if cursor is not None:
         cursor.engine = prefill.name
     with leg_span(tracing, parent, "narwhal.prefill", prefill.name, headers) as h:
-        pre = await post_json(client, prefill.name, _url(prefill, req), VLLM.prefill_body(req), h)
+        pre = await post_json(client, prefill.name, _url(prefill, req), prioritized(prefill, VLLM.prefill_body(req), priority), h)
     if cursor is not None:
         cursor.engine = decode.name
     kv = pre.get("kv_transfer_params")
-    body = VLLM.decode_body(req, kv)
+    body = prioritized(decode, VLLM.decode_body(req, kv), priority)
     with leg_span(tracing, parent, "narwhal.decode", decode.name, headers) as h:
         async with aclosing(stream_chunks(client, decode.name, _url(decode, req), body, h)) as chunks:
             async for batch in chunks:
@@ -95,16 +104,18 @@ async def _sglang_pd(
     headers: dict[str, str],
     tracing: Tracing | None = None,
     parent: "Span | None" = None,
+    priority: int | None = None,
 ) -> AsyncGenerator[list[dict[str, Any]], None]:
     boot = SGLANG.bootstrap_fields(prefill)
 
     async def prefill_leg() -> dict[str, Any]:
         with leg_span(tracing, parent, "narwhal.prefill", prefill.name, headers) as h:
-            return await post_json(client, prefill.name, _url(prefill, req), SGLANG.prefill_body(req, boot), h)
+            return await post_json(client, prefill.name, _url(prefill, req),
+                                   prioritized(prefill, SGLANG.prefill_body(req, boot), priority), h)
 
     pre_task = asyncio.ensure_future(prefill_leg())
     try:
-        body = SGLANG.decode_body(req, boot)
+        body = prioritized(decode, SGLANG.decode_body(req, boot), priority)
         with leg_span(tracing, parent, "narwhal.decode", decode.name, headers) as h:
             async with aclosing(stream_chunks(client, decode.name, _url(decode, req), body, h)) as chunks:
                 async for batch in chunks:

@@ -130,6 +130,25 @@ class CompletionHandler:
         spec = self.cfg.tenants.spec(tenant) if self.cfg.tenants is not None else None
         return spec is not None and spec.budgeted()
 
+    def _priority(self, request: Request, tenant: str) -> tuple[int, float | None]:
+        """(class rank, admit-within seconds) from ``X-Priority``, the tenant's default class when
+        absent, lowered to the tenant's ceiling (README, "Priority classes")."""
+        adm = self.cfg.admission
+        spec = self.cfg.tenants.spec(tenant) if self.cfg.tenants is not None else None
+        given = request.headers.get("x-priority")
+        if given is None:
+            rank = adm.class_rank((spec.default_class if spec is not None else None) or adm.default_class)
+        else:
+            rank = adm.class_rank(given.strip().lower())
+            if rank is None:
+                raise InvalidRequest(f"header X-Priority must be one of {[c.name for c in adm.classes]}",
+                                     param="x-priority")
+        assert rank is not None
+        if spec is not None and spec.max_class is not None:
+            rank = max(rank, adm.class_rank(spec.max_class) or 0)  # a higher class than allowed: its ceiling
+        share = adm.classes[rank].ttft_share
+        return rank, (share * adm.ttft_budget_s if share < 1.0 else None)
+
     def _deadline(self, request: Request, now: float) -> float:
         limits = [self.cfg.serving.request_timeout_s]
         for name in ("x-request-timeout", "x-stainless-timeout"):
@@ -151,7 +170,7 @@ class CompletionHandler:
         return min(v, self.cfg.admission.max_tpot_budget_s)
 
     def _ask(self, sized: Sized, ttft_budget: float, tpot_budget: float | None, retries: int | None,
-             tenant: str = "", raw: bytes = b"") -> Ask:
+             tenant: str = "", raw: bytes = b"", priority: tuple[int, float | None] = (0, None)) -> Ask:
         """What admission judges: sizes, targets, the prompt's prefix blocks, and whether the client
         retries (``X-Stainless-Retry-Count``: admission/retry.py).  Blocks are of the prompt's token
         IDs where the router has them (its tokenizer, or a token-ID prompt), else of characters."""
@@ -164,7 +183,8 @@ class CompletionHandler:
                                                   pl.prefix_block_chars, pl.prefix_block_tokens, pl.prefix_max_blocks)
         return Ask(parsed.prompt_tokens, ttft_budget, tpot_budget, parsed.route, parsed.max_output_tokens,
                    prefix, block_tokens, retry=bool(retries), reserves=retries is not None, tenant=tenant,
-                   fingerprint=fingerprint(tenant, raw) if retries is not None and self.budgeted(tenant) else "")
+                   fingerprint=fingerprint(tenant, raw) if retries is not None and self.budgeted(tenant) else "",
+                   rank=priority[0], admit_within_s=priority[1])
 
     async def handle(self, request: Request, route: Route) -> Response:
         arrived = self.clock()
@@ -179,11 +199,13 @@ class CompletionHandler:
                 raise InvalidRequest("header X-Request-Id must be 1-128 printable ASCII characters", param="x-request-id")
             tenant = self.auth(request)
             trail.tenant = self.tenant_labels.label(tenant)
+            priority = self._priority(request, tenant)
+            trail.priority = self.cfg.admission.classes[priority[0]].name
             try:
                 raw = await read_body(request, self.cfg.serving.max_request_bytes, self.cfg.serving.body_timeout_s)
             except asyncio.CancelledError:  # Serve cancels the handler when the client leaves mid-body
                 self.reporter.unsized()
-                self.reporter.outcome(Outcome.CANCELLED, "body_incomplete", trail.tenant)
+                self.reporter.outcome(Outcome.CANCELLED, "body_incomplete", trail.tenant, trail.priority)
                 trail.end(Outcome.CANCELLED, "body_incomplete", 499)
                 raise
             sized = await self.sizer.size(parse_request(route, raw, model=self.cfg.model,
@@ -192,10 +214,10 @@ class CompletionHandler:
             deadline = self._deadline(request, arrived)
             budget = self._ttft_budget(request)
             ask = self._ask(sized, budget, self._tpot_budget(request), retry_count(request.headers.get("x-stainless-retry-count")),
-                            tenant, raw)
+                            tenant, raw, priority)
         except BodyIncomplete:
             self.reporter.unsized()
-            self.reporter.outcome(Outcome.CANCELLED, "body_incomplete", trail.tenant)
+            self.reporter.outcome(Outcome.CANCELLED, "body_incomplete", trail.tenant, trail.priority)
             trail.end(Outcome.CANCELLED, "body_incomplete", 400)
             # the client ended the body early (it most likely left; if it still reads, it gets why)
             err = InvalidRequest("the request body ended before its Content-Length", code="body_incomplete")
@@ -226,7 +248,7 @@ class CompletionHandler:
     ) -> Response:
         """A refusal before response headers: counted (unless the scheduler did), logged, answered."""
         if not counted:
-            self.reporter.outcome(outcome, err.code, trail.tenant)
+            self.reporter.outcome(outcome, err.code, trail.tenant, trail.priority)
         trail.end(outcome, err.code, err.status)
         return error_response(err, echo)
 
@@ -246,7 +268,7 @@ class CompletionHandler:
                 trail.admitted("lease", wait, verdict.predicted_s, verdict.engines)
                 placed = PlacedRequest(rid, self.cfg.model, parsed, verdict.routes, deadline, trail.traceparent(),
                                        self._first_token_s(ask.ttft_budget_s, verdict.predicted_s),
-                                       lease.view.epoch if lease.view is not None else 0)
+                                       lease.view.epoch if lease.view is not None else 0, ask.rank)
                 return await self._respond(placed, ticket, parsed, echo, trail, verdict.predicted_s,
                                            self._limits(ask.tenant, lease.shares.remaining(ask.tenant, self.clock())
                                                         if lease.shares is not None else None))
@@ -267,7 +289,7 @@ class CompletionHandler:
         self.reporter.admission_wait(wait)
         trail.admitted("scheduler", wait, result.predicted_ttft_s, result.candidates[0].engines if result.candidates else ())
         placed = PlacedRequest(rid, self.cfg.model, parsed, result.candidates, deadline, trail.traceparent(),
-                               self._first_token_s(ask.ttft_budget_s, result.predicted_ttft_s), result.epoch)
+                               self._first_token_s(ask.ttft_budget_s, result.predicted_ttft_s), result.epoch, ask.rank)
         return await self._respond(placed, ticket, parsed, echo, trail, result.predicted_ttft_s,
                                    self._limits(ask.tenant, result.remaining))
 
@@ -289,10 +311,11 @@ class CompletionHandler:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            self._abandon(task, req.ticket_id, self.tenant_labels.label(req.tenant))
+            self._abandon(task, req.ticket_id, self.tenant_labels.label(req.tenant),
+                          self.cfg.admission.classes[req.rank].name)
             raise
 
-    def _abandon(self, task: asyncio.Task[AdmitResult], ticket_id: str, tenant: str | None) -> None:
+    def _abandon(self, task: asyncio.Task[AdmitResult], ticket_id: str, tenant: str | None, klass: str) -> None:
         """The client left while waiting for admission: withdraw the ticket (the scheduler frees a
         queue slot or a grant, now or when the admit call arrives) and count the cancellation,
         unless the scheduler had already refused — and counted — the request."""
@@ -304,7 +327,7 @@ class CompletionHandler:
                 err = t.result().error
                 if err is not None and err.code != "cancelled":
                     return
-            self.reporter.outcome(Outcome.CANCELLED, "client_disconnected", tenant)
+            self.reporter.outcome(Outcome.CANCELLED, "client_disconnected", tenant, klass)
 
         task.add_done_callback(on_done)
 
@@ -358,7 +381,7 @@ class CompletionHandler:
     ) -> None:
         if self.reporter.lease is not None:
             self.reporter.lease.release(ticket, stats.output_tokens if stats is not None else None)
-        self.reporter.release(ticket, outcome, reason, stats, trail.tenant)
+        self.reporter.release(ticket, outcome, reason, stats, trail.tenant, trail.priority)
         trail.end(outcome, reason, status, stats)
 
     async def _first_data(

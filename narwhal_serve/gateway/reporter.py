@@ -74,8 +74,8 @@ class Reporter:
         self._pending.counters.unsized_offered += 1
         self._queue()
 
-    def outcome(self, outcome: Outcome, reason: str = "", tenant: str | None = None) -> None:
-        self._pending.counters.add(outcome, reason, tenant)
+    def outcome(self, outcome: Outcome, reason: str = "", tenant: str | None = None, klass: str | None = None) -> None:
+        self._pending.counters.add(outcome, reason, tenant, klass)
         self._queue()
 
     def decode_started(self, ticket_id: str, engines: tuple[str, ...] = ()) -> None:
@@ -109,8 +109,8 @@ class Reporter:
         self._queue()
 
     def release(self, ticket_id: str, outcome: Outcome, reason: str, stats: RelayStats | None,
-                tenant: str | None = None) -> None:
-        self._pending.counters.add(outcome, reason, tenant)
+                tenant: str | None = None, klass: str | None = None) -> None:
+        self._pending.counters.add(outcome, reason, tenant, klass)
         self._pending.released.append((ticket_id, stats, outcome is Outcome.COMPLETED))
         view = self.lease.view if self.lease is not None else None
         if view is not None and view.queued:

@@ -33,3 +33,4 @@ class PlacedRequest:
     # before headers, an attempt with no first token this long (seconds) moves to the next route
     first_token_s: float | None = None
     epoch: int = 0  # the router lease's fencing token it was admitted under (0: no lease backend)
+    priority: int | None = None  # its class rank, sent to engines that schedule by priority (0 first)

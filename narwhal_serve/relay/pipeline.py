@@ -290,7 +290,7 @@ class Relay:
         committed = False
         held: list[bytes] = []  # chunks before the first generated token (e.g. the role chunk)
         usage = _UsageWatch(req.prompt_tokens)
-        stream = open_route(self.client, route, req, headers, self.tracing, span, at.cursor)
+        stream = open_route(self.client, route, req, headers, self.tracing, span, at.cursor, placed.priority)
         if self.coalesce_reads:
             stream = coalesce(stream)
         try:
@@ -344,7 +344,7 @@ class Relay:
         req = placed.request
         route, meter, attempt = at.route, at.meter, at.attempt
         asm = Assembler(req.route, return_token_ids=req.return_token_ids)
-        stream = open_route(self.client, route, req, headers, self.tracing, span, at.cursor)
+        stream = open_route(self.client, route, req, headers, self.tracing, span, at.cursor, placed.priority)
         try:
             async for batch in self._batches(stream, placed, at):
                 now = self.clock()

@@ -36,17 +36,21 @@ class AdmitRequest:
     tenant: str = ""
     tenant_returned: Amounts = Amounts()  # the lease's share of the tenant's budget, handed back
     fingerprint: str = ""
+    rank: int = 0
+    admit_within_s: float | None = None
 
     def ask(self) -> Ask:
         return Ask(self.prompt_tokens, self.ttft_budget_s, self.tpot_budget_s, self.kind, self.max_output_tokens,
-                   self.prefix, self.prefix_block_tokens, self.retry, self.reserves, self.tenant, self.fingerprint)
+                   self.prefix, self.prefix_block_tokens, self.retry, self.reserves, self.tenant, self.fingerprint,
+                   self.rank, self.admit_within_s)
 
     @classmethod
     def of(cls, ticket_id: str, request_deadline: float, ask: Ask, **lease: Any) -> "AdmitRequest":
         return cls(ticket_id, request_deadline, ask.prompt_tokens, ask.max_output_tokens, ask.ttft_budget_s,
                    tpot_budget_s=ask.tpot_budget_s, kind=ask.kind, prefix=ask.prefix,
                    prefix_block_tokens=ask.prefix_block_tokens, retry=ask.retry, reserves=ask.reserves,
-                   tenant=ask.tenant, fingerprint=ask.fingerprint, **lease)
+                   tenant=ask.tenant, fingerprint=ask.fingerprint, rank=ask.rank,
+                   admit_within_s=ask.admit_within_s, **lease)
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,7 @@ class Report:
         self.counters.unsized_offered += later.counters.unsized_offered
         self.counters.outcomes.update(later.counters.outcomes)
         self.counters.tenants.update(later.counters.tenants)
+        self.counters.classes.update(later.counters.classes)
         self.decode_started.extend(later.decode_started)
         self.released.extend(later.released)
         self.admission_waits.extend(later.admission_waits)

@@ -86,7 +86,7 @@ class SchedulerService:
         self.counters = Counters()
         specs = {t.name: t for t in cfg.tenants.list} if cfg.tenants is not None else {}
         self.tenants = TenantBook(specs)  # tenants' budgets (tenants/budget.py)
-        self.tenant_tally = TenantTally(tuple(specs))
+        self.tenant_tally = TenantTally(tuple(specs), tuple(c.name for c in cfg.admission.classes))
         self._budgeted: dict[str, tuple[str, Amounts]] = {}  # tickets that took budget here, not placed yet
         self.histograms = {
             "ttft": Histogram(),
@@ -240,12 +240,15 @@ class SchedulerService:
         return None
 
     # -- admission ---------------------------------------------------------------------------
-    def _refuse(self, refusal: Refusal, tenant: str = "") -> AdmitResult:
-        self.counters.add(refusal.outcome, refusal.reason, tenant=self.tenant_tally.label(tenant))
-        return AdmitResult(error=refusal.error, outcome=refusal.outcome)
+    def _refuse(self, refusal: Refusal, req: AdmitRequest | None = None) -> AdmitResult:
+        return self._refuse_info(refusal.error, refusal.outcome, req)
 
-    def _refuse_info(self, err: ErrorInfo, outcome: Outcome, tenant: str = "") -> AdmitResult:
-        self.counters.add(outcome, err.code, tenant=self.tenant_tally.label(tenant))
+    def _refuse_info(self, err: ErrorInfo, outcome: Outcome, req: AdmitRequest | None = None) -> AdmitResult:
+        """A refusal by the scheduler, counted here (with its tenant and class when known)."""
+        classes = self.cfg.admission.classes
+        klass = classes[req.rank].name if req is not None and 0 <= req.rank < len(classes) else None
+        self.counters.add(outcome, err.code, tenant=self.tenant_tally.label(req.tenant) if req is not None else None,
+                          klass=klass)
         return AdmitResult(error=err, outcome=outcome)
 
     def _refund(self, tid: str) -> None:
@@ -323,7 +326,7 @@ class SchedulerService:
                                       reserves=req.reserves)
             if over is not None:
                 self._pump()
-                return self._refuse(Refusal(budget_error(over), Outcome.REJECTED), req.tenant)
+                return self._refuse(Refusal(budget_error(over), Outcome.REJECTED), req)
             self._budgeted[req.ticket_id] = (req.tenant, request_cost(req.prompt_tokens))
         self._rotation += 1
         view = self.view(now)
@@ -333,12 +336,12 @@ class SchedulerService:
             if verdict.reserve is not None:
                 self._reserve(replace(verdict.reserve, id=req.ticket_id))
             self._pump()
-            return self._refuse(verdict, req.tenant)
-        decision = self.admission.offer(req.ticket_id, now, req.request_deadline)
+            return self._refuse(verdict, req)
+        decision = self.admission.offer(req.ticket_id, now, req.request_deadline, req.rank)
         if isinstance(decision, Refusal):
             self._refund(req.ticket_id)
             self._pump()
-            return self._refuse(decision, req.tenant)
+            return self._refuse(decision, req)
         if req.retry and (r := earliest(view.reservations, now)) is not None:
             self.reservations.pop(r.id, None)  # the retry takes the room kept for it
         if isinstance(decision, Grant):
@@ -372,7 +375,7 @@ class SchedulerService:
             self._refund(t.id)
             fut = self._waiters.pop(t.id, None)
             if fut is not None and not fut.done():
-                fut.set_result(self._refuse(refusal, req.tenant if req is not None else ""))
+                fut.set_result(self._refuse(refusal, req))
         for t in granted:
             req = self._unqueue(t.id)
             fut = self._waiters.pop(t.id, None)
@@ -383,7 +386,7 @@ class SchedulerService:
             if (reason := self.unavailable(now)) is not None:  # fenced, standby...: nothing is admitted
                 self._refund(t.id)
                 self.admission.release(t.id)
-                fut.set_result(self._refuse_info(router_unavailable(reason), Outcome.REJECTED, req.tenant))
+                fut.set_result(self._refuse_info(router_unavailable(reason), Outcome.REJECTED, req))
                 continue
             # ranked again now (it waited); nothing queued is ahead of it any more
             self._rotation += 1
@@ -391,7 +394,7 @@ class SchedulerService:
             if placement is None:
                 self._refund(t.id)
                 self.admission.release(t.id)
-                fut.set_result(self._refuse_info(backend_unavailable(), Outcome.REJECTED, req.tenant))
+                fut.set_result(self._refuse_info(backend_unavailable(), Outcome.REJECTED, req))
             else:
                 fut.set_result(self._placed(t.id, placement, req.request_deadline))
         self._arm_expiry()
@@ -508,13 +511,13 @@ class SchedulerService:
         if stats is not None:
             learn_from(stats, t.placement, self.engines, self.histograms, self.tally, completed, self.outputs,
                        self.clock(), self.cfg.placement)
+        self.tenant_tally.ended(t.placement.tenant, t.placement, stats, completed)
         if self.tenants.specs:
             p = t.placement
             out = stats.output_tokens if stats is not None else t.output_charged
             duration = stats.ttft_s + stats.decode_s if stats is not None and stats.ttft_s is not None else None
             self.tenants.ended(p.tenant, self.clock(), output_tokens=max(0.0, out - t.output_charged) if t.lease is None else 0.0,
                                duration_s=duration, own=t.lease is None)
-            self.tenant_tally.ended(p.tenant, p, stats, completed)
 
     def metrics_text(self) -> str:
         return render_metrics(self.snapshot(), self.histograms)

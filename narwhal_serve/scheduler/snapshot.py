@@ -28,6 +28,7 @@ def snapshot(svc: "SchedulerService") -> dict[str, Any]:
         "gauges": svc.admission.gauges(),
         "served": svc.tally.view(),
         "tenants": svc.tenant_tally.view(svc.counters.by_tenant, svc.tenants.remaining(now)),
+        "classes": svc.tenant_tally.class_view(svc.counters.by_class),
         "output_lengths": [{"route": k, "max_tokens_bucket": b, "mean_tokens": round(m, 2)}
                            for k, b, m in svc.outputs.table()],
         "profiles_sent": svc.profiler.sent,

@@ -63,6 +63,9 @@ class SimEngineConfig(BaseModel):
     them add up); ``parallel``: each request's prefill takes its own time whatever else is waiting."""
     num_gpu_blocks: int = Field(default=4096, ge=1)
     """KV-cache capacity in blocks: bounds the prefix cache and scales ``kv_cache_usage_perc``."""
+    # vLLM --scheduling-policy priority: waiting requests are admitted by their `priority` (lower
+    # first), then arrival; without it a request with a non-zero priority is refused, as vLLM does
+    priority_scheduling: bool = False
     kv_events_endpoint: str | None = None
     """Publish KV-cache events here as vLLM does (``--kv-events-config``), e.g. ``tcp://127.0.0.1:5557``."""
     kv_events_replay_endpoint: str | None = None

@@ -25,23 +25,27 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 
 
 class Scheduler:
-    """FIFO admission: at most ``limit()`` holders; the rest wait in arrival order."""
+    """At most ``limit()`` holders; the rest wait in arrival order, or, with priorities (vLLM's
+    priority policy), by priority (lower first), then arrival."""
 
     def __init__(self, limit: Callable[[], int]) -> None:
         self._limit = limit
         self.running = 0
         self._waiting: deque[asyncio.Future[None]] = deque()
+        self._priority: dict[asyncio.Future[None], int] = {}
 
     @property
     def waiting(self) -> int:
         return sum(1 for f in self._waiting if not f.done())
 
-    async def acquire(self) -> None:
+    async def acquire(self, priority: int = 0) -> None:
         if not self._waiting and self.running < self._limit():
             self.running += 1
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append(fut)
+        if priority:
+            self._priority[fut] = priority
         try:
             await fut
         except asyncio.CancelledError:
@@ -50,6 +54,15 @@ class Scheduler:
             else:
                 self._waiting.remove(fut)
             raise
+        finally:
+            self._priority.pop(fut, None)
+
+    def _pop(self) -> asyncio.Future[None]:
+        if not self._priority:
+            return self._waiting.popleft()
+        best = min(self._waiting, key=lambda f: self._priority.get(f, 0))  # (min is stable: arrival order)
+        self._waiting.remove(best)
+        return best
 
     def release(self) -> None:
         self.running -= 1
@@ -58,7 +71,7 @@ class Scheduler:
     def wake(self) -> None:
         """Admit waiters while there is room (also after ``max_num_seqs`` grows)."""
         while self._waiting and self.running < self._limit():
-            fut = self._waiting.popleft()
+            fut = self._pop()
             if not fut.done():
                 self.running += 1
                 fut.set_result(None)
@@ -98,6 +111,7 @@ class Job:
     skip_prefill: bool = False
     arrival: float = 0.0
     block_ids: list[int] = field(default_factory=list)
+    priority: int = 0  # vLLM's: lower is admitted first (engines with priority scheduling)
 
 
 class Engine:
@@ -197,7 +211,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         job.arrival = loop.time()
         c = self.counters
-        await self.scheduler.acquire()
+        await self.scheduler.acquire(job.priority)
         seq = next(self._seq)
         finished = False
         try:

@@ -87,6 +87,7 @@ class Prepared:
     prefill_leg: bool
     plan: FaultPlan
     request_id: str
+    priority: int = 0
 
 
 def _completion_prompt(prompt: str | list[str] | list[int] | list[list[int]], special: bool) -> list[int]:
@@ -116,6 +117,8 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
                        "NotFoundError", "model")
     if req.n != 1:
         raise bad_request("n > 1 is not supported by the simulator", "n")
+    if req.priority != 0 and not cfg.priority_scheduling:  # vLLM's own answer
+        raise bad_request(f"Got priority {req.priority} but Priority scheduling is not enabled.", "priority")
     if isinstance(req, CompletionRequest):
         prompt_ids = _completion_prompt(req.prompt, getattr(req, "add_special_tokens", True) is not False)
     limit, n_prompt = cfg.max_model_len, len(prompt_ids)
@@ -171,7 +174,7 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
         include_usage=req.include_usage() and not plan.has("missing_usage"),
         dialect=cfg.dialect,
     )
-    return Prepared(shape, output, prompt_ids, stream, skip_prefill, prefill_leg, plan, request_id)
+    return Prepared(shape, output, prompt_ids, stream, skip_prefill, prefill_leg, plan, request_id, req.priority)
 
 
 async def handle_generate(engine: Engine, request: Request, kind: Kind) -> Response:
@@ -197,7 +200,7 @@ async def handle_generate(engine: Engine, request: Request, kind: Kind) -> Respo
     if plan.has("hang") or (plan.has("hang_mid_stream") and not prep.stream):
         await wait_disconnect(request, engine)
         return Response(status_code=503)
-    job = Job(prep.prompt_ids, prep.output, skip_prefill=prep.skip_prefill)
+    job = Job(prep.prompt_ids, prep.output, skip_prefill=prep.skip_prefill, priority=prep.priority)
     headers = {"X-Request-Id": prep.request_id}
     if prep.stream:
         return StreamingResponse(_sse(engine, prep, job), media_type="text/event-stream", headers=headers)

@@ -83,6 +83,7 @@ class _Common(BaseModel):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    priority: int = 0
     sim: SimExt | None = None
 
     def stop_list(self) -> list[str]:

@@ -23,7 +23,9 @@ def _esc(v: str) -> str:
 @dataclass
 class TenantTally:
     tenants: tuple[str, ...]  # configured (empty: no tenants section, nothing counted)
+    classes: tuple[str, ...] = ()  # admission.classes, highest first
     served: Counter[tuple[str, str]] = field(default_factory=Counter)  # (tenant, what) -> n
+    by_class: Counter[tuple[str, str]] = field(default_factory=Counter)  # (class, what) -> n
 
     def label(self, tenant: str) -> str | None:
         """The metric label of ``tenant`` (None: no tenants configured, no per-tenant series)."""
@@ -32,15 +34,27 @@ class TenantTally:
         return tenant if tenant in self.tenants else OTHER
 
     def ended(self, tenant: str, p: Placement, stats: RelayStats | None, completed: bool) -> None:
+        good = (stats is not None and completed and stats.ttft_s is not None and p.ttft_budget_s is not None
+                and stats.ttft_s <= p.ttft_budget_s)
+        out = stats.output_tokens if stats is not None else 0
+        if 0 <= p.rank < len(self.classes):
+            k = self.classes[p.rank]
+            self.by_class[(k, "admitted")] += 1
+            self.by_class[(k, "goodput")] += good
+            self.by_class[(k, "input_tokens")] += p.prompt_tokens
+            self.by_class[(k, "output_tokens")] += out
         label = self.label(tenant)
         if label is None:
             return
         self.served[(label, "admitted")] += 1
         self.served[(label, "input_tokens")] += p.prompt_tokens
-        if stats is not None:
-            self.served[(label, "output_tokens")] += stats.output_tokens
-            if completed and stats.ttft_s is not None and p.ttft_budget_s is not None and stats.ttft_s <= p.ttft_budget_s:
-                self.served[(label, "goodput")] += 1
+        self.served[(label, "output_tokens")] += out
+        self.served[(label, "goodput")] += good
+
+    def class_view(self, outcomes: Counter[tuple[str, str]]) -> list[dict[str, Any]]:
+        """One row per priority class."""
+        return [{"class": k, **{w: self.by_class[(k, w)] for w in ("admitted", "goodput", "input_tokens", "output_tokens")},
+                 "outcomes": {o.value: outcomes[(k, o.value)] for o in TERMINAL}} for k in self.classes]
 
     def view(self, outcomes: Counter[tuple[str, str]], remaining: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
         """One row per configured tenant (and ``other`` once it counted something)."""
@@ -54,6 +68,22 @@ class TenantTally:
             "outcomes": {o.value: outcomes[(t, o.value)] for o in TERMINAL},
             "budget_remaining": remaining.get(t, {}),
         } for t in names]
+
+
+def render_classes(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["# HELP narwhal_class_requests_total Offered requests by priority class and terminal class",
+           "# TYPE narwhal_class_requests_total counter"]
+    for r in rows:
+        for o, n in sorted(r["outcomes"].items()):
+            out.append(f'narwhal_class_requests_total{{class="{_esc(r["class"])}",outcome="{o}"}} {n}')
+    for key in ("admitted", "goodput"):
+        out += [f"# TYPE narwhal_class_{key}_total counter"]
+        out += [f'narwhal_class_{key}_total{{class="{_esc(r["class"])}"}} {r[key]}' for r in rows]
+    out += ["# TYPE narwhal_class_tokens_total counter"]
+    for r in rows:
+        for kind in ("input", "output"):
+            out.append(f'narwhal_class_tokens_total{{class="{_esc(r["class"])}",kind="{kind}"}} {r[kind + "_tokens"]}')
+    return out
 
 
 def render_tenants(rows: list[dict[str, Any]]) -> list[str]:

@@ -18,7 +18,7 @@ import pytest
 from tests.support.local_router import LocalRouter, start_local_router
 
 CHAT = "/v1/chat/completions"
-KEYS = {"acme": "sk-acme-secret-1", "slow": "sk-slow-secret-2", "free": "sk-free-secret-3"}
+KEYS = {"acme": "sk-acme-secret-1", "slow": "sk-slow-secret-2", "free": "sk-free-secret-3", "bulk": "sk-bulk-4"}
 
 
 def sha(k: str) -> str:
@@ -29,11 +29,12 @@ def sha(k: str) -> str:
 async def router() -> AsyncIterator[LocalRouter]:
     r = await start_local_router({
         "admission": {"mode": "open"},
-        "sim": {"engines": [{"name": "u", "role": "unified"}], "kv_events": False},
+        "sim": {"engines": [{"name": "u", "role": "unified", "priority_scheduling": True}], "kv_events": False},
         "tenants": {"list": [
             {"name": "acme", "key_sha256": [sha(KEYS["acme"])], "requests_per_minute": 600},
             {"name": "slow", "key_sha256": [sha(KEYS["slow"])], "requests_per_minute": 60},
             {"name": "free", "key_sha256": [sha(KEYS["free"])]},
+            {"name": "bulk", "key_sha256": [sha(KEYS["bulk"])], "default_class": "batch", "max_class": "standard"},
         ]},
     })
     yield r
@@ -117,3 +118,23 @@ async def test_over_budget_gets_429_with_a_retry_after_the_openai_client_honours
     assert 'narwhal_tenant_tokens_total{tenant="acme",kind="output"}' in metrics
     rows = {r["tenant"]: r for r in status["tenants"]}
     assert rows["slow"]["outcomes"]["rejected"] >= 2 and rows["acme"]["admitted"] >= 3
+
+
+async def test_priority_classes_reach_the_engine_lowered_to_the_tenant_s_ceiling(router: LocalRouter) -> None:
+    cases = [("acme", None, 1), ("acme", "interactive", 0), ("acme", "Batch", 2),
+             ("bulk", None, 2), ("bulk", "interactive", 1)]  # bulk: default batch, at most standard
+    async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+        for i, (tenant, header, want) in enumerate(cases):
+            rid = f"prio-{i}"
+            headers = {**auth(tenant), "X-Request-Id": rid, **({"X-Priority": header} if header else {})}
+            r = await c.post(CHAT, json=chat(), headers=headers)
+            assert r.status_code == 200, r.text
+            sent = next(x for x in router.sim("u").engine.recent if x["request_id"] == rid)
+            assert sent["body"]["priority"] == want, (tenant, header)
+        bad = await c.post(CHAT, json=chat(), headers={**auth("acme"), "X-Priority": "urgent"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-priority"
+        await router.app_reporter.flush()
+        metrics = (await c.get("/metrics")).text
+    line = next(ln for ln in metrics.splitlines() if ln.startswith('narwhal_class_requests_total{class="batch",outcome="completed"}'))
+    assert int(line.split()[-1]) >= 2
+    assert 'narwhal_class_goodput_total{class="interactive"}' in metrics
