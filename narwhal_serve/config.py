@@ -91,6 +91,9 @@ class TenantsConfig(_Strict):
     # without a restart
     keys_file: str | None = None
     keys_reload_s: float = Field(1.0, gt=0)  # how often the file's modification time is checked
+    # The tenant of requests that present no key (a public tier); None: a key is required. A key
+    # that is presented and unknown is refused either way.
+    anonymous: str | None = None
 
     @model_validator(mode="after")
     def _unique(self) -> "TenantsConfig":
@@ -99,6 +102,8 @@ class TenantsConfig(_Strict):
             raise ValueError(f"tenants.list: names must be unique; repeated: {sorted({n for n in names if names.count(n) > 1})}")
         if not names:
             raise ValueError("tenants.list: at least one tenant (omit the tenants section for none)")
+        if self.anonymous is not None and self.anonymous not in names:
+            raise ValueError(f"tenants.anonymous {self.anonymous!r} is not in tenants.list")
         return self
 
     def spec(self, name: str) -> TenantSpec | None:

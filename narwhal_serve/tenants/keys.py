@@ -110,10 +110,13 @@ class KeyRing:
         log.info("tenants.keys_file %s: %d keys loaded", path, len(pairs))
 
     def identify(self, authorization: str | None) -> str | None:
-        """The tenant of the request's bearer key; None when a key is required and this one is
-        missing or unknown.  Without keys configured, every request is the anonymous tenant."""
+        """The tenant of the request's bearer key; None when this key is unknown, or missing where
+        a key is required.  Without keys configured, every request is the anonymous tenant; with
+        ``tenants.anonymous``, a request without a key is that tenant."""
         if not self.required:
             return ANONYMOUS
+        if not authorization and self.cfg is not None and self.cfg.anonymous is not None:
+            return self.cfg.anonymous
         self.maybe_reload()
         given = authorization or ""
         if not given[:7].lower() == "bearer ":

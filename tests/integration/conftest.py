@@ -6,6 +6,7 @@ from tests.support import ray_env
 
 ray_env.apply()
 
+import hashlib  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
@@ -64,6 +65,13 @@ def graph() -> Iterator[Graph]:
                 # nor drift (tested in test_overload_graph.py): injected slow first tokens are not a slow engine
                 "placement": {"drift_out_at": 1000.0},
                 "deployment": {"ingress_max_replicas": 1, "assembler_max_replicas": 1},
+                # tenants (tested in test_tenants_graph.py): requests without a key are the public
+                # tier, with a budget far above any test's load (its lease shares are exercised
+                # by every test); the openai client tests' key is a tenant of its own
+                "tenants": {"anonymous": "public", "list": [
+                    {"name": "public", "requests_per_minute": 1_000_000, "input_tokens_per_minute": 1_000_000_000},
+                    {"name": "sdk", "key_sha256": [hashlib.sha256(b"unused").hexdigest()]},
+                ]},
             }
         )
         tight_sim = free_port_run(1, start=sim_base + 10)

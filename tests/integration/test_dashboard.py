@@ -33,7 +33,7 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "narwha
 JOB = "narwhal"
 # Grafana's variables, as the test evaluates them: windows long enough to cover the whole load
 # (Prometheus starts just before it), every engine.
-GRAFANA_VARS = {"$__rate_interval": "1m", "$__range": "5m", "$__interval": "15s", "$job": JOB, "$engine": ".*"}
+GRAFANA_VARS = {"$__rate_interval": "1m", "$__range": "5m", "$__interval": "15s", "$job": JOB, "$engine": ".*", "$tenant": ".*"}
 METRIC = re.compile(r"\bnarwhal_[a-z0-9_]+")
 LABEL_VALUES = re.compile(r"^label_values\((?P<match>.+),\s*(?P<label>[a-zA-Z_][a-zA-Z0-9_]*)\)$")
 

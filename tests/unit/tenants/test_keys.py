@@ -83,3 +83,12 @@ def test_config_rejects_clear_keys_and_two_key_sources() -> None:
         NarwhalConfig.model_validate({"serving": {"api_keys": ["k"]}, "tenants": {"list": [{"name": "a"}]}})
     with pytest.raises(ValidationError, match="unique"):
         TenantsConfig.model_validate({"list": [{"name": "a"}, {"name": "a"}]})
+
+
+def test_an_anonymous_tenant_takes_requests_without_a_key_but_not_unknown_keys() -> None:
+    ring = KeyRing(tenants(anonymous="beta"))
+    assert ring.identify(None) == "beta" and ring.identify("") == "beta"
+    assert ring.identify("Bearer k-acme") == "acme"
+    assert ring.identify("Bearer not-a-key") is None
+    with pytest.raises(ValidationError, match="anonymous"):
+        tenants(anonymous="nobody")
