@@ -59,6 +59,8 @@ class TenantSpec(_Strict):
     input_tokens_per_minute: float | None = Field(None, gt=0)  # prompt tokens, as the router counts them
     output_tokens_per_minute: float | None = Field(None, gt=0)  # validated output token IDs
     max_concurrent: int | None = Field(None, gt=0)
+    # its weight in the fair share of the fleet under overload (README, "Tenants")
+    weight: float = Field(1.0, gt=0)
     # its requests' class without X-Priority (None: admission.default_class), and the highest class
     # it may ask for (None: any); a higher X-Priority is lowered to this ceiling
     default_class: str | None = None

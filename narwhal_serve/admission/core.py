@@ -30,6 +30,7 @@ from narwhal_serve.placement.prefix import SetUnion, matched_blocks
 from narwhal_serve.prediction.decode import DEFAULT_OUTPUT_PRIOR, PRIOR_TPOT_A, expected_output, tpot_at
 from narwhal_serve.prediction.ttft import Projection, linear_ttft, project_linear, slot_wait_s, with_margin
 from narwhal_serve.protocol.placement import RouteChoice
+from narwhal_serve.tenants.fair import OVER_SHARE_HEADROOM
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class FleetView:
     output_prior: float = DEFAULT_OUTPUT_PRIOR
     reservations: tuple[Reservation, ...] = ()  # room kept for refused clients' retries (admission/retry.py)
     streams_end_at: float | None = None  # draining: wall time the ingress ends the streams still open
+    over_share: frozenset[str] = frozenset()  # tenants over their fair share (tenants/fair.py)
 
     def adjusted(self, deltas: Mapping[str, EngineDelta]) -> "FleetView":
         """This view with a holder's own changes since it was taken."""
@@ -361,6 +363,8 @@ def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | 
         return Refusal(backend_unavailable(), Outcome.REJECTED)
     if view.predictive and best is not None:
         limit = ask.ttft_budget_s if ask.admit_within_s is None else min(ask.ttft_budget_s, ask.admit_within_s)
+        if view.over_share and ask.tenant in view.over_share:  # the rest is for tenants within theirs
+            limit = min(limit, OVER_SHARE_HEADROOM * ask.ttft_budget_s)
         refusal = judge(best.projection, limit)
         if refusal is not None:
             retry_after = refusal.error.retry_after

@@ -43,6 +43,7 @@ from narwhal_serve.scheduler.snapshot import snapshot
 from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, Tally, render_metrics
 from narwhal_serve.tenants.amounts import Amounts, request_cost
 from narwhal_serve.tenants.budget import TenantBook, budget_error
+from narwhal_serve.tenants.fair import FairShare
 from narwhal_serve.tenants.tally import TenantTally
 
 REAP_GRACE_S = 5.0  # a ticket past its request deadline by this much is forgotten (permits freed)
@@ -86,6 +87,7 @@ class SchedulerService:
         self.counters = Counters()
         specs = {t.name: t for t in cfg.tenants.list} if cfg.tenants is not None else {}
         self.tenants = TenantBook(specs)  # tenants' budgets (tenants/budget.py)
+        self.fair = FairShare({t.name: t.weight for t in cfg.tenants.list} if cfg.tenants is not None else {})
         self.tenant_tally = TenantTally(tuple(specs), tuple(c.name for c in cfg.admission.classes))
         self._budgeted: dict[str, tuple[str, Amounts]] = {}  # tickets that took budget here, not placed yet
         self.histograms = {
@@ -214,6 +216,7 @@ class SchedulerService:
             outputs=self.outputs.table(),
             reservations=self._live_reservations(now),
             streams_end_at=self.router.drain_until,
+            over_share=self.fair.over(now) if self.fair.weights else frozenset(),
         )
 
     def _live_reservations(self, now: float) -> tuple[Reservation, ...]:
@@ -259,6 +262,8 @@ class SchedulerService:
 
     def _charge(self, tid: str, placement: Placement, deadline: float, lease: str | None) -> None:
         self.tally.admitted += 1
+        if self.fair.weights:
+            self.fair.admitted(placement.tenant, placement.prefill_tokens, self.clock())
         if placement.cached_tokens:
             self.tally.prefix_hits += 1
             self.tally.prefix_cached_tokens += placement.cached_tokens

@@ -29,6 +29,7 @@ def snapshot(svc: "SchedulerService") -> dict[str, Any]:
         "served": svc.tally.view(),
         "tenants": svc.tenant_tally.view(svc.counters.by_tenant, svc.tenants.remaining(now)),
         "classes": svc.tenant_tally.class_view(svc.counters.by_class),
+        "fair_share": {t: {"measured": round(u, 4), "fair": round(f, 4)} for t, (u, f) in svc.fair.shares(now).items()},
         "output_lengths": [{"route": k, "max_tokens_bucket": b, "mean_tokens": round(m, 2)}
                            for k, b, m in svc.outputs.table()],
         "profiles_sent": svc.profiler.sent,
