@@ -14,9 +14,9 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from narwhal_serve.bench import assembly, decision, profile, ramp, soak, transport, views, vllmbench
+from narwhal_serve.bench import assembly, decision, profile, ramp, soak, tenants, transport, views, vllmbench
 from narwhal_serve.bench.fleet import TARGETS, Fleet, FleetSpec, SimTiming, known_target
-from narwhal_serve.bench.goodput import GoodputArgs, run_goodput_suite
+from narwhal_serve.bench.goodput import GoodputArgs, GoodputRun, run_goodput_suite
 from narwhal_serve.bench.overhead import OverheadArgs, run_overhead
 from narwhal_serve.bench.report import RequestLog, run_dir, write_json
 from narwhal_serve.bench.stats import Slo
@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("decision", help="CPU cost of one admission decision, lease and scheduler (no servers)")
     d.add_argument("--engines", type=_ints, default=[3, 16, 64], help="fleet sizes (comma list)")
     d.add_argument("--requests", type=int, default=5000)
+    d.add_argument("--tenants", type=_ints, default=[0], help="budgeted tenants (comma list; 0: no tenants section)")
     d.add_argument("--out", type=Path, default=Path("bench-results"))
     a = sub.add_parser("assembly", help="per-token CPU cost of assembly and relay (no servers)")
     a.add_argument("--tokens", type=int, default=20_000)
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace-max-prompt", type=int, default=8192,
                    help="mooncake / azure: prompts clipped to this many tokens (the simulated engines' context "
                         "is raised to fit)")
+    g.add_argument("--tenants", action="store_true",
+                   help="the tenant scenarios (noisy neighbour, fairness, priority) on narwhal-predictive and "
+                        "narwhal-tenants side by side, instead of the rate sweep (bench/tenants.py)")
     g.add_argument("--prefix-groups", type=int, default=8, help="shared-prefix: groups K")
     g.add_argument("--prefix-tokens", type=int, default=1500, help="shared-prefix: tokens of each group's prefix")
     g.add_argument("--suffix-tokens", type=int, default=32, help="shared-prefix: tokens of each prompt's own suffix")
@@ -358,7 +362,7 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.mode == "decision":
-        decision.run(run_dir(ns.out, "decision"), ns.engines, ns.requests)
+        decision.run(run_dir(ns.out, "decision"), ns.engines, ns.requests, ns.tenants)
         return 0
     if ns.mode == "assembly":
         assembly.run(run_dir(ns.out, "assembly"), ns.tokens)
@@ -386,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.mode == "vllm-bench":
         return vllmbench.main(ns, fleet_spec(ns, 2.0))
     targets: list[str] = ns.targets or DEFAULT_TARGETS[ns.mode]
+    if ns.mode == "goodput" and ns.tenants:
+        targets = ["direct", tenants.BASELINE, tenants.TENANTS]
     if ns.mode == "goodput" and "direct" not in targets and not ns.capacity_rps:
         targets = ["direct", *targets]  # the calibration run needs the engines directly
     args: GoodputArgs | OverheadArgs = goodput_args(ns) if ns.mode == "goodput" else overhead_args(ns)
@@ -400,7 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         fleet.start(targets, ns.narwhal_start_timeout_s)
         print(f"fleet ready in {time.monotonic() - t0:.1f} s (narwhal {fleet.narwhal_startup_s or 0:.1f} s): "
               f"engines {', '.join(fleet.engine_urls)}", file=sys.stderr)
-        if isinstance(args, GoodputArgs):
+        if isinstance(args, GoodputArgs) and ns.tenants:
+            res = run_async(tenants.run_tenant_scenarios(args, GoodputRun(args, fleet, targets)))
+        elif isinstance(args, GoodputArgs):
             res = run_async(run_goodput_suite([goodput_args(ns, k) for k in ns.workload], fleet, targets))
         else:
             res = run_async(run_overhead(args, fleet, targets))

@@ -4,7 +4,8 @@ A scheduler with N engines (half unified, the rest prefill/decode pairs) marked 
 ingress :class:`~narwhal_serve.admission.lease.AdmissionLease` synced with it. Times, per request:
 a lease admission (``try_admit``: view with its own changes, routes, projections, judgement,
 permits) and its release, and the scheduler's own ``decide`` on its view (what a fallback admit
-call runs). Pure CPU; prints percentiles and writes JSON.
+call runs). With ``tenants``, that many budgeted tenants (lease shares, fair-share weights), the
+requests round-robin over them. Pure CPU; prints percentiles and writes JSON.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from narwhal_serve.admission.lease import AdmissionLease
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.scheduler.messages import Report
 from narwhal_serve.scheduler.service import SchedulerService
+from narwhal_serve.tenants.amounts import request_cost
+from narwhal_serve.tenants.budget import LeaseShares
 
 BIG = 10**9
 
 
-def _service(engines: int) -> SchedulerService:
+def _service(engines: int, tenants: int = 0) -> SchedulerService:
     specs = []
     for i in range(engines):
         role = "unified" if i % 2 == 0 else ("prefill" if i % 4 == 1 else "decode")
@@ -31,6 +34,9 @@ def _service(engines: int) -> SchedulerService:
         "serving": {"http_retention_limit": BIG},
         "admission": {"mode": "predictive", "queue_limit": BIG, "phase_concurrency": {"prefill": BIG, "decode": BIG}},
         "engines": specs,
+        **({"tenants": {"list": [{"name": f"t{k}", "requests_per_minute": BIG, "input_tokens_per_minute": BIG,
+                                  "output_tokens_per_minute": BIG, "max_concurrent": BIG, "weight": 1 + k % 3}
+                                 for k in range(tenants)]}} if tenants else {}),
     })
     svc = SchedulerService(cfg, clock=lambda: 1000.0)
     for e in svc.engines.values():
@@ -44,40 +50,52 @@ def _pct(xs: list[float]) -> dict[str, float]:
     return {"p50_us": round(xs[len(xs) // 2] * 1e6, 1), "p99_us": round(xs[int(len(xs) * 0.99)] * 1e6, 1)}
 
 
-def measure(engines: int, requests: int) -> dict[str, object]:
-    svc = _service(engines)
+def measure(engines: int, requests: int, tenants: int = 0) -> dict[str, object]:
+    svc = _service(engines, tenants)
     lease = AdmissionLease("bench")
+    if svc.cfg.tenants is not None:
+        lease.shares = LeaseShares({t.name: t for t in svc.cfg.tenants.list})
 
     def sync() -> None:
         grant = svc.report(Report(lease=lease.cut(0.0)))
         if grant is not None:
             lease.apply(grant, 1000.0, 0.0)
 
+    asks = [Ask(prompt_tokens=200, ttft_budget_s=60.0, tenant=f"t{k}") for k in range(max(1, tenants))]
+    if lease.shares is not None:
+        for ask in asks:  # every tenant seen at the lease and its bucket started: the next grants carry shares
+            lease.shares.check(ask.tenant, request_cost(200), 1000.0, retry=False, reserves=False)
+            svc.tenants.check(ask.tenant, request_cost(200), 1000.0)
     sync()
-    ask = Ask(prompt_tokens=200, ttft_budget_s=60.0)
+    sync()
     local: list[float] = []
+    deferred = 0
     for i in range(requests):
+        ask = asks[i % len(asks)]
         t0 = time.perf_counter()
-        lease.try_admit(f"t{i}", ask, 2000.0, 1000.0, 0.0)
+        v = lease.try_admit(f"t{i}", ask, 2000.0, 1000.0, 0.0)
         local.append(time.perf_counter() - t0)
-        lease.release(f"t{i}")
+        deferred += v is None
+        lease.release(f"t{i}", 10)
         if i % 100 == 99:  # a report every ~100 requests, as under load (every ~5 ms)
             sync()
     central: list[float] = []
     for i in range(requests):
         t0 = time.perf_counter()
-        decide(svc.view(1000.0), ask, 1000.0, i)
+        decide(svc.view(1000.0), asks[i % len(asks)], 1000.0, i)
         central.append(time.perf_counter() - t0)
-    return {"engines": engines, "requests": requests, "lease_admission": _pct(local), "scheduler_decide": _pct(central)}
+    return {"engines": engines, "tenants": tenants, "requests": requests, "lease_admission": _pct(local),
+            "deferred_to_scheduler": deferred, "scheduler_decide": _pct(central)}
 
 
-def run(out_dir: Path, engines: list[int], requests: int) -> list[dict[str, object]]:
-    rows = [measure(n, requests) for n in engines]
-    print(f"{'engines':>8} {'lease admit p50/p99 (µs)':>26} {'scheduler decide p50/p99 (µs)':>31}")
+def run(out_dir: Path, engines: list[int], requests: int, tenants: list[int] | None = None) -> list[dict[str, object]]:
+    rows = [measure(n, requests, t) for n in engines for t in (tenants or [0])]
+    print(f"{'engines':>8} {'tenants':>8} {'lease admit p50/p99 (µs)':>26} {'scheduler decide p50/p99 (µs)':>31}")
     for r in rows:
         la, sd = r["lease_admission"], r["scheduler_decide"]
         assert isinstance(la, dict) and isinstance(sd, dict)
-        print(f"{r['engines']:>8} {la['p50_us']:>12} / {la['p99_us']:<11} {sd['p50_us']:>14} / {sd['p99_us']:<14}")
+        print(f"{r['engines']:>8} {r['tenants']:>8} {la['p50_us']:>12} / {la['p99_us']:<11} "
+              f"{sd['p50_us']:>14} / {sd['p99_us']:<14}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(rows, indent=1))
     return rows

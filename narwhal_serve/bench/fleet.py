@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import sys
@@ -40,17 +41,19 @@ def known_target(target: str) -> bool:
 
 
 TARGETS: tuple[str, ...] = ("direct", "proxy", "narwhal-open", "narwhal-predictive", "rr", "narwhal-nolease",
-                            "narwhal-prefix-blind", "narwhal-estimate", "narwhal-assembler")
+                            "narwhal-prefix-blind", "narwhal-estimate", "narwhal-assembler", "narwhal-tenants")
 # narwhal-nolease: open admission with a scheduler call per request (admission.ingress_leases off)
 # and plain httpx to the engines — the hot path before leases, measured beside the others
 # narwhal-assembler: predictive, with engine streams relayed by the Assembler deployment (a Ray
 # hop) instead of in the ingress
+# narwhal-tenants: predictive, with two keyed tenants of equal weight (bench/tenants.py)
 # narwhal-estimate: predictive, with prompts sized by the characters / 4 estimate and the prefix index
 # learned from placements (no tokenizer, no KV events) — the router before exact tokens, side by side
 NARWHAL_PREFIX = {"narwhal-open": "/open", "narwhal-predictive": "/predictive", "narwhal-nolease": "/nolease",
                   "narwhal-prefix-blind": "/prefix-blind", "narwhal-estimate": "/estimate",
-                  "narwhal-assembler": "/assembler"}
-PREDICTIVE_TARGETS = frozenset({"narwhal-predictive", "narwhal-prefix-blind", "narwhal-estimate", "narwhal-assembler"})
+                  "narwhal-assembler": "/assembler", "narwhal-tenants": "/tenants"}
+PREDICTIVE_TARGETS = frozenset({"narwhal-predictive", "narwhal-prefix-blind", "narwhal-estimate", "narwhal-assembler",
+                                "narwhal-tenants"})
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -100,6 +103,14 @@ class FleetSpec:
     baseline_tree: Path | None = None  # --baseline-tree: the checkout serving the `<target>@base` targets
 
 
+TENANT_KEYS = {"a": "bench-tenant-a", "b": "bench-tenant-b"}  # narwhal-tenants' tenants and their keys
+
+
+def tenants_config() -> dict[str, Any]:
+    """The ``tenants`` section of the ``narwhal-tenants`` target: two keyed tenants, equal weights."""
+    return {"list": [{"name": t, "key_sha256": [hashlib.sha256(k.encode()).hexdigest()]} for t, k in TENANT_KEYS.items()]}
+
+
 def narwhal_app(args: dict[str, Any], name: str = "narwhal", route_prefix: str = "/") -> dict[str, Any]:
     """One Narwhal application of a ``serve run`` config (``args``: :class:`NarwhalConfig` fields)."""
     return {"name": name, "route_prefix": route_prefix, "import_path": "deployments.app:build_app", "args": args}
@@ -147,6 +158,7 @@ def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets:
             **({"deployment": {"engine_http": "httpx"}} if t == "narwhal-nolease" else {}),
             **({"deployment": {"relay": "assembler"}} if t == "narwhal-assembler" else {}),
             **({"placement": {"prefix_aware": False}} if t == "narwhal-prefix-blind" else {}),
+            **({"tenants": tenants_config()} if t == "narwhal-tenants" else {}),
         }, t, NARWHAL_PREFIX[t]))
     return serve_config(port, apps)
 

@@ -89,6 +89,8 @@ def goodput_view(res: dict[str, Any], out: Path) -> tuple[str, list[Path]]:
         text, ps = _goodput_workload(cap, rows, out, "" if kind == "lognormal" else f"-{kind}")
         parts.append(text)
         plots += ps
+    if res.get("tenant_rows"):
+        parts.append(tenants_table(res["tenant_rows"]))
     gain = res.get("prefix_gain")
     if gain:
         parts.append("\n## prefix gain (narwhal-predictive goodput / narwhal-prefix-blind)")
@@ -103,6 +105,17 @@ def goodput_view(res: dict[str, Any], out: Path) -> tuple[str, list[Path]]:
     parts.append("\n## targets")
     parts.append(checks_table(res["checks"]))
     return "\n".join(parts), plots
+
+
+def tenants_table(rows: list[dict[str, Any]]) -> str:
+    """The tenant scenarios, one line per scenario, target and tenant."""
+    lines = [[r["scenario"], r["target"], t, p["class"] or "-", p["load"], p["offered_rps"], p["goodput_rps"],
+              p["goodput_vs_offered"], p["slo_attainment_admitted"], p["refusal_rate"], p["ttft_p99_ms"],
+              r["goodput_vs_capacity"], r["jain"]]
+             for r in rows for t, p in r["tenants"].items()]
+    return "\n## tenant scenarios\n" + table(
+        ["scenario", "target", "tenant", "class", "load", "offered rps", "goodput rps", "goodput / offered",
+         "SLO attained (admitted)", "refused", "TTFT p99 ms", "total goodput / capacity", "Jain"], lines, nd=3)
 
 
 def invalid_warnings(rows: list[dict[str, Any]]) -> list[str]:
