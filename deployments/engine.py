@@ -98,7 +98,8 @@ class ManagedEngine:
         if kv_events_wanted(spec):
             kv_bind, kv_reach = kv_event_endpoints(host, node_ip, (_free_port(host), _free_port(host)))
         argv = engine_argv(spec, name=self.cfg.name, model=model, role=self.cfg.role, dialect=self.cfg.dialect,
-                           host=host, port=port, python=spec.interpreter(sys.executable), kv_events=kv_bind)
+                           host=host, port=port, python=spec.interpreter(sys.executable), kv_events=kv_bind,
+                           priority=self.cfg.priority_scheduling)
         env = engine_env(spec, os.environ, current_python=sys.executable, gpu_ids=gpus)
         log_dir = Path(spec.log_dir) if spec.log_dir else Path(tempfile.gettempdir()) / "narwhal-engines"
         log_path = log_dir / f"{self.app}-{self.cfg.name}-{self.replica}.log"

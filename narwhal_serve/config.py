@@ -75,9 +75,13 @@ class TenantSpec(_Strict):
 
     def limit(self, kind: str) -> float | None:
         """The budget of one kind (``tenants.amounts.KINDS``): per minute, or concurrent requests."""
-        return {"requests": self.requests_per_minute, "input_tokens": self.input_tokens_per_minute,
-                "output_tokens": self.output_tokens_per_minute,
-                "concurrent": None if self.max_concurrent is None else float(self.max_concurrent)}[kind]
+        if kind == "requests":
+            return self.requests_per_minute
+        if kind == "input_tokens":
+            return self.input_tokens_per_minute
+        if kind == "output_tokens":
+            return self.output_tokens_per_minute
+        return None if self.max_concurrent is None else float(self.max_concurrent)
 
     def budgeted(self) -> bool:
         return any(v is not None for v in (self.requests_per_minute, self.input_tokens_per_minute,

@@ -95,9 +95,12 @@ async def run_tenant_scenarios(a: GoodputArgs, run: GoodputRun) -> dict[str, Any
     capacity = float(cal["capacity_rps"] or 0.0)
     if capacity <= 0:
         raise RuntimeError(f"could not estimate SLO capacity: {cal}")
-    for t in (BASELINE, TENANTS):
+    plain = run.shape
+    run.shape = replace(plain, extra_headers=plain.extra_headers + (("Authorization", f"Bearer {KEYS['a']}"),))
+    for t in (BASELINE, TENANTS):  # (the baseline has no keys: it ignores the header)
         if a.warmup_s > 0:
             await run.open_run(t, "warmup", 0.3 * capacity, 999, duration_s=a.warmup_s)
+    run.shape = plain
     rows = []
     for i, name in enumerate(SCENARIOS):
         order = [BASELINE, TENANTS] if i % 2 == 0 else [TENANTS, BASELINE]

@@ -51,10 +51,11 @@ def kv_event_endpoints(host: str, node_ip: str, ports: tuple[int, int]) -> tuple
 
 def engine_argv(
     spec: LaunchSpec, *, name: str, model: str, role: str, dialect: str, host: str, port: int, python: str,
-    kv_events: tuple[str, str] | None = None,
+    kv_events: tuple[str, str] | None = None, priority: bool = False,
 ) -> list[str]:
     """The engine's command line (``model`` is the name Narwhal serves and sends to engines;
-    ``kv_events``: the PUB and replay endpoints it binds for its KV-cache events)."""
+    ``kv_events``: the PUB and replay endpoints it binds for its KV-cache events; ``priority``: it
+    schedules by request priority, the engine's ``priority_scheduling``)."""
     tp = spec.tensor_parallel_size
     if spec.kind == "vllm":
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--host", host, "--port", str(port),
@@ -65,16 +66,22 @@ def engine_argv(
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events[0],
                    "replay_endpoint": kv_events[1]}
             argv += ["--kv-events-config", json.dumps(cfg, separators=(",", ":"))]
+        if priority:
+            argv += ["--scheduling-policy", "priority"]
     elif spec.kind == "sglang":
         argv = [python, "-m", "sglang.launch_server", "--host", host, "--port", str(port),
                 "--model-path", str(spec.model), "--served-model-name", model]
         if tp > 1:
             argv += ["--tp-size", str(tp)]
+        if priority:
+            argv += ["--enable-priority-scheduling"]
     elif spec.kind == "sim":
         argv = [python, "-m", "narwhal_serve.sim.cli", "--host", host, "--port", str(port), "--name", name,
                 "--role", role, "--dialect", dialect, "--model", model]
         if kv_events is not None:
             argv += ["--kv-events-endpoint", kv_events[0], "--kv-events-replay-endpoint", kv_events[1]]
+        if priority:
+            argv += ["--scheduling-policy", "priority"]
     else:
         values = {"host": host, "port": str(port), "model": spec.model or model, "name": name, "python": python,
                   "tp": str(tp)}

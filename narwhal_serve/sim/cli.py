@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-endpoint", default=None,
                    help="publish KV-cache events here as vLLM does (ZMQ PUB), e.g. tcp://127.0.0.1:5557")
     p.add_argument("--kv-events-replay-endpoint", default=None, help="the replay (ROUTER) socket of those events")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="priority: waiting requests by their `priority` (vLLM's --scheduling-policy)")
     p.add_argument("--fault", action="append", default=[], choices=sorted(FAULT_NAMES),
                    help="engine-wide fault (repeatable)")
     return p
@@ -41,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(ns: argparse.Namespace) -> SimEngineConfig:
     fields = set(SimEngineConfig.model_fields) - {"faults"}
-    return SimEngineConfig(**{k: v for k, v in vars(ns).items() if k in fields}, faults=list(ns.fault))
+    return SimEngineConfig(**{k: v for k, v in vars(ns).items() if k in fields}, faults=list(ns.fault),
+                           priority_scheduling=ns.scheduling_policy == "priority")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,6 +24,7 @@ WINDOW_S = 10.0  # time constant of the measured work
 SLACK = 0.1  # a share this much (relative) above the fair one is "over"
 OVER_SHARE_HEADROOM = 0.75  # a tenant over its share is admitted within this share of its TTFT target
 MIN_WORK = 1.0  # decayed work below this is "not active"
+RECOMPUTE_S = 0.05  # the over-share set is recomputed at most this often (the window is 10 s)
 
 
 @dataclass
@@ -31,6 +32,8 @@ class FairShare:
     weights: Mapping[str, float]  # configured tenants (others weigh 1)
     work: dict[str, float] = field(default_factory=dict)  # decayed prompt tokens admitted
     at: float = 0.0
+    _over: frozenset[str] = frozenset()
+    _over_at: float = float("-inf")
 
     def _decay(self, now: float) -> None:
         if now <= self.at:
@@ -59,6 +62,13 @@ class FairShare:
 
     def over(self, now: float) -> frozenset[str]:
         """The tenants over their fair share (none while fewer than two are active)."""
+        if 0.0 <= now - self._over_at < RECOMPUTE_S:
+            return self._over
+        self._over_at = now
+        self._over = self._compute_over(now)
+        return self._over
+
+    def _compute_over(self, now: float) -> frozenset[str]:
         shares = self.shares(now)
         if len(shares) < 2:
             return frozenset()

@@ -109,6 +109,18 @@ def test_sim_argv_serves_the_config_model_under_the_engine_name() -> None:
                     "decode", "--dialect", "sglang", "--model", "narwhal-sim", "--tpot-base-s", "0.01"]
 
 
+def test_priority_scheduling_flags() -> None:
+    kw: dict[str, Any] = {"name": "g", "model": "m", "role": "unified", "dialect": "vllm", "host": "h", "port": 1,
+                          "python": "py", "priority": True}
+    assert engine_argv(LaunchSpec(kind="vllm", model="/m"), **kw)[-2:] == ["--scheduling-policy", "priority"]
+    assert engine_argv(LaunchSpec(kind="sglang", model="/m"), **kw)[-1] == "--enable-priority-scheduling"
+    sim = engine_argv(LaunchSpec(kind="sim"), **kw)
+    assert sim[-2:] == ["--scheduling-policy", "priority"]
+    from narwhal_serve.sim.cli import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args(sim[3:])).priority_scheduling
+
+
 def test_command_placeholders() -> None:
     spec = LaunchSpec(kind="command", command=("{python}", "-m", "srv", "--bind={host}:{port}", "--n", "{name}",
                                                "--tp", "{tp}", "--model", "{model}"), args=("-v",))
