@@ -68,6 +68,7 @@ class Ticket:
     request_deadline: float
     phase: Phase = "queued"
     rank: int = 0  # priority class (0: top): the queue grants the lowest rank first, FIFO within it
+    tenant: str = ""  # within a class, tenants over their fair share wait behind the others
 
 
 @dataclass(frozen=True)
@@ -162,13 +163,14 @@ class AdmissionController:
         self.prefill += 1
         self.decode += 1
 
-    def offer(self, ticket_id: str, now: float, request_deadline: float, rank: int = 0) -> Decision:
+    def offer(self, ticket_id: str, now: float, request_deadline: float, rank: int = 0, tenant: str = "") -> Decision:
         """A request asks for admission (after router-state, eligibility and predictive checks)."""
         if ticket_id in self.retained:
             raise ValueError(f"duplicate ticket {ticket_id}")
         if self.free().retention <= 0:
             return retention_full()
-        t = Ticket(ticket_id, now, min(request_deadline, now + self.cfg.max_wait_s), request_deadline, rank=rank)
+        t = Ticket(ticket_id, now, min(request_deadline, now + self.cfg.max_wait_s), request_deadline, rank=rank,
+                   tenant=tenant)
         if not self.queue and self._permit_free():
             self.retained[ticket_id] = t
             self._grant(t)
@@ -180,24 +182,33 @@ class AdmissionController:
         self._ranks[rank] += 1
         return Enqueued(t)
 
-    def pump(self, now: float) -> tuple[list[Ticket], list[tuple[Ticket, Refusal]]]:
-        """Grant queued tickets while permits are free (class order, FIFO within a class); expire
-        the ones past their wait."""
+    def pump(self, now: float, over_share: frozenset[str] = frozenset()
+             ) -> tuple[list[Ticket], list[tuple[Ticket, Refusal]]]:
+        """Grant queued tickets while permits are free (class order; within a class, tenants within
+        their fair share before those over it, ``over_share``; then FIFO); expire the ones past
+        their wait."""
         granted: list[Ticket] = []
         expired = self.expire_due(now)
         while self.queue and self._permit_free():
-            t = self._next()
+            t = self._next(over_share)
             self._unqueue(t.id)
             self._grant(t)
             granted.append(t)
         return granted, expired
 
-    def _next(self) -> Ticket:
+    def _next(self, over_share: frozenset[str] = frozenset()) -> Ticket:
         first = next(iter(self.queue.values()))
-        if len(self._ranks) <= 1:  # one class queued: FIFO
+        if len(self._ranks) <= 1 and not over_share:  # one class queued, shares met: FIFO
             return first
         top = min(self._ranks)
-        return next(t for t in self.queue.values() if t.rank == top)
+        best: Ticket | None = None
+        for t in self.queue.values():  # (bounded by queue_limit)
+            if t.rank == top:
+                if t.tenant not in over_share:
+                    return t
+                best = best or t
+        assert best is not None
+        return best
 
     def _unqueue(self, tid: str) -> Ticket | None:
         t = self.queue.pop(tid, None)

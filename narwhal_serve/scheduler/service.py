@@ -342,7 +342,7 @@ class SchedulerService:
                 self._reserve(replace(verdict.reserve, id=req.ticket_id))
             self._pump()
             return self._refuse(verdict, req)
-        decision = self.admission.offer(req.ticket_id, now, req.request_deadline, req.rank)
+        decision = self.admission.offer(req.ticket_id, now, req.request_deadline, req.rank, req.tenant)
         if isinstance(decision, Refusal):
             self._refund(req.ticket_id)
             self._pump()
@@ -374,7 +374,7 @@ class SchedulerService:
 
     def _pump(self) -> None:
         now = self.clock()
-        granted, expired = self.admission.pump(now)
+        granted, expired = self.admission.pump(now, self.fair.over(now) if self.fair.weights else frozenset())
         for t, refusal in expired:
             req = self._unqueue(t.id)
             self._refund(t.id)

@@ -1,7 +1,8 @@
 """Tenants through the Ray graph (README, "Tenants"): an application with three Ingress replicas,
 keys inline and in a keys file re-read while it runs, 401 for missing and unknown keys, a tenant's
-per-minute budget that holds across the three replicas under a flood, and the official ``openai``
-client reading the rate-limit headers and honouring Retry-After."""
+per-minute budget that holds across the three replicas under a flood, the official ``openai``
+client reading the rate-limit headers and honouring Retry-After, and priority classes reaching an
+engine that schedules by priority (lowered to the tenant's ceiling)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def sha(k: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def tenants_app(graph: Graph, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def tenants_app(graph: Graph, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, str]]:
     from ray import serve
 
     from deployments.app import build_app
@@ -42,18 +43,19 @@ def tenants_app(graph: Graph, tmp_path_factory: pytest.TempPathFactory) -> Itera
     app = build_app({
         "model": MODEL,
         "admission": {"mode": "open"},
-        "sim": {"base_port": sim, "engines": [{"name": "tenants-unified-0", "role": "unified"}], "kv_events": False},
+        "sim": {"base_port": sim, "engines": [{"name": "tenants-unified-0", "role": "unified",
+                                               "priority_scheduling": True}], "kv_events": False},
         "monitoring": {"scrape_interval_s": 0.5, "stale_after_s": 5.0},
         "deployment": {"ingress_min_replicas": REPLICAS, "ingress_max_replicas": REPLICAS},
         "tenants": {
             "keys_file": str(keys_file), "keys_reload_s": 0.2,
-            "list": [{"name": "acme", "key_sha256": [sha(KEYS["acme"])]},
+            "list": [{"name": "acme", "key_sha256": [sha(KEYS["acme"])], "max_class": "standard"},
                      {"name": "metered", "key_sha256": [sha(KEYS["metered"])], "requests_per_minute": RPM}],
         },
     })
     serve.run(app, name=APP, route_prefix=PREFIX)
     try:
-        yield graph.url + PREFIX, keys_file
+        yield graph.url + PREFIX, keys_file, f"http://127.0.0.1:{sim}"
     finally:
         serve.delete(APP)
 
@@ -66,8 +68,8 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-async def test_keys_valid_unknown_missing_and_reloaded(tenants_app: tuple[str, Path]) -> None:
-    url, keys_file = tenants_app
+async def test_keys_valid_unknown_missing_and_reloaded(tenants_app: tuple[str, Path, str]) -> None:
+    url, keys_file, _ = tenants_app
     await wait_ready(url, 200, timeout=60)
     chat_url = url + "/v1/chat/completions"
     async with httpx.AsyncClient(timeout=30) as c:
@@ -89,8 +91,8 @@ async def test_keys_valid_unknown_missing_and_reloaded(tenants_app: tuple[str, P
             await asyncio.sleep(0.2)
 
 
-async def test_a_budget_holds_across_three_ingress_replicas(tenants_app: tuple[str, Path]) -> None:
-    url, _ = tenants_app
+async def test_a_budget_holds_across_three_ingress_replicas(tenants_app: tuple[str, Path, str]) -> None:
+    url, _, _ = tenants_app
     await wait_ready(url, 200, timeout=60)
     chat_url = url + "/v1/chat/completions"
     admitted = refused = 0
@@ -122,8 +124,8 @@ async def test_a_budget_holds_across_three_ingress_replicas(tenants_app: tuple[s
     assert row["outcomes"]["rejected"] >= refused - 5
 
 
-async def test_the_openai_client_reads_the_limits_and_honours_retry_after(tenants_app: tuple[str, Path]) -> None:
-    url, _ = tenants_app
+async def test_the_openai_client_reads_the_limits_and_honours_retry_after(tenants_app: tuple[str, Path, str]) -> None:
+    url, _, _ = tenants_app
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["metered"], max_retries=3, timeout=60)
     try:
         t0 = time.monotonic()
@@ -137,3 +139,24 @@ async def test_the_openai_client_reads_the_limits_and_honours_retry_after(tenant
         assert raw.parse().choices[0].message.content is not None
     finally:
         await client.close()
+
+
+async def test_priority_classes_reach_the_engine_through_the_graph(tenants_app: tuple[str, Path, str]) -> None:
+    url, _, sim_url = tenants_app
+    await wait_ready(url, 200, timeout=60)
+    cases = [("interactive", "metered", 0), ("batch", "metered", 2), (None, "metered", 1),
+             ("interactive", "acme", 1)]  # acme's ceiling is standard
+    async with httpx.AsyncClient(timeout=30) as c:
+        for i, (klass, tenant, want) in enumerate(cases):
+            rid = f"graph-prio-{i}"
+            headers = {**bearer(KEYS[tenant]), "X-Request-Id": rid, **({"X-Priority": klass} if klass else {})}
+            deadline = time.monotonic() + 30
+            while True:  # (the metered tenant may still be refilling after the flood)
+                r = await c.post(url + "/v1/chat/completions", json=chat(), headers=headers)
+                if r.status_code != 429:
+                    break
+                assert time.monotonic() < deadline
+                await asyncio.sleep(int(r.headers["retry-after-ms"]) / 1000)
+            assert r.status_code == 200, r.text
+            sent = [x for x in (await c.get(sim_url + "/sim/stats")).json()["requests"] if x["request_id"] == rid]
+            assert len(sent) == 1 and sent[0]["body"]["priority"] == want, (klass, tenant, sent)

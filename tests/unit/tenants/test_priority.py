@@ -64,3 +64,18 @@ def test_class_config_is_checked() -> None:
     with pytest.raises(ValidationError, match="max_class"):
         NarwhalConfig.model_validate({"tenants": {"list": [{"name": "a", "max_class": "vip"}]}})
     assert AdmissionConfig().class_rank("batch") == 2 and AdmissionConfig().class_rank("nope") is None
+
+
+def test_within_a_class_tenants_over_their_share_wait_behind_the_others() -> None:
+    c = AdmissionController(AdmissionConfig(mode="open", queue_limit=10, phase_concurrency=PhaseConcurrency(prefill=1, decode=10)),
+                            ServingConfig())
+    assert isinstance(c.offer("running", 0.0, 100.0), Grant)
+    for tid, tenant, rank in (("a1", "a", 1), ("a2", "a", 1), ("b1", "b", 1), ("a-top", "a", 0), ("b2", "b", 1)):
+        assert isinstance(c.offer(tid, 0.0, 100.0, rank=rank, tenant=tenant), Enqueued)
+    order = []
+    c.enter_decode("running")
+    while c.queue:
+        granted, _ = c.pump(1.0, over_share=frozenset({"a"}))
+        order.append(granted[0].id)
+        c.enter_decode(granted[0].id)
+    assert order == ["a-top", "b1", "b2", "a1", "a2"]  # class first; then b (within its share), then a
