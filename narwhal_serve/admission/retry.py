@@ -65,6 +65,7 @@ def earliest(reservations: Iterable[Reservation], now: float, taken: frozenset[s
 
 def retry_count(header: str | None) -> int | None:
     """``X-Stainless-Retry-Count`` as an int (None: absent or not a small non-negative integer)."""
-    if header is None or not header.strip().isdigit() or len(header.strip()) > 4:
+    v = header.strip() if header is not None else ""
+    if not v or len(v) > 4 or not (v.isascii() and v.isdigit()):  # ("²".isdigit() is true)
         return None
-    return int(header.strip())
+    return int(v)

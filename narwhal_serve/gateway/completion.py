@@ -282,6 +282,8 @@ class CompletionHandler:
         try:
             result = await self._admit(admit_req)
         except Exception as exc:  # the scheduler could not be reached
+            if lease is not None and lease.shares is not None:  # the share it carried goes with a report
+                lease.shares.give_again(ticket, ask.tenant, admit_req.tenant_returned)
             return self._refused(trail, Outcome.FAILED, internal_error(f"admission failed: {type(exc).__name__}"), echo)
         if result.error is not None:  # the scheduler counted it
             return self._refused(trail, result.outcome or Outcome.REJECTED, result.error, echo, counted=True)

@@ -42,7 +42,7 @@ from narwhal_serve.scheduler.kvfeeds import KVEventFeeds
 from narwhal_serve.scheduler.snapshot import snapshot
 from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, Tally, render_metrics
 from narwhal_serve.tenants.amounts import Amounts, request_cost
-from narwhal_serve.tenants.budget import TenantBook, budget_error
+from narwhal_serve.tenants.budget import Promise, TenantBook, budget_error
 from narwhal_serve.tenants.fair import FairShare
 from narwhal_serve.tenants.tally import TenantTally
 
@@ -89,7 +89,8 @@ class SchedulerService:
         self.tenants = TenantBook(specs)  # tenants' budgets (tenants/budget.py)
         self.fair = FairShare({t.name: t.weight for t in cfg.tenants.list} if cfg.tenants is not None else {})
         self.tenant_tally = TenantTally(tuple(specs), tuple(c.name for c in cfg.admission.classes))
-        self._budgeted: dict[str, tuple[str, Amounts]] = {}  # tickets that took budget here, not placed yet
+        # tickets that took budget here, not placed yet: tenant, cost, the promise they used
+        self._budgeted: dict[str, tuple[str, Amounts, Promise | None]] = {}
         self.histograms = {
             "ttft": Histogram(),
             "tpot": Histogram(TPOT_BUCKETS),
@@ -258,7 +259,7 @@ class SchedulerService:
         """The ticket took budget here and never ran: its tenant gets it back."""
         got = self._budgeted.pop(tid, None)
         if got is not None:
-            self.tenants.refund(got[0], got[1], self.clock())
+            self.tenants.refund(got[0], got[1], self.clock(), got[2])
 
     def _charge(self, tid: str, placement: Placement, deadline: float, lease: str | None) -> None:
         self.tally.admitted += 1
@@ -321,7 +322,7 @@ class SchedulerService:
         if req.tenant_returned.any():
             rec = self.leases.leases.get(req.lease_id or "")
             self.tenants.given_back(req.lease_id, req.tenant, req.tenant_returned,
-                                    rec is not None and rec.epoch == req.lease_epoch, now)
+                                    rec is not None and rec.epoch == req.lease_epoch, now, req.ticket_id)
         if req.ticket_id in self._tombstones:
             self._tombstones.pop(req.ticket_id)
             self._pump()
@@ -332,7 +333,7 @@ class SchedulerService:
             if over is not None:
                 self._pump()
                 return self._refuse(Refusal(budget_error(over), Outcome.REJECTED), req)
-            self._budgeted[req.ticket_id] = (req.tenant, request_cost(req.prompt_tokens))
+            self._budgeted[req.ticket_id] = (req.tenant, request_cost(req.prompt_tokens), self.tenants.last_taken)
         self._rotation += 1
         view = self.view(now)
         verdict = decide(view, req.ask(), now, self._rotation)

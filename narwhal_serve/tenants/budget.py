@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 
 from narwhal_serve.config import TenantSpec
@@ -41,7 +41,6 @@ PROMISE_HORIZON_S = 3600.0  # no promise is made further ahead than this (its Re
 MAX_PROMISES = 100_000  # per tenant (about 10 MB at most)
 SHARE_S = 1.0  # a lease's share covers about this long of the tenant's budget rate
 EARLY_S = 0.05  # a promised retry this much early is told the rest of its wait
-SHARE_RETURN_S = 0.3  # shares of a tight tenant are back at the scheduler within about this (one lease renewal)
 ACTIVE_S = 10.0  # a lease that has not seen a tenant this long gets no share of it
 DURATION_PRIOR_S = 1.0  # a tenant's request duration before any was measured (concurrency Retry-After)
 
@@ -170,9 +169,10 @@ class TenantFacts:
     pressed: bool  # promises outstanding: every request of this tenant goes to the scheduler
     slot_wait_s: float
     tight: bool = False  # the bucket is low: shares are coming back, requests beyond them go to the scheduler
+    promised: Amounts = NOTHING  # what the promises outstanding hold
 
     def shifted(self, dt: float) -> "TenantFacts":
-        return TenantFacts(self.name, self.level, self.at + dt, self.pressed, self.slot_wait_s, self.tight)
+        return replace(self, at=self.at + dt)
 
 
 def refilled(spec: TenantSpec, level: Amounts, dt: float, cap_less: Amounts = NOTHING) -> Amounts:
@@ -238,6 +238,16 @@ class Promises:
 
     def add(self, p: Promise) -> None:
         self.queue.append(p)
+        self.by_id[p.id] = p
+        self.total = self.total + p.cost
+
+    def put_back(self, p: Promise) -> None:
+        """A promise taken by a request that was then refused for another reason."""
+        if not p.gone or p.id in self.by_id:
+            return
+        p.gone = False
+        i = next((k for k, q in enumerate(self.queue) if q.due > p.due), len(self.queue))
+        self.queue.insert(i, p)
         self.by_id[p.id] = p
         self.total = self.total + p.cost
 
@@ -311,6 +321,8 @@ class TenantBook:
 
     specs: Mapping[str, TenantSpec]
     states: dict[str, TenantState] = field(default_factory=dict)
+    last_taken: Promise | None = None  # the promise the last admitted check used (put back by refund)
+    _given: dict[str, OrderedDict[str, None]] = field(default_factory=dict)  # lease → give-backs applied
 
     def state(self, tenant: str, now: float) -> TenantState | None:
         st = self.states.get(tenant)
@@ -339,16 +351,17 @@ class TenantBook:
                                  ratelimit_headers(st.spec, left))
         ahead = promises.ahead_of(mine)
         have = st.available() - ahead
+        self.last_taken = None
         if not lacking(have, cost, st.spec):
             if mine is not None:
                 promises.take(mine)
+                self.last_taken = mine
             self._take(st, cost)
             return None
-        # timed on the router-wide budget: shares leases hold come back (the tenant is tight now)
-        everything = st.remaining() - ahead
-        out = refusal(st.spec, everything, cost, st.slot_wait_s())
-        if out.retry_after_s is not None and not lacking(everything, cost, st.spec):
-            out = replace(out, retry_after_s=SHARE_RETURN_S)
+        # timed on what the scheduler holds itself: shares leases hold may be spent before they
+        # learn of this refusal (those given back only make later requests fit sooner)
+        out = refusal(st.spec, have, cost, st.slot_wait_s())
+        out = replace(out, headers=ratelimit_headers(st.spec, st.remaining() - ahead))
         ra = out.retry_after_s
         if mine is not None:  # early: it keeps its place, for the rest of its wait
             if ra is not None:
@@ -365,11 +378,14 @@ class TenantBook:
         st.in_use += int(cost.concurrent)
         st.mean_cost = Amounts(*(0.9 * st.mean_cost.get(k) + 0.1 * cost.get(k) for k in KINDS))
 
-    def refund(self, tenant: str, cost: Amounts, now: float) -> None:
+    def refund(self, tenant: str, cost: Amounts, now: float, promise: Promise | None = None) -> None:
         """A request the scheduler took budget for that never ran (it expired in the queue, its
-        client left, no engine): its requests and tokens go back, and its slot."""
+        client left, no engine): its requests and tokens go back, and its slot, and the promise
+        it used (its client keeps its place)."""
         st = self.state(tenant, now)
         if st is not None:
+            if promise is not None:
+                st.promises.put_back(promise)
             cost = limited(cost, st.spec)
             st.level = st.level + Amounts(cost.requests, cost.input_tokens)
             st.in_use = max(0, st.in_use - int(cost.concurrent))
@@ -395,6 +411,8 @@ class TenantBook:
     def lease_report(self, lease: str, part: "TenantPart", now: float, *, fresh: bool) -> None:
         """A lease's report: what it spent from its shares and gives back, its requests in flight.
         ``fresh``: the scheduler has no record of the lease (new, or forgotten): its shares are void."""
+        for give_id, tenant, back in part.given:
+            self.given_back(lease, tenant, back, not fresh, now, give_id)
         for tenant in part.seen:
             st = self.state(tenant, now)
             if st is not None:
@@ -410,7 +428,7 @@ class TenantBook:
             spent = part.spent.get(tenant, NOTHING)
             back = part.returned.get(tenant, NOTHING)
             if fresh:  # its shares were reserved under a record forgotten since: only a debt is owed
-                st.level = st.level - Amounts(output_tokens=max(0.0, spent.output_tokens - back.output_tokens))
+                st.level = st.level - Amounts(output_tokens=max(0.0, -back.output_tokens))
                 st.held.pop(lease, None)
                 continue
             st.held[lease] = st.held.get(lease, NOTHING) - spent - back
@@ -465,16 +483,26 @@ class TenantBook:
                 vals[kind] = min(cap / (2 * n), max(cap / 60.0 * SHARE_S, 2 * st.mean_cost.get(kind)))
         return Amounts.of(vals)
 
-    def given_back(self, lease: str | None, tenant: str, back: Amounts, epoch_ok: bool, now: float) -> None:
-        """A lease's share handed back with an admission call (void under another record of it)."""
+    def given_back(self, lease: str | None, tenant: str, back: Amounts, epoch_ok: bool, now: float,
+                   give_id: str = "") -> None:
+        """A lease's share handed back with an admission call (void under another record of it), or
+        again with a report when that call failed: applied once per ``give_id``."""
         st = self.state(tenant, now)
         if st is None or lease is None or not back.any() or not epoch_ok or lease not in st.held:
             return
+        if give_id:
+            seen = self._given.setdefault(lease, OrderedDict())
+            if give_id in seen:
+                return
+            seen[give_id] = None
+            while len(seen) > 4096:
+                seen.popitem(last=False)
         st.held[lease] = st.held[lease] - back
         st.level = st.level + Amounts(back.requests, back.input_tokens, back.output_tokens)
 
     def forget_lease(self, lease: str) -> None:
         """A lease gone silent (its ingress died): its shares and requests in flight are dropped."""
+        self._given.pop(lease, None)
         for st in self.states.values():
             st.held.pop(lease, None)
             st.lease_in_use.pop(lease, None)
@@ -494,7 +522,8 @@ class TenantBook:
         out = []
         for name, st in self.states.items():
             st.refill(now)
-            out.append(TenantFacts(name, st.remaining(), now, bool(st.live_promises(now)), st.slot_wait_s(), st.tight()))
+            promises = st.live_promises(now)
+            out.append(TenantFacts(name, st.remaining(), now, bool(promises), st.slot_wait_s(), st.tight(), promises.total))
         return tuple(out)
 
 
@@ -506,6 +535,7 @@ class TenantPart:
     returned: dict[str, Amounts] = field(default_factory=dict)  # shares given back (an output debt: negative)
     in_use: dict[str, int] = field(default_factory=dict)  # its requests in flight, per tenant
     seen: tuple[str, ...] = ()  # tenants it saw requests from since the last cut
+    given: list[tuple[str, str, Amounts]] = field(default_factory=list)  # (id, tenant, share): admit calls that failed
 
 
 def _bump(into: dict[str, Amounts], tenant: str, a: Amounts) -> None:
@@ -532,6 +562,7 @@ class LeaseShares:
     _returned: dict[str, Amounts] = field(default_factory=dict)
     _seen: set[str] = field(default_factory=set)
     _sent: dict[int, TenantPart] = field(default_factory=dict)
+    _given: list[tuple[str, str, Amounts]] = field(default_factory=list)
 
     def budgeted(self, tenant: str) -> TenantSpec | None:
         spec = self.specs.get(tenant)
@@ -547,8 +578,11 @@ class LeaseShares:
             return True
         self._seen.add(tenant)
         f = self.facts.get(tenant)
-        if f is not None and f.pressed:
-            return False
+        if f is not None and f.pressed:  # promises outstanding: the scheduler keeps their order
+            if retry or reserves:
+                return False
+            est = refilled(spec, f.level, now - f.at) - f.promised  # a newcomer queues behind them all
+            return refusal(spec, est, cost, f.slot_wait_s) if lacking(est, cost, spec) else False
         have = self.held.get(tenant, NOTHING)
         if f is not None and spec.output_tokens_per_minute is not None:
             router = refilled(spec, f.level, now - f.at).output_tokens
@@ -573,6 +607,12 @@ class LeaseShares:
         if back.any():
             self.held[tenant] = have - back
         return back
+
+    def give_again(self, give_id: str, tenant: str, back: Amounts) -> None:
+        """The admit call that carried ``back`` failed: it goes with the next report (the
+        scheduler applies a give-back once, whichever way it came)."""
+        if back.any():
+            self._given.append((give_id, tenant, back))
 
     def take(self, ticket: str, tenant: str, cost: Amounts) -> None:
         spec = self.budgeted(tenant)
@@ -624,8 +664,12 @@ class LeaseShares:
             if back.any():
                 self.held[tenant] = have - back
                 _bump(self._returned, tenant, back)
-        part = TenantPart(self._spent, self._returned, {k: v for k, v in self.in_use.items() if v or k in self._seen},
-                          tuple(self._seen))
+        # every count in flight here goes out (a zero once, after which it is dropped): a count the
+        # scheduler kept from an older report would hold the tenant's slots
+        part = TenantPart(self._spent, self._returned, dict(self.in_use), tuple(self._seen), self._given)
+        for t in [t for t, n in self.in_use.items() if not n]:
+            del self.in_use[t]
+        self._given = []
         self._sent[generation] = part
         self._spent, self._returned, self._seen = {}, {}, set()
         return part
@@ -639,6 +683,7 @@ class LeaseShares:
         for t, a in part.returned.items():
             _bump(self._returned, t, a)
         self._seen |= set(part.seen)
+        self._given = part.given + self._given
 
     def apply(self, generation: int, granted: Mapping[str, Amounts], targets: Mapping[str, Amounts],
               facts: Iterable[TenantFacts], *, new_record: bool, dt: float) -> None:

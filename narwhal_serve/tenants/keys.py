@@ -96,7 +96,7 @@ class KeyRing:
                 return
             with open(path, encoding="utf-8") as f:
                 text = f.read()
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # (ValueError: not UTF-8)
             if self._file_sig is not None or force:
                 log.error("tenants.keys_file %s cannot be read (%s): keeping the keys loaded before", path, exc)
             self._file_sig = None

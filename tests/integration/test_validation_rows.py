@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from typing import Any
@@ -115,4 +116,45 @@ async def test_unknown_routes_and_methods_answer_in_the_envelope(graph: Graph, m
         r = await c.request(method, path)
     assert r.status_code == status_code
     err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == code
+
+
+def _raw(port: int, data: bytes) -> tuple[int, bytes]:
+    """One raw HTTP/1.1 exchange (a client httpx would not let us be): status and body."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        out = b""
+        while b"\r\n\r\n" not in out or len(out.partition(b"\r\n\r\n")[2]) < _length(out):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    head, _, body = out.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+def _length(out: bytes) -> int:
+    for line in out.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value.strip())
+    return 0
+
+
+@pytest.mark.skipif(os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "1",
+                    reason="Narwhal's HAProxy rules: direct-ingress mode only")
+@pytest.mark.parametrize("raw,status_code,code", [
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Odd: a\x01b\r\nContent-Length: 2\r\n\r\n{}", 400, "invalid_request"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Odd: a\x1fb\r\n\r\n", 400, "invalid_request"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Odd: a\x7fb\r\n\r\n", 400, "invalid_request"),
+    (b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n", 404, "not_found"),
+])
+def test_control_characters_and_options_star_answer_in_the_envelope(graph: Graph, raw: bytes, status_code: int,
+                                                                     code: str) -> None:
+    port = int(graph.url.rsplit(":", 1)[1])
+    status, body = _raw(port, raw)
+    assert status == status_code, body[:200]
+    err = json.loads(body)["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == code

@@ -92,3 +92,15 @@ def test_an_anonymous_tenant_takes_requests_without_a_key_but_not_unknown_keys()
     assert ring.identify("Bearer not-a-key") is None
     with pytest.raises(ValidationError, match="anonymous"):
         tenants(anonymous="nobody")
+
+
+def test_a_keys_file_that_is_not_utf8_keeps_the_keys_before(tmp_path: Path) -> None:
+    path = tmp_path / "keys.txt"
+    path.write_text(f"acme {sha('good')}\n")
+    mono = Mono()
+    ring = KeyRing(tenants(str(path)), mono=mono)
+    path.write_bytes(f"# caf\xe9\nacme {sha('other')}\n".encode("latin-1"))
+    os.utime(path, (1, 1))
+    mono.t = 5.0
+    assert ring.identify("Bearer good") == "acme" and ring.identify("Bearer other") is None
+    assert KeyRing(tenants(str(path))).identify("Bearer k-acme") == "acme"  # and a replica still starts
