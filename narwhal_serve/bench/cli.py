@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tenants", action="store_true",
                    help="the tenant scenarios (noisy neighbour, fairness, priority) on narwhal-predictive and "
                         "narwhal-tenants side by side, instead of the rate sweep (bench/tenants.py)")
+    g.add_argument("--budget-s", type=float, default=60.0,
+                   help="--tenants: seconds of the budget scenario (10x a tenant's requests per minute; 0: skip)")
     g.add_argument("--prefix-groups", type=int, default=8, help="shared-prefix: groups K")
     g.add_argument("--prefix-tokens", type=int, default=1500, help="shared-prefix: tokens of each group's prefix")
     g.add_argument("--suffix-tokens", type=int, default=32, help="shared-prefix: tokens of each prompt's own suffix")
@@ -407,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fleet ready in {time.monotonic() - t0:.1f} s (narwhal {fleet.narwhal_startup_s or 0:.1f} s): "
               f"engines {', '.join(fleet.engine_urls)}", file=sys.stderr)
         if isinstance(args, GoodputArgs) and ns.tenants:
-            res = run_async(tenants.run_tenant_scenarios(args, GoodputRun(args, fleet, targets)))
+            res = run_async(tenants.run_tenant_scenarios(args, GoodputRun(args, fleet, targets), ns.budget_s))
         elif isinstance(args, GoodputArgs):
             res = run_async(run_goodput_suite([goodput_args(ns, k) for k in ns.workload], fleet, targets))
         else:

@@ -111,7 +111,9 @@ def _float_header(headers: Any, name: str) -> float | None:
 
 
 def _retry_after(headers: Any) -> float | None:
-    return _float_header(headers, "Retry-After")
+    """``retry-after-ms`` when sent (as the OpenAI SDKs read it), else ``Retry-After``."""
+    ms = _float_header(headers, "retry-after-ms")
+    return ms / 1000.0 if ms is not None else _float_header(headers, "Retry-After")
 
 
 def _chunk_text(choice: dict[str, Any]) -> bool:

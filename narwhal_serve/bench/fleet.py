@@ -103,12 +103,16 @@ class FleetSpec:
     baseline_tree: Path | None = None  # --baseline-tree: the checkout serving the `<target>@base` targets
 
 
-TENANT_KEYS = {"a": "bench-tenant-a", "b": "bench-tenant-b"}  # narwhal-tenants' tenants and their keys
+TENANT_KEYS = {"a": "bench-tenant-a", "b": "bench-tenant-b", "c": "bench-tenant-c"}  # narwhal-tenants' tenants
+BUDGET_RPM = 120.0  # tenant c's requests per minute (bench/tenants.py, the budget scenario)
+TENANT_INGRESS_REPLICAS = 3  # narwhal-tenants runs this many ingress replicas: budgets must hold across them
 
 
 def tenants_config() -> dict[str, Any]:
-    """The ``tenants`` section of the ``narwhal-tenants`` target: two keyed tenants, equal weights."""
-    return {"list": [{"name": t, "key_sha256": [hashlib.sha256(k.encode()).hexdigest()]} for t, k in TENANT_KEYS.items()]}
+    """The ``tenants`` section of the ``narwhal-tenants`` target: keyed tenants a and b (equal
+    weights, no budgets) and c (``BUDGET_RPM`` requests per minute)."""
+    return {"list": [{"name": t, "key_sha256": [hashlib.sha256(k.encode()).hexdigest()],
+                      **({"requests_per_minute": BUDGET_RPM} if t == "c" else {})} for t, k in TENANT_KEYS.items()]}
 
 
 def narwhal_app(args: dict[str, Any], name: str = "narwhal", route_prefix: str = "/") -> dict[str, Any]:
@@ -158,7 +162,9 @@ def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets:
             **({"deployment": {"engine_http": "httpx"}} if t == "narwhal-nolease" else {}),
             **({"deployment": {"relay": "assembler"}} if t == "narwhal-assembler" else {}),
             **({"placement": {"prefix_aware": False}} if t == "narwhal-prefix-blind" else {}),
-            **({"tenants": tenants_config()} if t == "narwhal-tenants" else {}),
+            **({"tenants": tenants_config(),
+                "deployment": {"ingress_min_replicas": TENANT_INGRESS_REPLICAS,
+                               "ingress_max_replicas": TENANT_INGRESS_REPLICAS}} if t == "narwhal-tenants" else {}),
         }, t, NARWHAL_PREFIX[t]))
     return serve_config(port, apps)
 

@@ -8,18 +8,25 @@ capacity:
   rate, and its SLO attainment;
 * ``fairness``: ``a`` at 2×, ``b`` at 1× (both over their half): Jain's index over the goodputs;
 * ``priority``: ``a`` at 0.5× as ``interactive``, ``b`` at 3× as ``batch``: the interactive TTFT p99
-  and the total goodput over capacity.
+  and the total goodput over capacity;
+* ``budget`` (``narwhal-tenants`` only, ``--budget-s`` long): tenant ``c``, limited to
+  ``BUDGET_RPM`` requests per minute, at 10× that, through the target's three ingress replicas,
+  every client an SDK client (``X-Stainless-Retry-Count``, one retry after ``retry-after-ms``):
+  the requests admitted against the bucket bound (limit + rate × the time they span), and the share
+  of retries that came back when told and were admitted.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from narwhal_serve.bench.client import RetryPolicy, make_session, run_open_loop
+from narwhal_serve.bench.fleet import BUDGET_RPM
 from narwhal_serve.bench.fleet import TENANT_KEYS as KEYS
 from narwhal_serve.bench.goodput import GoodputArgs, GoodputRun
 from narwhal_serve.bench.progress import Progress
@@ -75,9 +82,37 @@ async def _scenario(run: GoodputRun, target: str, name: str, capacity: float, se
             "goodput_vs_capacity": ratio(total, capacity), "jain": jain([p["goodput_rps"] for p in per.values()])}
 
 
+async def _budget(run: GoodputRun, seconds: float, seed: int) -> dict[str, Any]:
+    a = run.a
+    await run._prepare()
+    rate = 10 * BUDGET_RPM / 60.0
+    times = arrival_times("poisson", rate, seconds, np.random.default_rng([a.seed, seed]))
+    specs = a.workload.specs(times, seed_offset=seed)
+    shape = replace(run.shape, extra_headers=run.shape.extra_headers + (("Authorization", f"Bearer {KEYS['c']}"),))
+    async with make_session() as session:
+        with Progress(f"tenants budget {TENANTS} {rate:.1f} rps", total=len(specs)) as prog:
+            rs = await run_open_loop(session, run.fleet.endpoints[TENANTS], shape, specs, drain_s=a.drain_s,
+                                     retry=RetryPolicy(10**9, 1.0, seed), progress=prog)
+    run._log({"phase": "tenants-budget", "target": TENANTS, "tenant": "c"}, rs)
+    admitted = sorted(r.sent for r in rs if r.admitted)
+    span = admitted[-1] - admitted[0] if len(admitted) > 1 else 0.0
+    bound = BUDGET_RPM + BUDGET_RPM / 60.0 * span
+    retries = [r for r in rs if r.retry_of is not None]
+    firsts = [r for r in rs if r.retry_of is None]
+    return {"scenario": "budget", "target": TENANTS, "requests_per_minute": BUDGET_RPM, "offered": len(firsts),
+            "offered_rps": round(rate, 3), "admitted": len(admitted), "span_s": round(span, 1), "bound": round(bound, 1),
+            "overshoot": len(admitted) - int(bound), "refused_first_tries": sum(r.refused for r in firsts),
+            "retries": len(retries), "retries_admitted": sum(r.admitted for r in retries),
+            "retry_admitted_share": ratio(sum(r.admitted for r in retries), len(retries)),
+            "error_codes": dict(Counter(r.error_code for r in rs if r.error_code))}
+
+
 def tenant_checks(rows: list[dict[str, Any]], slo_ttft_ms: float) -> list[dict[str, Any]]:
     by = {(r["scenario"], r["target"]): r for r in rows}
     out = []
+    if (r := by.get(("budget", TENANTS))) is not None:
+        out.append(check("budget: admitted over the bucket bound (requests)", r["overshoot"], "<=", 0))
+        out.append(check("budget: retries after retry-after-ms admitted", r["retry_admitted_share"], ">=", 0.95))
     if (r := by.get(("noisy-neighbour", TENANTS))) is not None:
         b = r["tenants"]["b"]
         out.append(check("noisy neighbour: b's goodput / b's offered", b["goodput_vs_offered"], ">=", 0.95))
@@ -90,7 +125,7 @@ def tenant_checks(rows: list[dict[str, Any]], slo_ttft_ms: float) -> list[dict[s
     return out
 
 
-async def run_tenant_scenarios(a: GoodputArgs, run: GoodputRun) -> dict[str, Any]:
+async def run_tenant_scenarios(a: GoodputArgs, run: GoodputRun, budget_s: float = 60.0) -> dict[str, Any]:
     cal = await run.calibrate()
     capacity = float(cal["capacity_rps"] or 0.0)
     if capacity <= 0:
@@ -106,5 +141,6 @@ async def run_tenant_scenarios(a: GoodputArgs, run: GoodputRun) -> dict[str, Any
         order = [BASELINE, TENANTS] if i % 2 == 0 else [TENANTS, BASELINE]
         for t in order:
             rows.append(await _scenario(run, t, name, capacity, 200 + i))
-    return {"capacity": cal, "rows": [], "tenant_rows": rows, "checks": tenant_checks(rows, a.slo.ttft_s * 1000),
-            "_log": run.log}
+    budget = [await _budget(run, budget_s, 300)] if budget_s > 0 else []
+    return {"capacity": cal, "rows": [], "tenant_rows": rows, "budget_rows": budget,
+            "checks": tenant_checks(rows + budget, a.slo.ttft_s * 1000), "_log": run.log}

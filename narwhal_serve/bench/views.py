@@ -91,6 +91,12 @@ def goodput_view(res: dict[str, Any], out: Path) -> tuple[str, list[Path]]:
         plots += ps
     if res.get("tenant_rows"):
         parts.append(tenants_table(res["tenant_rows"]))
+    for b in res.get("budget_rows") or []:
+        parts.append("\n## tenant budget across the ingress replicas\n" + table(
+            ["requests/min", "offered rps", "offered", "admitted", "span s", "bound", "overshoot", "retries",
+             "retries admitted", "share"],
+            [[b["requests_per_minute"], b["offered_rps"], b["offered"], b["admitted"], b["span_s"], b["bound"],
+              b["overshoot"], b["retries"], b["retries_admitted"], b["retry_admitted_share"]]], nd=3))
     gain = res.get("prefix_gain")
     if gain:
         parts.append("\n## prefix gain (narwhal-predictive goodput / narwhal-prefix-blind)")

@@ -224,15 +224,17 @@ class Promises:
     def take(self, p: Promise) -> None:
         self._drop(p)
 
-    def ahead_of(self, mine: Promise | None) -> Amounts:
-        """What is promised before ``mine`` (all of it, for a request without a promise)."""
+    def ahead_of(self, mine: Promise | None, now: float) -> Amounts:
+        """What is promised before ``mine`` and not yet due (all of it, for a request without a
+        promise).  By the time a promise falls due the bucket holds it and every one before it, so
+        an earlier one whose client is late (or never comes) does not hold up a client on time."""
         if mine is None:
             return self.total
         out = NOTHING
-        for p in self.queue:  # those before it that are still live: the few within their grace
+        for p in self.queue:  # (those before it still live: the few within their grace, or due)
             if p is mine:
                 break
-            if not p.gone:
+            if not p.gone and p.due > now:
                 out = out + p.cost
         return out
 
@@ -349,7 +351,7 @@ class TenantBook:
             left = st.remaining() - promises.total
             return BudgetRefusal(tenant, lacking(left, cost, st.spec) or ("requests",), mine.due - now,
                                  ratelimit_headers(st.spec, left))
-        ahead = promises.ahead_of(mine)
+        ahead = promises.ahead_of(mine, now)
         have = st.available() - ahead
         self.last_taken = None
         if not lacking(have, cost, st.spec):

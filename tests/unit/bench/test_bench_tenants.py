@@ -26,13 +26,16 @@ def test_checks_read_the_tenants_target_only() -> None:
     rows = [row("noisy-neighbour", BASELINE, {}, {"goodput_vs_offered": 0.4, "slo_attainment_admitted": 0.5}),
             row("noisy-neighbour", TENANTS, {}, good_b),
             row("fairness", TENANTS, {}, {}, jain=0.9),
-            row("priority", TENANTS, {"ttft_p99_ms": 1500.0}, {}, goodput_vs_capacity=0.95)]
+            row("priority", TENANTS, {"ttft_p99_ms": 1500.0}, {}, goodput_vs_capacity=0.95),
+            {"scenario": "budget", "target": TENANTS, "overshoot": 1, "retry_admitted_share": 0.97}]
     verdicts = {c["check"]: c["verdict"] for c in tenant_checks(rows, 2000.0)}
     assert verdicts == {"noisy neighbour: b's goodput / b's offered": "PASS",
                         "noisy neighbour: b admitted within SLO": "PASS",
                         "fairness: Jain's index over goodput": "MISS",
                         "priority: interactive TTFT p99 (ms)": "PASS",
-                        "priority: total goodput / capacity": "PASS"}
+                        "priority: total goodput / capacity": "PASS",
+                        "budget: admitted over the bucket bound (requests)": "MISS",
+                        "budget: retries after retry-after-ms admitted": "PASS"}
 
 
 def test_the_tenants_target_is_a_valid_config_with_the_bench_keys() -> None:
@@ -42,3 +45,5 @@ def test_the_tenants_target_is_a_valid_config_with_the_bench_keys() -> None:
     assert parsed.tenants is not None and parsed.admission.mode == "predictive"
     digests = {t.name: t.key_sha256[0] for t in parsed.tenants.list}
     assert digests == {t: hashlib.sha256(k.encode()).hexdigest() for t, k in TENANT_KEYS.items()}
+    assert parsed.deployment.ingress_min_replicas == parsed.deployment.ingress_max_replicas == 3
+    assert [t.name for t in parsed.tenants.list if t.budgeted()] == ["c"]

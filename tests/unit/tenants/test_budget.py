@@ -105,3 +105,16 @@ def test_rate_limit_headers_follow_openai_names() -> None:
     r = BudgetRefusal("acme", ("requests",), 0.25, ())
     err = budget_error(r)
     assert err.retry_after == 1 and ("retry-after-ms", "250") in err.extra_headers
+
+
+def test_a_client_on_time_is_not_held_up_by_an_earlier_promise_whose_client_never_came() -> None:
+    b = book(requests_per_minute=60)
+    for _ in range(60):
+        assert check(b, T0) is None
+    first = check(b, T0, ticket="ghost", reserves=True)
+    second = check(b, T0, ticket="on-time", reserves=True)
+    assert first is not None and second is not None and first.retry_after_s is not None
+    assert second.retry_after_s == pytest.approx(first.retry_after_s + 1.0)
+    due = T0 + second.retry_after_s  # the ghost never comes back; its room is still in the bucket
+    assert check(b, due + 0.01, ticket="on-time", reserves=True) is None
+    assert check(b, due + 0.02, ticket="ghost", reserves=True) is None  # (and had it come late, it still fit)
