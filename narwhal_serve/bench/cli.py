@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         return vllmbench.main(ns, fleet_spec(ns, 2.0))
     targets: list[str] = ns.targets or DEFAULT_TARGETS[ns.mode]
     if ns.mode == "goodput" and ns.tenants:
-        targets = ["direct", tenants.BASELINE, tenants.TENANTS]
+        targets = ["direct", tenants.BASELINE, tenants.TENANTS, *([tenants.TENANTS3] if ns.budget_s > 0 else [])]
     if ns.mode == "goodput" and "direct" not in targets and not ns.capacity_rps:
         targets = ["direct", *targets]  # the calibration run needs the engines directly
     args: GoodputArgs | OverheadArgs = goodput_args(ns) if ns.mode == "goodput" else overhead_args(ns)

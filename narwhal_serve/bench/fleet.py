@@ -41,19 +41,21 @@ def known_target(target: str) -> bool:
 
 
 TARGETS: tuple[str, ...] = ("direct", "proxy", "narwhal-open", "narwhal-predictive", "rr", "narwhal-nolease",
-                            "narwhal-prefix-blind", "narwhal-estimate", "narwhal-assembler", "narwhal-tenants")
+                            "narwhal-prefix-blind", "narwhal-estimate", "narwhal-assembler", "narwhal-tenants",
+                            "narwhal-tenants-3")
 # narwhal-nolease: open admission with a scheduler call per request (admission.ingress_leases off)
 # and plain httpx to the engines — the hot path before leases, measured beside the others
 # narwhal-assembler: predictive, with engine streams relayed by the Assembler deployment (a Ray
 # hop) instead of in the ingress
-# narwhal-tenants: predictive, with two keyed tenants of equal weight (bench/tenants.py)
+# narwhal-tenants: predictive, with keyed tenants (bench/tenants.py); narwhal-tenants-3: the same with
+# three ingress replicas (a budget must hold across them)
 # narwhal-estimate: predictive, with prompts sized by the characters / 4 estimate and the prefix index
 # learned from placements (no tokenizer, no KV events) — the router before exact tokens, side by side
 NARWHAL_PREFIX = {"narwhal-open": "/open", "narwhal-predictive": "/predictive", "narwhal-nolease": "/nolease",
                   "narwhal-prefix-blind": "/prefix-blind", "narwhal-estimate": "/estimate",
-                  "narwhal-assembler": "/assembler", "narwhal-tenants": "/tenants"}
+                  "narwhal-assembler": "/assembler", "narwhal-tenants": "/tenants", "narwhal-tenants-3": "/tenants-3"}
 PREDICTIVE_TARGETS = frozenset({"narwhal-predictive", "narwhal-prefix-blind", "narwhal-estimate", "narwhal-assembler",
-                                "narwhal-tenants"})
+                                "narwhal-tenants", "narwhal-tenants-3"})
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -104,7 +106,8 @@ class FleetSpec:
 
 
 TENANT_KEYS = {"a": "bench-tenant-a", "b": "bench-tenant-b", "c": "bench-tenant-c"}  # narwhal-tenants' tenants
-BUDGET_RPM = 120.0  # tenant c's requests per minute (bench/tenants.py, the budget scenario)
+BUDGET_RPM = 30.0  # tenant c's requests per minute (bench/tenants.py, the budget scenario): at 10x, 5 req/s, under the
+# default fleet's SLO capacity (~7.5 req/s), so that the budget binds, not the fleet
 TENANT_INGRESS_REPLICAS = 3  # narwhal-tenants runs this many ingress replicas: budgets must hold across them
 
 
@@ -162,9 +165,9 @@ def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets:
             **({"deployment": {"engine_http": "httpx"}} if t == "narwhal-nolease" else {}),
             **({"deployment": {"relay": "assembler"}} if t == "narwhal-assembler" else {}),
             **({"placement": {"prefix_aware": False}} if t == "narwhal-prefix-blind" else {}),
-            **({"tenants": tenants_config(),
-                "deployment": {"ingress_min_replicas": TENANT_INGRESS_REPLICAS,
-                               "ingress_max_replicas": TENANT_INGRESS_REPLICAS}} if t == "narwhal-tenants" else {}),
+            **({"tenants": tenants_config()} if t in ("narwhal-tenants", "narwhal-tenants-3") else {}),
+            **({"deployment": {"ingress_min_replicas": TENANT_INGRESS_REPLICAS,
+                               "ingress_max_replicas": TENANT_INGRESS_REPLICAS}} if t == "narwhal-tenants-3" else {}),
         }, t, NARWHAL_PREFIX[t]))
     return serve_config(port, apps)
 

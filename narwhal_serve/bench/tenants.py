@@ -9,8 +9,8 @@ capacity:
 * ``fairness``: ``a`` at 2×, ``b`` at 1× (both over their half): Jain's index over the goodputs;
 * ``priority``: ``a`` at 0.5× as ``interactive``, ``b`` at 3× as ``batch``: the interactive TTFT p99
   and the total goodput over capacity;
-* ``budget`` (``narwhal-tenants`` only, ``--budget-s`` long): tenant ``c``, limited to
-  ``BUDGET_RPM`` requests per minute, at 10× that, through the target's three ingress replicas,
+* ``budget`` (``narwhal-tenants-3``: the same tenants, three ingress replicas; ``--budget-s`` long):
+  tenant ``c``, limited to ``BUDGET_RPM`` requests per minute, at 10× that, through the three replicas,
   every client an SDK client (``X-Stainless-Retry-Count``, one retry after ``retry-after-ms``):
   the requests admitted against the bucket bound (limit + rate × the time they span), and the share
   of retries that came back when told and were admitted.
@@ -34,7 +34,7 @@ from narwhal_serve.bench.report import check
 from narwhal_serve.bench.stats import ratio, summarize
 from narwhal_serve.bench.workload import arrival_times
 
-BASELINE, TENANTS = "narwhal-predictive", "narwhal-tenants"
+BASELINE, TENANTS, TENANTS3 = "narwhal-predictive", "narwhal-tenants", "narwhal-tenants-3"
 # scenario → ((tenant, priority class or None, fraction of capacity), ...)
 SCENARIOS: dict[str, tuple[tuple[str, str | None, float], ...]] = {
     "noisy-neighbour": (("a", None, 2.0), ("b", None, 0.3)),
@@ -90,18 +90,19 @@ async def _budget(run: GoodputRun, seconds: float, seed: int) -> dict[str, Any]:
     specs = a.workload.specs(times, seed_offset=seed)
     shape = replace(run.shape, extra_headers=run.shape.extra_headers + (("Authorization", f"Bearer {KEYS['c']}"),))
     async with make_session() as session:
-        with Progress(f"tenants budget {TENANTS} {rate:.1f} rps", total=len(specs)) as prog:
-            rs = await run_open_loop(session, run.fleet.endpoints[TENANTS], shape, specs, drain_s=a.drain_s,
+        with Progress(f"tenants budget {TENANTS3} {rate:.1f} rps", total=len(specs)) as prog:
+            rs = await run_open_loop(session, run.fleet.endpoints[TENANTS3], shape, specs, drain_s=a.drain_s,
                                      retry=RetryPolicy(10**9, 1.0, seed), progress=prog)
-    run._log({"phase": "tenants-budget", "target": TENANTS, "tenant": "c"}, rs)
+    run._log({"phase": "tenants-budget", "target": TENANTS3, "tenant": "c"}, rs)
     admitted = sorted(r.sent for r in rs if r.admitted)
     span = admitted[-1] - admitted[0] if len(admitted) > 1 else 0.0
     bound = BUDGET_RPM + BUDGET_RPM / 60.0 * span
     retries = [r for r in rs if r.retry_of is not None]
     firsts = [r for r in rs if r.retry_of is None]
-    return {"scenario": "budget", "target": TENANTS, "requests_per_minute": BUDGET_RPM, "offered": len(firsts),
+    return {"scenario": "budget", "target": TENANTS3, "requests_per_minute": BUDGET_RPM, "offered": len(firsts),
             "offered_rps": round(rate, 3), "admitted": len(admitted), "span_s": round(span, 1), "bound": round(bound, 1),
-            "overshoot": len(admitted) - int(bound), "refused_first_tries": sum(r.refused for r in firsts),
+            # (the span is the client's send times: the router's own clock may differ by milliseconds)
+            "overshoot": round(len(admitted) - bound, 2), "refused_first_tries": sum(r.refused for r in firsts),
             "retries": len(retries), "retries_admitted": sum(r.admitted for r in retries),
             "retry_admitted_share": ratio(sum(r.admitted for r in retries), len(retries)),
             "error_codes": dict(Counter(r.error_code for r in rs if r.error_code))}
@@ -110,8 +111,8 @@ async def _budget(run: GoodputRun, seconds: float, seed: int) -> dict[str, Any]:
 def tenant_checks(rows: list[dict[str, Any]], slo_ttft_ms: float) -> list[dict[str, Any]]:
     by = {(r["scenario"], r["target"]): r for r in rows}
     out = []
-    if (r := by.get(("budget", TENANTS))) is not None:
-        out.append(check("budget: admitted over the bucket bound (requests)", r["overshoot"], "<=", 0))
+    if (r := by.get(("budget", TENANTS3))) is not None:
+        out.append(check("budget: admitted over the bucket bound (requests; < 1: none)", r["overshoot"], "<", 1.0))
         out.append(check("budget: retries after retry-after-ms admitted", r["retry_admitted_share"], ">=", 0.95))
     if (r := by.get(("noisy-neighbour", TENANTS))) is not None:
         b = r["tenants"]["b"]
@@ -132,7 +133,7 @@ async def run_tenant_scenarios(a: GoodputArgs, run: GoodputRun, budget_s: float 
         raise RuntimeError(f"could not estimate SLO capacity: {cal}")
     plain = run.shape
     run.shape = replace(plain, extra_headers=plain.extra_headers + (("Authorization", f"Bearer {KEYS['a']}"),))
-    for t in (BASELINE, TENANTS):  # (the baseline has no keys: it ignores the header)
+    for t in (BASELINE, TENANTS, TENANTS3):  # (the baseline has no keys: it ignores the header)
         if a.warmup_s > 0:
             await run.open_run(t, "warmup", 0.3 * capacity, 999, duration_s=a.warmup_s)
     run.shape = plain

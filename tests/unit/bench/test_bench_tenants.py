@@ -7,7 +7,7 @@ import hashlib
 import pytest
 
 from narwhal_serve.bench.fleet import TENANT_KEYS, narwhal_serve_config
-from narwhal_serve.bench.tenants import BASELINE, TENANTS, jain, tenant_checks
+from narwhal_serve.bench.tenants import BASELINE, TENANTS, TENANTS3, jain, tenant_checks
 from narwhal_serve.config import NarwhalConfig
 
 
@@ -27,20 +27,20 @@ def test_checks_read_the_tenants_target_only() -> None:
             row("noisy-neighbour", TENANTS, {}, good_b),
             row("fairness", TENANTS, {}, {}, jain=0.9),
             row("priority", TENANTS, {"ttft_p99_ms": 1500.0}, {}, goodput_vs_capacity=0.95),
-            {"scenario": "budget", "target": TENANTS, "overshoot": 1, "retry_admitted_share": 0.97}]
+            {"scenario": "budget", "target": TENANTS3, "overshoot": 1, "retry_admitted_share": 0.97}]
     verdicts = {c["check"]: c["verdict"] for c in tenant_checks(rows, 2000.0)}
     assert verdicts == {"noisy neighbour: b's goodput / b's offered": "PASS",
                         "noisy neighbour: b admitted within SLO": "PASS",
                         "fairness: Jain's index over goodput": "MISS",
                         "priority: interactive TTFT p99 (ms)": "PASS",
                         "priority: total goodput / capacity": "PASS",
-                        "budget: admitted over the bucket bound (requests)": "MISS",
+                        "budget: admitted over the bucket bound (requests; < 1: none)": "MISS",
                         "budget: retries after retry-after-ms admitted": "PASS"}
 
 
 def test_the_tenants_target_is_a_valid_config_with_the_bench_keys() -> None:
-    cfg = narwhal_serve_config(8000, ["http://127.0.0.1:9000"], "narwhal-sim", [TENANTS], 2.0)
-    app = next(a for a in cfg["applications"] if a["route_prefix"] == "/tenants")
+    cfg = narwhal_serve_config(8000, ["http://127.0.0.1:9000"], "narwhal-sim", [TENANTS, TENANTS3], 2.0)
+    app = next(a for a in cfg["applications"] if a["route_prefix"] == "/tenants-3")
     parsed = NarwhalConfig.model_validate(app["args"])
     assert parsed.tenants is not None and parsed.admission.mode == "predictive"
     digests = {t.name: t.key_sha256[0] for t in parsed.tenants.list}
