@@ -112,8 +112,9 @@ class TenantsConfig(_Strict):
             raise ValueError(f"tenants.anonymous {self.anonymous!r} is not in tenants.list")
         return self
 
-    def spec(self, name: str) -> TenantSpec | None:
-        return next((t for t in self.list if t.name == name), None)
+    def by_name(self) -> dict[str, TenantSpec]:
+        """The configured tenants by name (callers keep it: each call builds it)."""
+        return {t.name: t for t in self.list}
 
 
 class PriorityClass(_Strict):

@@ -54,7 +54,7 @@ def measure(engines: int, requests: int, tenants: int = 0) -> dict[str, object]:
     svc = _service(engines, tenants)
     lease = AdmissionLease("bench")
     if svc.cfg.tenants is not None:
-        lease.shares = LeaseShares({t.name: t for t in svc.cfg.tenants.list})
+        lease.shares = LeaseShares(svc.cfg.tenants.by_name())
 
     def sync() -> None:
         grant = svc.report(Report(lease=lease.cut(0.0)))

@@ -96,7 +96,7 @@ def build_api(
     """``echo_request_id=False`` where a proxy in front (Ray Serve's) already returns X-Request-Id."""
     lease = AdmissionLease(f"ingress-{secrets.token_hex(6)}") if cfg.admission.ingress_leases else None
     if lease is not None and cfg.tenants is not None and any(t.budgeted() for t in cfg.tenants.list):
-        lease.shares = LeaseShares({t.name: t for t in cfg.tenants.list})
+        lease.shares = LeaseShares(cfg.tenants.by_name())
     reporter = Reporter(backend.report, lease=lease)
 
     @contextlib.asynccontextmanager

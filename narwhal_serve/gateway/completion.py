@@ -96,7 +96,8 @@ class CompletionHandler:
         self.reporter = reporter
         self.clock = clock
         self.keys = KeyRing(cfg.tenants, cfg.serving.api_keys, mono=mono)
-        self.tenant_labels = TenantTally(tuple(t.name for t in cfg.tenants.list) if cfg.tenants is not None else ())
+        self.tenant_specs = cfg.tenants.by_name() if cfg.tenants is not None else {}
+        self.tenant_labels = TenantTally(tuple(self.tenant_specs))
         self.obs = Observability(cfg.observability, clock)
         self.streams: set[RelayStreamResponse] = set()  # open SSE answers, ended together when draining ends
         self._drain_end: float | None = None
@@ -127,14 +128,14 @@ class CompletionHandler:
         return tenant
 
     def budgeted(self, tenant: str) -> bool:
-        spec = self.cfg.tenants.spec(tenant) if self.cfg.tenants is not None else None
+        spec = self.tenant_specs.get(tenant)
         return spec is not None and spec.budgeted()
 
     def _priority(self, request: Request, tenant: str) -> tuple[int, float | None]:
         """(class rank, admit-within seconds) from ``X-Priority``, the tenant's default class when
         absent, lowered to the tenant's ceiling (README, "Priority classes")."""
         adm = self.cfg.admission
-        spec = self.cfg.tenants.spec(tenant) if self.cfg.tenants is not None else None
+        spec = self.tenant_specs.get(tenant)
         given = request.headers.get("x-priority")
         if given is None:
             rank = adm.class_rank((spec.default_class if spec is not None else None) or adm.default_class)
@@ -298,7 +299,7 @@ class CompletionHandler:
     def _limits(self, tenant: str, remaining: Amounts | None) -> dict[str, str]:
         """OpenAI's rate-limit headers for an admitted request of a budgeted tenant (the router's
         remaining budget as this replica last heard it)."""
-        spec = self.cfg.tenants.spec(tenant) if self.cfg.tenants is not None and remaining is not None else None
+        spec = self.tenant_specs.get(tenant) if remaining is not None else None
         if spec is None or remaining is None:
             return {}
         return dict(ratelimit_headers(spec, remaining))

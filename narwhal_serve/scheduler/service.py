@@ -85,9 +85,9 @@ class SchedulerService:
         lone_standby = cfg.ha.role == "standby" and cfg.ha.lease.backend == "none"
         self.router = RouterState(mode="standby" if lone_standby else "active")
         self.counters = Counters()
-        specs = {t.name: t for t in cfg.tenants.list} if cfg.tenants is not None else {}
+        specs = cfg.tenants.by_name() if cfg.tenants is not None else {}
         self.tenants = TenantBook(specs)  # tenants' budgets (tenants/budget.py)
-        self.fair = FairShare({t.name: t.weight for t in cfg.tenants.list} if cfg.tenants is not None else {})
+        self.fair = FairShare({name: t.weight for name, t in specs.items()})
         self.tenant_tally = TenantTally(tuple(specs), tuple(c.name for c in cfg.admission.classes))
         # tickets that took budget here, not placed yet: tenant, cost, the promise they used
         self._budgeted: dict[str, tuple[str, Amounts, Promise | None]] = {}
@@ -328,12 +328,12 @@ class SchedulerService:
             self._pump()
             return AdmitResult(error=_CANCELLED)  # the ingress counts the cancellation
         if self.tenants.specs:
-            over = self.tenants.check(req.tenant, request_cost(req.prompt_tokens), now, fingerprint=req.fingerprint,
-                                      reserves=req.reserves)
+            cost = request_cost(req.prompt_tokens)
+            over = self.tenants.check(req.tenant, cost, now, fingerprint=req.fingerprint, reserves=req.reserves)
             if over is not None:
                 self._pump()
                 return self._refuse(Refusal(budget_error(over), Outcome.REJECTED), req)
-            self._budgeted[req.ticket_id] = (req.tenant, request_cost(req.prompt_tokens), self.tenants.last_taken)
+            self._budgeted[req.ticket_id] = (req.tenant, cost, self.tenants.last_taken)
         self._rotation += 1
         view = self.view(now)
         verdict = decide(view, req.ask(), now, self._rotation)

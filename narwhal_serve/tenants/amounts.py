@@ -25,6 +25,10 @@ class Amounts:
     def get(self, kind: str) -> float:
         return float(getattr(self, kind))
 
+    def rates(self) -> "Amounts":
+        """The per-minute kinds only (a concurrent slot is not spent from a bucket)."""
+        return Amounts(self.requests, self.input_tokens, self.output_tokens)
+
     def any(self) -> bool:
         return bool(self.requests or self.input_tokens or self.output_tokens or self.concurrent)
 

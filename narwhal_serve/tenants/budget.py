@@ -19,9 +19,10 @@ request promised before it*.  A client that says it retries (``X-Stainless-Retry
 official SDKs) gets a *promise*: that room is kept for it until ``PROMISE_GRACE_S`` after its
 Retry-After; new requests queue behind the promises.  A retry is recognised by its fingerprint (a
 hash of its tenant and body: an SDK resends the same body) and takes its own promise; one that
-comes back early keeps its place and is told the rest of its wait.  While a
-tenant has promises outstanding, its requests are decided by the scheduler (leases are given no
-share of it), which keeps the order exact.
+comes back early keeps its place and is told the rest of its wait.  While a tenant has promises
+outstanding, leases are given no share of it: the requests of clients that retry are decided by the
+scheduler, which keeps the order exact, and a lease refuses the others itself when the bucket, less
+what is promised, cannot hold them.
 """
 
 from __future__ import annotations
@@ -139,24 +140,23 @@ def budget_error(r: BudgetRefusal) -> ErrorInfo:
     if r.retry_after_s is None:
         err = RateLimited(f"Request too large for tenant {r.tenant!r}: its budget of {what} is smaller than "
                           "this one request.", code="rate_limit_exceeded")
-        return _with_headers(err.info(), r.headers + (("x-should-retry", "false"),))
+        return replace(err.info(), extra_headers=r.headers + (("x-should-retry", "false"),))
     ms = max(1, int(math.ceil(r.retry_after_s * 1000)))
     err = RateLimited(f"Rate limit reached for tenant {r.tenant!r} on {what}: this request fits in "
                       f"{ms / 1000:.3f} s (Retry-After).", code="rate_limit_exceeded",
                       retry_after=max(1, int(math.ceil(r.retry_after_s))))
-    return _with_headers(err.info(), r.headers + (("retry-after-ms", str(ms)),))
+    return replace(err.info(), extra_headers=r.headers + (("retry-after-ms", str(ms)),))
 
 
-def _with_headers(info: ErrorInfo, headers: tuple[tuple[str, str], ...]) -> ErrorInfo:
-    return replace(info, extra_headers=headers)
-
-
-def refusal(spec: TenantSpec, have: Amounts, cost: Amounts, slot_wait_s: float) -> BudgetRefusal:
+def refusal(spec: TenantSpec, have: Amounts, cost: Amounts, slot_wait_s: float,
+            shown: Amounts | None = None) -> BudgetRefusal:
+    """``cost`` refused against ``have``; its headers show ``shown`` (default ``have``)."""
+    headers = ratelimit_headers(spec, have if shown is None else shown)
     big = never_fits(cost, spec)
     if big is not None:
-        return BudgetRefusal(spec.name, (big,), None, ratelimit_headers(spec, have))
+        return BudgetRefusal(spec.name, (big,), None, headers)
     kinds = lacking(have, cost, spec)
-    return BudgetRefusal(spec.name, kinds, wait_s(have, cost, kinds, spec, slot_wait_s), ratelimit_headers(spec, have))
+    return BudgetRefusal(spec.name, kinds, wait_s(have, cost, kinds, spec, slot_wait_s), headers)
 
 
 @dataclass(frozen=True)
@@ -214,15 +214,13 @@ class Promises:
         while self.queue and (self.queue[0].gone or self.queue[0].until < now):
             p = self.queue.popleft()
             if not p.gone:
-                self._drop(p)
+                self.take(p)
 
-    def _drop(self, p: Promise) -> None:
+    def take(self, p: Promise) -> None:
+        """``p`` is used (or lapsed): its room is no longer kept (it leaves the deque lazily)."""
         p.gone = True
         self.by_id.pop(p.id, None)
         self.total = self.total - p.cost
-
-    def take(self, p: Promise) -> None:
-        self._drop(p)
 
     def ahead_of(self, mine: Promise | None, now: float) -> Amounts:
         """What is promised before ``mine`` and not yet due (all of it, for a request without a
@@ -298,7 +296,7 @@ class TenantState:
     def tight(self) -> bool:
         """The unshared bucket cannot cover a typical request of one of the budgeted kinds (or a
         concurrent slot): leases get no more share and give theirs back, so that what is left is
-        decided in one place, and refusals are timed on all of it."""
+        decided in one place."""
         level = self.available()
         for kind in KINDS:
             if self.spec.limit(kind) is None:
@@ -315,6 +313,10 @@ class TenantState:
     def live_promises(self, now: float) -> Promises:
         self.promises.expire(now)
         return self.promises
+
+    def learn_cost(self, per_request: Amounts) -> None:
+        """EWMA of one request's cost (the shares' targets are at least two of them)."""
+        self.mean_cost = Amounts(*(0.9 * self.mean_cost.get(k) + 0.1 * per_request.get(k) for k in KINDS))
 
 
 @dataclass
@@ -362,8 +364,7 @@ class TenantBook:
             return None
         # timed on what the scheduler holds itself: shares leases hold may be spent before they
         # learn of this refusal (those given back only make later requests fit sooner)
-        out = refusal(st.spec, have, cost, st.slot_wait_s())
-        out = replace(out, headers=ratelimit_headers(st.spec, st.remaining() - ahead))
+        out = refusal(st.spec, have, cost, st.slot_wait_s(), shown=st.remaining() - ahead)
         ra = out.retry_after_s
         if mine is not None:  # early: it keeps its place, for the rest of its wait
             if ra is not None:
@@ -376,9 +377,9 @@ class TenantBook:
 
     def _take(self, st: TenantState, cost: Amounts) -> None:
         cost = limited(cost, st.spec)
-        st.level = st.level - Amounts(cost.requests, cost.input_tokens)
+        st.level = st.level - cost.rates()
         st.in_use += int(cost.concurrent)
-        st.mean_cost = Amounts(*(0.9 * st.mean_cost.get(k) + 0.1 * cost.get(k) for k in KINDS))
+        st.learn_cost(cost)
 
     def refund(self, tenant: str, cost: Amounts, now: float, promise: Promise | None = None) -> None:
         """A request the scheduler took budget for that never ran (it expired in the queue, its
@@ -389,7 +390,7 @@ class TenantBook:
             if promise is not None:
                 st.promises.put_back(promise)
             cost = limited(cost, st.spec)
-            st.level = st.level + Amounts(cost.requests, cost.input_tokens)
+            st.level = st.level + cost.rates()
             st.in_use = max(0, st.in_use - int(cost.concurrent))
 
     def ended(self, tenant: str, now: float, *, output_tokens: float, duration_s: float | None, own: bool) -> None:
@@ -434,10 +435,9 @@ class TenantBook:
                 st.held.pop(lease, None)
                 continue
             st.held[lease] = st.held.get(lease, NOTHING) - spent - back
-            st.level = st.level + Amounts(back.requests, back.input_tokens, back.output_tokens)
+            st.level = st.level + back.rates()
             if spent.requests > 0:
-                st.mean_cost = Amounts(*(0.9 * st.mean_cost.get(k) + 0.1 * spent.get(k) / spent.requests
-                                         for k in KINDS))
+                st.learn_cost(Amounts.of({k: spent.get(k) / spent.requests for k in KINDS}))
 
     def grant(self, lease: str, now: float, live_leases: int) -> tuple[dict[str, Amounts], dict[str, Amounts]]:
         """(granted, targets) for the tenants this lease saw lately: a share of each one's bucket,
@@ -467,7 +467,7 @@ class TenantBook:
             if got.any():
                 granted[tenant] = got
                 st.held[lease] = held + got
-                st.level = st.level - Amounts(got.requests, got.input_tokens, got.output_tokens)
+                st.level = st.level - got.rates()
         return granted, targets
 
     @staticmethod
@@ -500,7 +500,7 @@ class TenantBook:
             while len(seen) > 4096:
                 seen.popitem(last=False)
         st.held[lease] = st.held[lease] - back
-        st.level = st.level + Amounts(back.requests, back.input_tokens, back.output_tokens)
+        st.level = st.level + back.rates()
 
     def forget_lease(self, lease: str) -> None:
         """A lease gone silent (its ingress died): its shares and requests in flight are dropped."""
@@ -580,24 +580,22 @@ class LeaseShares:
             return True
         self._seen.add(tenant)
         f = self.facts.get(tenant)
-        if f is not None and f.pressed:  # promises outstanding: the scheduler keeps their order
+        # the router-wide budget as last heard (this lease's share included)
+        router = refilled(spec, f.level, now - f.at) if f is not None else None
+        if f is not None and router is not None and f.pressed:  # promises out: the scheduler keeps their order
             if retry or reserves:
                 return False
-            est = refilled(spec, f.level, now - f.at) - f.promised  # a newcomer queues behind them all
+            est = router - f.promised  # a newcomer queues behind them all
             return refusal(spec, est, cost, f.slot_wait_s) if lacking(est, cost, spec) else False
         have = self.held.get(tenant, NOTHING)
-        if f is not None and spec.output_tokens_per_minute is not None:
-            router = refilled(spec, f.level, now - f.at).output_tokens
-            if router <= 0:  # in debt router-wide (another lease's streams): this share does not pay it
-                have = replace(have, output_tokens=min(have.output_tokens, router))
+        if router is not None and spec.output_tokens_per_minute is not None and router.output_tokens <= 0:
+            # in debt router-wide (another lease's streams): this share does not pay it
+            have = replace(have, output_tokens=min(have.output_tokens, router.output_tokens))
         if not lacking(have, cost, spec):
             return True
-        if f is None or retry or reserves:
+        if f is None or router is None or retry or reserves:
             return False
-        est = refilled(spec, f.level, now - f.at)  # the router-wide budget, this share included
-        if lacking(est, cost, spec):
-            return refusal(spec, est, cost, f.slot_wait_s)
-        return False
+        return refusal(spec, router, cost, f.slot_wait_s) if lacking(router, cost, spec) else False
 
     def give_back(self, tenant: str) -> Amounts:
         """The lease's share of ``tenant``, handed back with an admission call to the scheduler
@@ -699,7 +697,7 @@ class LeaseShares:
             self.held = {}
             for part in (*later, TenantPart(self._spent)):
                 for t, a in part.spent.items():
-                    self.held[t] = self.held.get(t, NOTHING) - Amounts(a.requests, a.input_tokens, a.output_tokens)
+                    self.held[t] = self.held.get(t, NOTHING) - a.rates()
         for t, a in granted.items():
             self.held[t] = self.held.get(t, NOTHING) + a
         self.target = dict(targets)

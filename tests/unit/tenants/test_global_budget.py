@@ -33,7 +33,7 @@ class Ingress:
 
     def __init__(self, svc: SchedulerService, clock: Clock, name: str) -> None:
         self.svc, self.clock = svc, clock
-        self.lease = AdmissionLease(name, shares=LeaseShares({t.name: t for t in svc.cfg.tenants.list}))  # type: ignore[union-attr]
+        self.lease = AdmissionLease(name, shares=LeaseShares(svc.cfg.tenants.by_name()))  # type: ignore[union-attr]
         self.n = 0
         self.scheduler_calls = 0
 
