@@ -40,7 +40,7 @@ class ErrorInfo:
     param: str | None = None
     retry_after: int | None = None
     reason: str | None = None
-    extra_headers: tuple[tuple[str, str], ...] = ()  # e.g. a tenant's x-ratelimit-* (tenants/budget.py)
+    extra_headers: tuple[tuple[str, str], ...] = ()  # e.g. a tenant's x-ratelimit-* (tenants/)
 
     def body(self) -> dict[str, Any]:
         return {

@@ -28,7 +28,8 @@ from narwhal_serve.admission.retry import Reservation, earliest
 from narwhal_serve.prediction.decode import remaining_tokens
 from narwhal_serve.scheduler.messages import LeaseGrant, LeasePart, LocalPlacement
 from narwhal_serve.tenants.amounts import request_cost
-from narwhal_serve.tenants.budget import LeaseShares, budget_error
+from narwhal_serve.tenants.rules import budget_error
+from narwhal_serve.tenants.shares import LeaseShares
 
 
 # Refusals that only restate the scheduler's state; the scheduler gives them, from the state as it is.
@@ -73,7 +74,7 @@ class AdmissionLease:
     _sent: dict[int, _Sent] = field(default_factory=dict)
     _reserved: list[Reservation] = field(default_factory=list)  # since the last cut
     _consumed: list[str] = field(default_factory=list)  # since the last cut
-    shares: LeaseShares | None = None  # tenants' budgets (tenants/budget.py); None: no budgets
+    shares: LeaseShares | None = None  # tenants' budgets (tenants/); None: no budgets
 
     # -- admission ----------------------------------------------------------------------------
     def valid(self, mono: float) -> bool:

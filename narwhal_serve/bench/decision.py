@@ -20,7 +20,7 @@ from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.scheduler.messages import Report
 from narwhal_serve.scheduler.service import SchedulerService
 from narwhal_serve.tenants.amounts import request_cost
-from narwhal_serve.tenants.budget import LeaseShares
+from narwhal_serve.tenants.shares import LeaseShares
 
 BIG = 10**9
 

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
 from narwhal_serve.admission.lease import AdmissionLease
-from narwhal_serve.tenants.budget import LeaseShares
+from narwhal_serve.tenants.shares import LeaseShares
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.errors import ErrorInfo, InvalidApiKey, InvalidRequest, NarwhalError
 from narwhal_serve.gateway.backend import Backend

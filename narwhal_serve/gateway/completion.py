@@ -46,7 +46,7 @@ from narwhal_serve.protocol.requests import ParsedRequest, Route, parse_request
 from narwhal_serve.relay.messages import RelayMessage, RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
 from narwhal_serve.tenants.amounts import Amounts
-from narwhal_serve.tenants.budget import ratelimit_headers
+from narwhal_serve.tenants.rules import ratelimit_headers
 from narwhal_serve.tenants.keys import KeyRing
 from narwhal_serve.tenants.tally import TenantTally
 from narwhal_serve.tokenization.sizer import PromptSizer, Sized

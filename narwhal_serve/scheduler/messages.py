@@ -14,7 +14,7 @@ from narwhal_serve.errors import ErrorInfo
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.relay.messages import EngineFault, RelayStats
 from narwhal_serve.tenants.amounts import Amounts
-from narwhal_serve.tenants.budget import TenantFacts, TenantPart
+from narwhal_serve.tenants.messages import TenantFacts, TenantPart
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class LeasePart:
     in_use: Permits = NONE
     reserved: list[Reservation] = field(default_factory=list)  # room kept for refused clients' retries
     consumed: list[str] = field(default_factory=list)  # reservations retries took
-    tenants: TenantPart | None = None  # budget shares spent and given back (tenants/budget.py)
+    tenants: TenantPart | None = None  # budget shares spent and given back (tenants/)
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class LeaseGrant:
     # scheduler forgot the lease — restart, or silent too long): it reserved exactly what the
     # answered report had in use, plus ``granted``; permits held from before are void.
     epoch: int = 0
-    # tenants' budgets (tenants/budget.py): shares added to the lease's, its targets, the buckets
+    # tenants' budgets (tenants/): shares added to the lease's, its targets, the buckets
     tenant_granted: dict[str, Amounts] = field(default_factory=dict)
     tenant_targets: dict[str, Amounts] = field(default_factory=dict)
     tenant_facts: tuple[TenantFacts, ...] = ()

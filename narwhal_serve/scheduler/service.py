@@ -42,7 +42,9 @@ from narwhal_serve.scheduler.kvfeeds import KVEventFeeds
 from narwhal_serve.scheduler.snapshot import snapshot
 from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, Tally, render_metrics
 from narwhal_serve.tenants.amounts import Amounts, request_cost
-from narwhal_serve.tenants.budget import Promise, TenantBook, budget_error
+from narwhal_serve.tenants.book import TenantBook
+from narwhal_serve.tenants.promises import Promise
+from narwhal_serve.tenants.rules import budget_error
 from narwhal_serve.tenants.fair import FairShare
 from narwhal_serve.tenants.tally import TenantTally
 
@@ -86,7 +88,7 @@ class SchedulerService:
         self.router = RouterState(mode="standby" if lone_standby else "active")
         self.counters = Counters()
         specs = cfg.tenants.by_name() if cfg.tenants is not None else {}
-        self.tenants = TenantBook(specs)  # tenants' budgets (tenants/budget.py)
+        self.tenants = TenantBook(specs)  # tenants' budgets (tenants/)
         self.fair = FairShare({name: t.weight for name, t in specs.items()})
         self.tenant_tally = TenantTally(tuple(specs), tuple(c.name for c in cfg.admission.classes))
         # tickets that took budget here, not placed yet: tenant, cost, the promise they used

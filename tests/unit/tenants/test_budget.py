@@ -1,4 +1,4 @@
-"""The budget rules on constructed data (tenants/budget.py): token buckets per kind, output debt,
+"""The budget rules on constructed data (tenants/rules.py, tenants/book.py): token buckets per kind, output debt,
 concurrency, requests that never fit, promises that make Retry-After true, rate-limit headers."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import pytest
 
 from narwhal_serve.config import TenantSpec
 from narwhal_serve.tenants.amounts import request_cost
-from narwhal_serve.tenants.budget import BudgetRefusal, TenantBook, budget_error, ratelimit_headers
+from narwhal_serve.tenants.book import TenantBook
+from narwhal_serve.tenants.rules import BudgetRefusal, budget_error, ratelimit_headers
 from narwhal_serve.tenants.amounts import Amounts
 
 T0 = 1000.0

@@ -15,7 +15,7 @@ from narwhal_serve.admission.lease import AdmissionLease
 from narwhal_serve.relay.messages import RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest, Report
 from narwhal_serve.scheduler.service import SchedulerService
-from narwhal_serve.tenants.budget import LeaseShares
+from narwhal_serve.tenants.shares import LeaseShares
 from tests.support.scheduler import Clock, scheduler_service
 
 RPM, TPM, PROMPT = 120.0, 6000.0, 50

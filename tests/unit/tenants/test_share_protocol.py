@@ -10,9 +10,9 @@ import pytest
 from narwhal_serve.admission.core import Ask, Placement
 from narwhal_serve.admission.retry import retry_count
 from narwhal_serve.relay.messages import RelayStats
-from narwhal_serve.scheduler.messages import AdmitRequest, Report
+from narwhal_serve.scheduler.messages import AdmitRequest
 from narwhal_serve.tenants.amounts import Amounts, request_cost
-from narwhal_serve.tenants.budget import TenantPart
+from narwhal_serve.tenants.messages import TenantPart
 from tests.unit.tenants.test_global_budget import Ingress, service
 
 STATS = RelayStats("chat", ("u",), 0.1, 0, 0.1, 1)
