@@ -13,7 +13,7 @@ from narwhal_serve.admission.controller import Refusal
 from narwhal_serve.admission.core import Ask, Placement
 from narwhal_serve.admission.lease import AdmissionLease
 from narwhal_serve.relay.messages import RelayStats
-from narwhal_serve.scheduler.messages import AdmitRequest, Report
+from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
 from narwhal_serve.scheduler.service import SchedulerService
 from narwhal_serve.tenants.shares import LeaseShares
 from tests.support.scheduler import Clock, scheduler_service
@@ -45,6 +45,14 @@ class Ingress:
         assert grant is not None
         self.lease.apply(grant, self.clock(), self.clock.t)
 
+    async def defer(self, tid: str, ask: Ask) -> AdmitResult:
+        """The admit call the gateway makes when the lease defers: the lease's share of the tenant
+        handed back with it."""
+        assert self.lease.shares is not None
+        return await self.svc.admit(AdmitRequest.of(tid, self.clock() + 60, ask, lease_id=self.lease.lease_id,
+                                                    lease_epoch=self.lease.epoch,
+                                                    tenant_returned=self.lease.shares.give_back(ask.tenant)))
+
     async def request(self, tenant: str = "acme", prompt: int = PROMPT, output: int = 0) -> bool:
         self.n += 1
         tid = f"{self.lease.lease_id}-{self.n}"
@@ -58,9 +66,7 @@ class Ingress:
             self.svc.report(Report(released=[(tid, stats, True)]))
             return True
         self.scheduler_calls += 1
-        res = await self.svc.admit(AdmitRequest.of(tid, self.clock() + 60, ask, lease_id=self.lease.lease_id,
-                                                   lease_epoch=self.lease.epoch,
-                                                   tenant_returned=self.lease.shares.give_back(tenant)))  # type: ignore[union-attr]
+        res = await self.defer(tid, ask)
         if res.error is not None:
             assert res.error.code == "rate_limit_exceeded", res.error
             return False
@@ -164,9 +170,7 @@ async def test_clients_that_wait_their_retry_after_are_admitted() -> None:
                 returns += attempt > 0
                 ing.lease.release(tid, 0)
                 continue
-            res = await svc.admit(AdmitRequest.of(tid, clock.t + 60, ask, lease_id=ing.lease.lease_id,
-                                                  lease_epoch=ing.lease.epoch,
-                                                  tenant_returned=ing.lease.shares.give_back("acme")))  # type: ignore[union-attr]
+            res = await ing.defer(tid, ask)
             ok = res.error is None
             returns += attempt > 0
             admitted_on_return += ok and attempt > 0

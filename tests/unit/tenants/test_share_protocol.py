@@ -66,8 +66,7 @@ async def test_a_client_told_to_wait_is_admitted_when_it_comes_back_after_the_le
                 ing.lease.release(tid, 0)
     ask = Ask(50, 5.0, tenant="acme", reserves=True, fingerprint="sdk")
     assert a.lease.try_admit("sdk-0", ask, clock() + 60, clock(), clock.t) is None
-    r = await svc.admit(AdmitRequest.of("sdk-0", clock() + 60, ask, lease_id="A", lease_epoch=a.lease.epoch,
-                                        tenant_returned=a.lease.shares.give_back("acme")))  # type: ignore[union-attr]
+    r = await a.defer("sdk-0", ask)
     assert r.error is not None and "on requests per minute" in r.error.message
     wait = int(dict(r.error.extra_headers)["retry-after-ms"]) / 1000
     end = clock.t + wait
@@ -78,7 +77,7 @@ async def test_a_client_told_to_wait_is_admitted_when_it_comes_back_after_the_le
     clock.t = end
     again = Ask(50, 5.0, tenant="acme", reserves=True, retry=True, fingerprint="sdk")
     assert a.lease.try_admit("sdk-1", again, clock() + 60, clock(), clock.t) is None  # promises: the scheduler's
-    r = await svc.admit(AdmitRequest.of("sdk-1", clock() + 60, again, lease_id="A", lease_epoch=a.lease.epoch))
+    r = await a.defer("sdk-1", again)
     assert r.error is None
 
 
