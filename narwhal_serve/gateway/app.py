@@ -136,7 +136,7 @@ def build_api(
     def token_route(fn: Callable[[PromptSizer, str, bytes], Awaitable[dict[str, Any]]]) -> Callable[[Request], Awaitable[Response]]:
         async def route(request: Request) -> Response:
             try:
-                handler.auth(request)
+                handler.tenancy.identify(request)
                 raw = await read_body(request, cfg.serving.max_request_bytes, cfg.serving.body_timeout_s)
                 return JSONResponse(await fn(sizer, cfg.model, raw))
             except NarwhalError as err:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import hashlib
 import json
 import math
 import re
@@ -26,7 +25,7 @@ from narwhal_serve.admission.core import Ask, FleetView
 from narwhal_serve.admission.retry import retry_count
 from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.config import NarwhalConfig
-from narwhal_serve.errors import BodyTimeout, ErrorInfo, InvalidApiKey, InvalidRequest, NarwhalError, TerminalExpiry
+from narwhal_serve.errors import BodyTimeout, ErrorInfo, InvalidRequest, NarwhalError, TerminalExpiry
 from narwhal_serve.gateway.backend import Backend
 from narwhal_serve.gateway.body import BodyIncomplete, read_body
 from narwhal_serve.gateway.reporter import Reporter
@@ -45,10 +44,8 @@ from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.protocol.requests import ParsedRequest, Route, parse_request
 from narwhal_serve.relay.messages import RelayMessage, RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
+from narwhal_serve.gateway.tenancy import Tenancy
 from narwhal_serve.tenants.amounts import Amounts
-from narwhal_serve.tenants.rules import ratelimit_headers
-from narwhal_serve.tenants.keys import KeyRing
-from narwhal_serve.tenants.tally import TenantTally
 from narwhal_serve.tokenization.sizer import PromptSizer, Sized
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -95,9 +92,7 @@ class CompletionHandler:
         self.backend = backend
         self.reporter = reporter
         self.clock = clock
-        self.keys = KeyRing(cfg.tenants, cfg.serving.api_keys, mono=mono)
-        self.tenant_specs = cfg.tenants.by_name() if cfg.tenants is not None else {}
-        self.tenant_labels = TenantTally(tuple(self.tenant_specs))
+        self.tenancy = Tenancy(cfg, mono)
         self.obs = Observability(cfg.observability, clock)
         self.streams: set[RelayStreamResponse] = set()  # open SSE answers, ended together when draining ends
         self._drain_end: float | None = None
@@ -118,37 +113,6 @@ class CompletionHandler:
         err = drained_error()
         for s in list(self.streams):
             s.cut(err)
-
-    def auth(self, request: Request) -> str:
-        """The request's tenant (README, "Tenants"); 401 ``invalid_api_key`` for a missing or unknown
-        key where keys are required.  The key itself is never logged."""
-        tenant = self.keys.identify(request.headers.get("authorization"))
-        if tenant is None:
-            raise InvalidApiKey("Incorrect or missing API key: send 'Authorization: Bearer <key>'.")
-        return tenant
-
-    def budgeted(self, tenant: str) -> bool:
-        spec = self.tenant_specs.get(tenant)
-        return spec is not None and spec.budgeted()
-
-    def _priority(self, request: Request, tenant: str) -> tuple[int, float | None]:
-        """(class rank, admit-within seconds) from ``X-Priority``, the tenant's default class when
-        absent, lowered to the tenant's ceiling (README, "Priority classes")."""
-        adm = self.cfg.admission
-        spec = self.tenant_specs.get(tenant)
-        given = request.headers.get("x-priority")
-        if given is None:
-            rank = adm.class_rank((spec.default_class if spec is not None else None) or adm.default_class)
-        else:
-            rank = adm.class_rank(given.strip().lower())
-            if rank is None:
-                raise InvalidRequest(f"header X-Priority must be one of {[c.name for c in adm.classes]}",
-                                     param="x-priority")
-        assert rank is not None
-        if spec is not None and spec.max_class is not None:
-            rank = max(rank, adm.class_rank(spec.max_class) or 0)  # a higher class than allowed: its ceiling
-        share = adm.classes[rank].ttft_share
-        return rank, (share * adm.ttft_budget_s if share < 1.0 else None)
 
     def _deadline(self, request: Request, now: float) -> float:
         limits = [self.cfg.serving.request_timeout_s]
@@ -184,7 +148,7 @@ class CompletionHandler:
                                                   pl.prefix_block_chars, pl.prefix_block_tokens, pl.prefix_max_blocks)
         return Ask(parsed.prompt_tokens, ttft_budget, tpot_budget, parsed.route, parsed.max_output_tokens,
                    prefix, block_tokens, retry=bool(retries), reserves=retries is not None, tenant=tenant,
-                   fingerprint=fingerprint(tenant, raw) if retries is not None and self.budgeted(tenant) else "",
+                   fingerprint=self.tenancy.fingerprint(tenant, raw, retries),
                    rank=priority[0], admit_within_s=priority[1])
 
     async def handle(self, request: Request, route: Route) -> Response:
@@ -198,10 +162,10 @@ class CompletionHandler:
         try:
             if given is not None and given != rid:  # it goes to every engine leg as a header: keep it plain
                 raise InvalidRequest("header X-Request-Id must be 1-128 printable ASCII characters", param="x-request-id")
-            tenant = self.auth(request)
-            trail.tenant = self.tenant_labels.label(tenant)
-            priority = self._priority(request, tenant)
-            trail.priority = self.cfg.admission.classes[priority[0]].name
+            tenant = self.tenancy.identify(request)
+            trail.tenant = self.tenancy.label(tenant)
+            priority = self.tenancy.priority(request, tenant)
+            trail.priority = self.tenancy.class_name(priority[0])
             try:
                 raw = await read_body(request, self.cfg.serving.max_request_bytes, self.cfg.serving.body_timeout_s)
             except asyncio.CancelledError:  # Serve cancels the handler when the client leaves mid-body
@@ -271,7 +235,7 @@ class CompletionHandler:
                                        self._first_token_s(ask.ttft_budget_s, verdict.predicted_s),
                                        lease.view.epoch if lease.view is not None else 0, ask.rank)
                 return await self._respond(placed, ticket, parsed, echo, trail, verdict.predicted_s,
-                                           self._limits(ask.tenant, lease.shares.remaining(ask.tenant, self.clock())
+                                           self.tenancy.limits(ask.tenant, lease.shares.remaining(ask.tenant, self.clock())
                                                         if lease.shares is not None else None))
         admit_req = AdmitRequest.of(
             ticket, deadline, ask,
@@ -294,15 +258,7 @@ class CompletionHandler:
         placed = PlacedRequest(rid, self.cfg.model, parsed, result.candidates, deadline, trail.traceparent(),
                                self._first_token_s(ask.ttft_budget_s, result.predicted_ttft_s), result.epoch, ask.rank)
         return await self._respond(placed, ticket, parsed, echo, trail, result.predicted_ttft_s,
-                                   self._limits(ask.tenant, result.remaining))
-
-    def _limits(self, tenant: str, remaining: Amounts | None) -> dict[str, str]:
-        """OpenAI's rate-limit headers for an admitted request of a budgeted tenant (the router's
-        remaining budget as this replica last heard it)."""
-        spec = self.tenant_specs.get(tenant) if remaining is not None else None
-        if spec is None or remaining is None:
-            return {}
-        return dict(ratelimit_headers(spec, remaining))
+                                   self.tenancy.limits(ask.tenant, result.remaining))
 
     def _first_token_s(self, budget: float, predicted: float | None) -> float:
         """Before headers, how long an attempt may wait for its first token while another route is
@@ -314,8 +270,7 @@ class CompletionHandler:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            self._abandon(task, req.ticket_id, self.tenant_labels.label(req.tenant),
-                          self.cfg.admission.classes[req.rank].name)
+            self._abandon(task, req.ticket_id, self.tenancy.label(req.tenant), self.tenancy.class_name(req.rank))
             raise
 
     def _abandon(self, task: asyncio.Task[AdmitResult], ticket_id: str, tenant: str | None, klass: str) -> None:
@@ -400,11 +355,6 @@ class CompletionHandler:
         except TimeoutError:
             return RelayMessage(error=deadline_expired(), final=True)
         return RelayMessage(error=internal_error("the assembler ended without an answer"), final=True)
-
-
-def fingerprint(tenant: str, raw: bytes) -> str:
-    """A retrying client's request, recognised again: an SDK retry resends the same body."""
-    return hashlib.blake2b(raw, digest_size=12, key=tenant.encode()[:64]).hexdigest()
 
 
 def _prompt_text(parsed: ParsedRequest) -> str | None:
