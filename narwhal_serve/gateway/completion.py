@@ -273,7 +273,7 @@ class CompletionHandler:
             self._abandon(task, req.ticket_id, self.tenancy.label(req.tenant), self.tenancy.class_name(req.rank))
             raise
 
-    def _abandon(self, task: asyncio.Task[AdmitResult], ticket_id: str, tenant: str | None, klass: str) -> None:
+    def _abandon(self, task: asyncio.Task[AdmitResult], ticket_id: str, tenant: str | None, klass: str | None) -> None:
         """The client left while waiting for admission: withdraw the ticket (the scheduler frees a
         queue slot or a grant, now or when the admit call arrives) and count the cancellation,
         unless the scheduler had already refused — and counted — the request."""

@@ -27,7 +27,7 @@ class Tenancy:
         self.admission = cfg.admission
         self.keys = KeyRing(cfg.tenants, cfg.serving.api_keys, mono=mono)
         self.specs = cfg.tenants.by_name() if cfg.tenants is not None else {}
-        self.labels = TenantTally(tuple(self.specs))
+        self.labels = TenantTally(tuple(self.specs), tuple(c.name for c in cfg.admission.classes))
 
     def identify(self, request: Request) -> str:
         """The request's tenant; 401 ``invalid_api_key`` for a missing or unknown key where keys are
@@ -60,8 +60,8 @@ class Tenancy:
         share = adm.classes[rank].ttft_share
         return rank, (share * adm.ttft_budget_s if share < 1.0 else None)
 
-    def class_name(self, rank: int) -> str:
-        return self.admission.classes[rank].name
+    def class_name(self, rank: int) -> str | None:
+        return self.labels.class_label(rank)
 
     def fingerprint(self, tenant: str, raw: bytes, retries: int | None) -> str:
         """The request's fingerprint when its client retries (it says so) and its tenant has a

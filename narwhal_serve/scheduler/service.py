@@ -219,7 +219,7 @@ class SchedulerService:
             outputs=self.outputs.table(),
             reservations=self._live_reservations(now),
             streams_end_at=self.router.drain_until,
-            over_share=self.fair.over(now) if self.fair.weights else frozenset(),
+            over_share=self.fair.over(now),
         )
 
     def _live_reservations(self, now: float) -> tuple[Reservation, ...]:
@@ -251,10 +251,9 @@ class SchedulerService:
 
     def _refuse_info(self, err: ErrorInfo, outcome: Outcome, req: AdmitRequest | None = None) -> AdmitResult:
         """A refusal by the scheduler, counted here (with its tenant and class when known)."""
-        classes = self.cfg.admission.classes
-        klass = classes[req.rank].name if req is not None and 0 <= req.rank < len(classes) else None
-        self.counters.add(outcome, err.code, tenant=self.tenant_tally.label(req.tenant) if req is not None else None,
-                          klass=klass)
+        tally = self.tenant_tally
+        self.counters.add(outcome, err.code, tenant=tally.label(req.tenant) if req is not None else None,
+                          klass=tally.class_label(req.rank) if req is not None else None)
         return AdmitResult(error=err, outcome=outcome)
 
     def _refund(self, tid: str) -> None:
@@ -265,8 +264,7 @@ class SchedulerService:
 
     def _charge(self, tid: str, placement: Placement, deadline: float, lease: str | None) -> None:
         self.tally.admitted += 1
-        if self.fair.weights:
-            self.fair.admitted(placement.tenant, placement.prefill_tokens, self.clock())
+        self.fair.admitted(placement.tenant, placement.prefill_tokens, self.clock())
         if placement.cached_tokens:
             self.tally.prefix_hits += 1
             self.tally.prefix_cached_tokens += placement.cached_tokens
@@ -377,7 +375,7 @@ class SchedulerService:
 
     def _pump(self) -> None:
         now = self.clock()
-        granted, expired = self.admission.pump(now, self.fair.over(now) if self.fair.weights else frozenset())
+        granted, expired = self.admission.pump(now, self.fair.over(now))
         for t, refusal in expired:
             req = self._unqueue(t.id)
             self._refund(t.id)

@@ -46,6 +46,8 @@ class FairShare:
         self.at = now
 
     def admitted(self, tenant: str, tokens: int, now: float) -> None:
+        if not self.weights:  # no tenants configured: nothing to share
+            return
         self._decay(now)
         self.work[tenant] = self.work.get(tenant, 0.0) + max(1, tokens)
 
@@ -61,7 +63,10 @@ class FairShare:
         return {t: (active[t] / total, weights[t] / wsum) for t in active}
 
     def over(self, now: float) -> frozenset[str]:
-        """The tenants over their fair share (none while fewer than two are active)."""
+        """The tenants over their fair share (none while fewer than two are active, or without
+        tenants configured)."""
+        if not self.weights:
+            return frozenset()
         if 0.0 <= now - self._over_at < RECOMPUTE_S:
             return self._over
         self._over_at = now

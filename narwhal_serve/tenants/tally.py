@@ -33,12 +33,15 @@ class TenantTally:
             return None
         return tenant if tenant in self.tenants else OTHER
 
+    def class_label(self, rank: int) -> str | None:
+        """The metric label of a priority class rank (None: not a class)."""
+        return self.classes[rank] if 0 <= rank < len(self.classes) else None
+
     def ended(self, tenant: str, p: Placement, stats: RelayStats | None, completed: bool) -> None:
         good = (stats is not None and completed and stats.ttft_s is not None and p.ttft_budget_s is not None
                 and stats.ttft_s <= p.ttft_budget_s)
         out = stats.output_tokens if stats is not None else 0
-        if 0 <= p.rank < len(self.classes):
-            k = self.classes[p.rank]
+        if (k := self.class_label(p.rank)) is not None:
             self.by_class[(k, "admitted")] += 1
             self.by_class[(k, "goodput")] += good
             self.by_class[(k, "input_tokens")] += p.prompt_tokens
