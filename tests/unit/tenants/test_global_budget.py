@@ -74,6 +74,17 @@ class Ingress:
         return True
 
 
+async def holding_share(svc: SchedulerService, clock: Clock, name: str) -> Ingress:
+    """An ingress whose lease holds a share of acme: one request (through the scheduler: no share
+    yet, the tenant seen), then two reports (the grant, then the share in the lease's view)."""
+    ing = Ingress(svc, clock, name)
+    ing.sync()
+    assert await ing.request()
+    ing.sync()
+    ing.sync()
+    return ing
+
+
 @pytest.mark.parametrize("replicas", [1, 3])
 async def test_three_leases_under_ten_times_demand_never_pass_the_bucket_bound(replicas: int) -> None:
     svc, clock = service(requests_per_minute=RPM, input_tokens_per_minute=TPM)
@@ -124,11 +135,7 @@ async def test_output_debt_at_one_lease_stops_new_requests_at_the_others() -> No
 
 async def test_a_quiet_tenant_s_shares_go_back_to_the_bucket() -> None:
     svc, clock = service(requests_per_minute=60)
-    ing = Ingress(svc, clock, "i")
-    ing.sync()
-    assert await ing.request()
-    ing.sync()
-    ing.sync()
+    ing = await holding_share(svc, clock, "i")
     st = svc.tenants.states["acme"]
     assert st.held.get("i") is not None and st.held["i"].requests > 0
     clock.t += 11.0  # past ACTIVE_S without a request from acme at this lease

@@ -13,18 +13,14 @@ from narwhal_serve.relay.messages import RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest
 from narwhal_serve.tenants.amounts import Amounts, request_cost
 from narwhal_serve.tenants.messages import TenantPart
-from tests.unit.tenants.test_global_budget import Ingress, service
+from tests.unit.tenants.test_global_budget import Ingress, holding_share, service
 
 STATS = RelayStats("chat", ("u",), 0.1, 0, 0.1, 1)
 
 
 async def test_a_tenant_s_last_request_ending_is_reported_and_frees_its_slot() -> None:
     svc, clock = service(max_concurrent=4)
-    ing = Ingress(svc, clock, "L")
-    ing.sync()
-    assert await ing.request()  # (through the scheduler: the lease has no share yet)
-    ing.sync()
-    ing.sync()
+    ing = await holding_share(svc, clock, "L")
     tid = "L-local"
     assert isinstance(ing.lease.try_admit(tid, Ask(10, 5.0, tenant="acme"), clock() + 60, clock(), clock.t), Placement)
     ing.sync()
@@ -83,11 +79,7 @@ async def test_a_client_told_to_wait_is_admitted_when_it_comes_back_after_the_le
 
 async def test_a_give_back_is_applied_once_whichever_way_it_comes() -> None:
     svc, clock = service(requests_per_minute=600)
-    ing = Ingress(svc, clock, "L")
-    ing.sync()
-    assert await ing.request()
-    ing.sync()
-    ing.sync()
+    ing = await holding_share(svc, clock, "L")
     st = svc.tenants.states["acme"]
     shares = ing.lease.shares
     assert shares is not None and shares.held["acme"].requests > 0
