@@ -67,7 +67,7 @@ def build_app(args: dict[str, Any]) -> Application:
     ]
     scheduler = scheduler_dep.bind(conf, fleet, *engines)
     assembler = None if assembler_dep is None else assembler_dep.bind(
-        knobs.engine_http, cfg.serving.engine_idle_timeout_s, cfg.observability.model_dump())
+        knobs.engine_http, cfg.serving.model_dump(), cfg.observability.model_dump())
     return ingress_dep.bind(conf, scheduler, assembler)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from narwhal_serve.config import ObservabilityConfig
+from narwhal_serve.config import ObservabilityConfig, ServingConfig
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.relay.pipeline import relay_of
@@ -16,10 +16,11 @@ class Assembler:
     def __init__(
         self,
         engine_http: Literal["aiohttp", "httpx"] = "aiohttp",
-        engine_idle_timeout_s: float = 60.0,
+        serving: dict[str, Any] | None = None,
         observability: dict[str, Any] | None = None,
     ) -> None:
-        self.relay = relay_of(engine_http, engine_idle_timeout_s, ObservabilityConfig.model_validate(observability or {}))
+        self.relay = relay_of(engine_http, ServingConfig.model_validate(serving or {}),
+                              ObservabilityConfig.model_validate(observability or {}))
 
     async def run(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         async for msg in self.relay.run(placed):

@@ -70,7 +70,7 @@ class Ingress:
     def __init__(self, config: dict[str, Any], scheduler: DeploymentHandle, assembler: DeploymentHandle | None) -> None:
         self.cfg = NarwhalConfig.model_validate(config)
         relay = assembler if assembler is not None else relay_of(self.cfg.deployment.engine_http,
-                                                                 self.cfg.serving.engine_idle_timeout_s,
+                                                                 self.cfg.serving,
                                                                  self.cfg.observability, coalesce_reads=False)
         self.backend = HandleBackend(scheduler, relay)
 

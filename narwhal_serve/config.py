@@ -42,6 +42,11 @@ class ServingConfig(_Strict):
     # draining (POST /admin/drain, SIGTERM to the run command): how long requests in flight may
     # take to finish before the streams still open are ended with an error event
     drain_grace_s: float = Field(30.0, ge=0)
+    # an answer cut after its first token continues on another engine where that can be exact
+    # (README, "Engine failures"): at most this many times per request (0: never), each
+    # continuation's first token within resume_first_token_s
+    max_resumes: int = Field(1, ge=0)
+    resume_first_token_s: float = Field(10.0, gt=0)
 
     def first_token_limit(self, ttft_budget_s: float) -> float:
         if self.first_token_timeout_s is not None:

@@ -215,6 +215,7 @@ class RequestTrail:
             "reason": reason,
             "status": status,
             "engines": list(stats.engines) if stats else [],
+            "resumed_from": list(stats.resumed_from) if stats else [],
             "ttft_s": _round(stats.ttft_s) if stats else None,
             "output_tokens": stats.output_tokens if stats else 0,
             "attempts": stats.attempts if stats else 0,

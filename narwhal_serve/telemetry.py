@@ -8,6 +8,7 @@ from typing import Any
 
 from narwhal_serve.tenants.tally import render_classes, render_tenants
 from narwhal_serve.admission.outcomes import KNOWN_REASONS
+from narwhal_serve.relay.messages import RESUME_OUTCOMES, RESUME_REASONS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -53,6 +54,10 @@ HISTOGRAM_HELP = {
     "ttft_prediction_error": (
         "narwhal_ttft_prediction_error_seconds",
         "Measured minus predicted TTFT (absolute value).",
+    ),
+    "resume_gap": (
+        "narwhal_resume_gap_seconds",
+        "Mid-stream resumes: the gap the client saw, from the last token before the cut to the first after it.",
     ),
     "ttft_predicted": (
         "narwhal_ttft_predicted_seconds",
@@ -157,6 +162,7 @@ def render_metrics(snap: dict[str, Any], histograms: dict[str, Histogram]) -> st
         out.append(f"# TYPE narwhal_{key}_total counter")
         for reason, n in sorted(by_reason[key].items()):
             out.append(f'narwhal_{key}_total{{reason="{_esc(reason)}"}} {n}')
+    out += _resumes(snap.get("resumes") or [])
     g = snap["gauges"]
     out += [
         "# TYPE narwhal_retained_requests gauge",
@@ -197,6 +203,19 @@ def render_metrics(snap: dict[str, Any], histograms: dict[str, Histogram]) -> st
         if key in histograms:
             out += histograms[key].render(name, help_text)
     return "\n".join(out) + "\n"
+
+
+def _resumes(rows: list[dict[str, Any]]) -> list[str]:
+    """Answers cut mid-stream, by what cut them and how each ended (every pair from the start, at zero)."""
+    counts = {(r, o): 0 for r in RESUME_REASONS for o in RESUME_OUTCOMES}
+    for row in rows:
+        counts[(row["reason"], row["outcome"])] = row["count"]
+    out = ["# HELP narwhal_resumes_total Answers cut after their first token (README, \"Engine failures\"): "
+           "reason is what cut them, outcome how each ended (resumed on another engine, or why not).",
+           "# TYPE narwhal_resumes_total counter"]
+    for (r, o), n in sorted(counts.items()):
+        out.append(f'narwhal_resumes_total{{reason="{_esc(r)}",outcome="{_esc(o)}"}} {n}')
+    return out
 
 
 def _engine_info(engines: list[dict[str, Any]]) -> list[str]:

@@ -15,6 +15,7 @@ class Counters:
     by_outcome: Counter[tuple[str, str]] = field(default_factory=Counter)  # (outcome, reason) -> n
     by_tenant: Counter[tuple[str, str]] = field(default_factory=Counter)  # (tenant, outcome) -> n
     by_class: Counter[tuple[str, str]] = field(default_factory=Counter)  # (priority class, outcome) -> n
+    resumes: Counter[tuple[str, str]] = field(default_factory=Counter)  # (reason, outcome) -> mid-stream cuts
 
     def add(self, outcome: Outcome | str, reason: str = "", n: int = 1, tenant: str | None = None,
             klass: str | None = None) -> None:
@@ -32,6 +33,7 @@ class Counters:
             self.by_outcome[(o, r)] += n
         self.by_tenant.update(delta.tenants)
         self.by_class.update(delta.classes)
+        self.resumes.update(delta.resumes)
 
     def total(self, outcome: Outcome) -> int:
         return sum(n for (o, _), n in self.by_outcome.items() if o == outcome.value)
@@ -56,6 +58,7 @@ class CounterDelta:
     outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
     tenants: Counter[tuple[str, str]] = field(default_factory=Counter)  # (tenant, outcome) -> n
     classes: Counter[tuple[str, str]] = field(default_factory=Counter)  # (priority class, outcome) -> n
+    resumes: Counter[tuple[str, str]] = field(default_factory=Counter)  # (reason, outcome) -> mid-stream cuts
 
     def add(self, outcome: Outcome, reason: str = "", tenant: str | None = None, klass: str | None = None) -> None:
         self.outcomes[(outcome.value, reason)] += 1
@@ -65,4 +68,4 @@ class CounterDelta:
             self.classes[(klass, outcome.value)] += 1
 
     def empty(self) -> bool:
-        return not (self.offered or self.unsized_offered or self.outcomes)
+        return not (self.offered or self.unsized_offered or self.outcomes or self.resumes)

@@ -142,11 +142,14 @@ class AdmissionLease:
 
     # -- lifecycle of a locally admitted request ----------------------------------------------
     def first_token(self, ticket_id: str, engines: tuple[str, ...]) -> None:
+        """The first token came from ``engines`` (again later: a resume moved the answer there)."""
         t = self.tickets.get(ticket_id)
-        if t is None or t.prefill_done:
+        if t is None:
+            return
+        self._move(t, engines)
+        if t.prefill_done:
             return
         t.prefill_done = True
-        self._move(t, engines)
         if t.placement.first_engine is not None:  # (its blocks were counted at admission: core.charge)
             _add(self._deltas, {t.placement.first_engine: EngineDelta(
                 pending_prefill_tokens=-t.placement.prefill_tokens, pending_prefill_requests=-1)})

@@ -42,7 +42,8 @@ class LocalBackend(SchedulerApi):
         # as in an ingress replica (deployment.relay: ingress): no coalescing for a Ray hop
         self.relay_ = Relay(
             client, idle_timeout_s=svc.cfg.serving.engine_idle_timeout_s, tracing=Tracing(svc.cfg.observability),
-            coalesce_reads=False,
+            coalesce_reads=False, max_resumes=svc.cfg.serving.max_resumes,
+            resume_first_token_s=svc.cfg.serving.resume_first_token_s,
         )
 
     def relay(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:

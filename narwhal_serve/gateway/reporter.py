@@ -89,6 +89,12 @@ class Reporter:
         if self.lease is not None:
             self.lease.progress(ticket_id, tokens)
 
+    def resumes(self, cuts: tuple[tuple[str, str], ...]) -> None:
+        """Answers cut mid-stream: (reason, outcome) each (README, "Engine failures")."""
+        for key in cuts:
+            self._pending.counters.resumes[key] += 1
+        self._queue()
+
     def engine_faults(self, faults: tuple[EngineFault, ...]) -> None:
         """Failed attempts, for the engines' breakers: sent at once (they change placement)."""
         self._pending.faults.extend(faults)

@@ -62,7 +62,7 @@ def error_event(err: ErrorInfo) -> bytes:
 class Flow:
     """One admitted request's phase; reports its first token and its end exactly once."""
 
-    __slots__ = ("on_first_token", "on_end", "on_faults", "on_progress", "decoding", "ended")
+    __slots__ = ("on_first_token", "on_end", "on_faults", "on_progress", "on_resumes", "decoding", "ended")
 
     def __init__(
         self,
@@ -70,20 +70,26 @@ class Flow:
         on_end: Callable[[Outcome, str, RelayStats | None, int], None],
         on_faults: Callable[[tuple[EngineFault, ...]], None] | None = None,
         on_progress: Callable[[int], None] | None = None,
+        on_resumes: Callable[[tuple[tuple[str, str], ...]], None] | None = None,
     ) -> None:
-        self.on_first_token = on_first_token
+        self.on_first_token = on_first_token  # also called again when a resume moves the answer
         self.on_end = on_end
         self.on_faults = on_faults
         self.on_progress = on_progress  # identified output tokens so far, as they arrive
+        self.on_resumes = on_resumes  # (reason, outcome) of each mid-stream cut
         self.decoding = False
         self.ended = False
 
     def observe(self, msg: RelayMessage) -> None:
         if msg.faults and self.on_faults is not None:
             self.on_faults(msg.faults)
+        if msg.resumes and self.on_resumes is not None:
+            self.on_resumes(msg.resumes)
         if msg.first_token and not self.decoding and not msg.final:
             self.decoding = True
             self.on_first_token(msg)
+        elif msg.moved and self.decoding and not self.ended:
+            self.on_first_token(msg)  # the ledger moves the request to the engine it resumed on
         if msg.tokens and self.on_progress is not None and not self.ended:
             self.on_progress(msg.tokens)
 

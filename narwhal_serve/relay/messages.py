@@ -16,9 +16,21 @@ class RelayStats:
     output_tokens: int
     decode_s: float  # time from the first to the last generated token
     attempts: int
+    resumed_from: tuple[str, ...] = ()  # engines that died mid-answer, the request resumed elsewhere
+    resume_gap_s: tuple[float, ...] = ()  # per resume: last token before the cut → first token after
+    resume_prefill_s: tuple[float, ...] = ()  # per resume: the continuation's request → its first token
 
 
 FaultKind = Literal["error", "timeout", "backpressure"]
+
+# What was cut, for narwhal_resumes_total{reason}
+RESUME_REASONS = ("reset", "stall", "engine_error", "bad_response")
+# How it ended, for narwhal_resumes_total{outcome}: resumed (the continuation's first token came),
+# finished (the cut came after the last token: the end is written by the router), failed (the
+# continuation failed too), and why none was tried: not_exact, no_engine, limit (relay.max_resumes),
+# deadline
+RESUME_OUTCOMES = ("resumed", "finished", "failed", "not_exact", "no_engine", "limit", "deadline")
+
 
 
 @dataclass(frozen=True)
@@ -54,3 +66,5 @@ class RelayMessage:
     engines: tuple[str, ...] = ()  # with ``first_token``: the route that produced it
     faults: tuple[EngineFault, ...] = ()  # attempts that failed since the last message
     tokens: int = 0  # identified output tokens so far (streams: decode correction at the scheduler)
+    moved: bool = False  # with ``engines``: a resume moved the answer to that route (README, "Engine failures")
+    resumes: tuple[tuple[str, str], ...] = ()  # (reason, outcome) of each cut since the last message

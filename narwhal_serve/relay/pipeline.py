@@ -2,8 +2,9 @@
 its stream (streaming clients) or fold it into one response (non-streaming clients).
 
 Before response headers a failed attempt (engine error, broken stream, bad token IDs) moves on to
-the next candidate while the deadline allows; after headers a failure ends the stream with one error
-event and ``[DONE]`` (README, "Errors") — never a silent truncation.
+the next candidate while the deadline allows.  After the first token a failure is resumed on another
+engine where that can be exact (``relay/resume.py``, README "Engine failures"); otherwise the stream
+ends with one error event and ``[DONE]`` (README, "Errors") — never a silent truncation.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -22,16 +24,19 @@ from narwhal_serve.assembly.exposure import expose
 from narwhal_serve.assembly.fold import Assembler
 from narwhal_serve.assembly.tokens import check_token_ids
 from narwhal_serve.assembly.usage import computed_usage
-from narwhal_serve.config import ObservabilityConfig
+from narwhal_serve.config import ObservabilityConfig, ServingConfig
 from narwhal_serve.engines.client import engine_client
 from narwhal_serve.engines.errors import EngineFailure
-from narwhal_serve.engines.legs import LegCursor, dialect_of, open_route
+from narwhal_serve.engines.client import stream_chunks
+from narwhal_serve.engines.dialect import PATHS
+from narwhal_serve.engines.legs import LegCursor, dialect_of, open_route, prioritized
 from narwhal_serve.errors import BadEngineResponse, ErrorInfo, InvalidRequest, TerminalExpiry, Unavailable
 from narwhal_serve.observability import Tracing, end_span
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
-from narwhal_serve.protocol.requests import Route
+from narwhal_serve.protocol.requests import ParsedRequest, Route
 from narwhal_serve.relay.coalesce import coalesce
 from narwhal_serve.relay.messages import EngineFault, FaultKind, RelayMessage, RelayStats
+from narwhal_serve.relay.resume import Reshaper, Transcript, continuation_body, not_resumable
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -139,16 +144,51 @@ def backpressure_refusal(retry_after_s: list[float | None], failures: list[str])
 
 
 class _Attempt:
-    """One try of one route: its meter, the engine it waits on, its first-token limit."""
+    """One try of one route: its meter, the engine it waits on, its first-token limit, and what a
+    resume after its first token moved (sent to the ingress with the next message)."""
 
-    __slots__ = ("route", "attempt", "meter", "first_limit", "cursor")
+    __slots__ = ("route", "attempt", "meter", "first_limit", "wait_from", "cursor", "transcript", "excluded",
+                 "resumes", "notes", "moved", "faults", "resumed_from", "gaps", "prefills")
 
-    def __init__(self, route: RouteChoice, attempt: int, meter: _Meter, first_limit: float | None) -> None:
+    def __init__(self, route: RouteChoice, attempt: int, meter: _Meter, first_limit: float | None,
+                 req: ParsedRequest, excluded: set[str]) -> None:
         self.route = route
         self.attempt = attempt
         self.meter = meter
         self.first_limit = first_limit
+        self.wait_from: float | None = meter.start  # waiting for a first token since (None: not waiting)
         self.cursor = LegCursor(route)
+        self.transcript = Transcript(req)
+        self.excluded = excluded  # engines that failed this request
+        self.resumes = 0
+        self.notes: list[tuple[str, str]] = []  # (reason, outcome) of resumes, not yet sent
+        self.moved: tuple[str, ...] = ()  # the route a resume moved the request to, not yet sent
+        self.faults: list[EngineFault] = []  # mid-stream failures that were resumed, not yet sent
+        self.resumed_from: list[str] = []
+        self.gaps: list[float] = []  # last token before each cut → first token after it
+        self.prefills: list[float] = []  # each continuation's request → its first token
+
+    def news(self) -> dict[str, Any]:
+        """What a resume changed since the last message, as :class:`RelayMessage` fields."""
+        out: dict[str, Any] = {}
+        if self.notes:
+            out["resumes"], self.notes = tuple(self.notes), []
+        if self.moved:
+            out["engines"], out["moved"], self.moved = self.moved, True, ()
+        if self.faults:
+            out["faults"], self.faults = tuple(self.faults), []
+        return out
+
+
+def _reason(exc: Exception) -> str:
+    """What cut a stream, for narwhal_resumes_total{reason}."""
+    if isinstance(exc, BadEngineResponse):
+        return "bad_response"
+    if isinstance(exc, EngineFailure):
+        if exc.timed_out:
+            return "stall"
+        return "engine_error" if exc.status is not None else "reset"
+    return "engine_error"
 
 
 class Relay:
@@ -169,10 +209,14 @@ class Relay:
         idle_timeout_s: float = 60.0,
         tracing: Tracing | None = None,
         coalesce_reads: bool = True,
+        max_resumes: int = 1,
+        resume_first_token_s: float = 10.0,
     ) -> None:
         self.client = client
         self.clock = clock
         self.idle_timeout_s = idle_timeout_s
+        self.max_resumes = max_resumes  # continuations per request after its first token (0: none)
+        self.resume_first_token_s = resume_first_token_s  # a continuation's first token must come within this
         # merge the engine reads that piled up into one message: for a Ray hop (the Assembler
         # shape); in the ingress the SSE response's own reader buffers ahead of the client
         self.coalesce_reads = coalesce_reads
@@ -187,8 +231,8 @@ class Relay:
             now = self.clock()
             left = placed.deadline - now
             limit, why = self.idle_timeout_s, f"engine silent for {self.idle_timeout_s:g} s"
-            if at.first_limit is not None and at.meter.first is None:
-                first_left = at.meter.start + at.first_limit - now
+            if at.first_limit is not None and at.wait_from is not None:
+                first_left = at.wait_from + at.first_limit - now
                 if first_left < limit:
                     limit, why = max(0.0, first_left), f"no first token within {at.first_limit:g} s"
             by_deadline = left <= limit  # which limit this wait runs under
@@ -214,12 +258,14 @@ class Relay:
         if placed.epoch:
             headers["X-Narwhal-Epoch"] = str(placed.epoch)  # the fencing token (README, "Running two routers")
         last = len(placed.candidates)
+        excluded: set[str] = set()  # engines that failed this request
         for attempt, route in enumerate(placed.candidates, start=1):
             if self.clock() >= placed.deadline:
                 break
             at = _Attempt(
                 route, attempt, _Meter(self.clock(), dialect_of(route.decode).supports_token_ids, req.route),
                 placed.first_token_s if attempt < last else None,  # the last route waits to the deadline
+                req, excluded,
             )
             span = self._attempt_span(placed, route, attempt)
             failed: str | None = None
@@ -240,14 +286,16 @@ class Relay:
                     rejected = InvalidRequest(f"The engine rejected the request: {why}", param=exc.param)
                     yield RelayMessage(error=rejected.info(), final=True, faults=tuple(faults))
                     return
-                faults.append(fault_of(exc, route))
+                faults.append(fault_of(exc, at.route))
                 failures.append(str(exc))
+                excluded.add(at.cursor.engine)
                 if exc.backpressure:
                     pushed_back.append(exc.retry_after_s)
             except BadEngineResponse as exc:
                 failed = str(exc)
-                faults.append(fault_of(exc, route))
+                faults.append(fault_of(exc, at.route))
                 failures.append(str(exc))
+                excluded.add(at.cursor.engine)
             except _DeadlinePassed:
                 failed = "deadline_expired"
                 expired = True
@@ -277,27 +325,174 @@ class Relay:
             "narwhal.route_kind": route.kind, "narwhal.engines": route.engines,
         })
 
-    def _stats(self, route: RouteChoice, meter: _Meter, attempts: int) -> RelayStats:
+    def _stats(self, at: _Attempt) -> RelayStats:
+        meter = at.meter
         ttft = None if meter.first is None else meter.first - meter.start
         decode = 0.0 if meter.first is None or meter.last is None else meter.last - meter.first
-        return RelayStats(route.kind, route.engines, ttft, meter.tokens, decode, attempts)
+        return RelayStats(at.route.kind, at.route.engines, ttft, meter.tokens, decode, at.attempt,
+                          tuple(at.resumed_from), tuple(at.gaps), tuple(at.prefills))
 
-    async def _stream(
+    def _observe(self, at: _Attempt, chunk: dict[str, Any], now: float) -> None:
+        """One chunk as the client will get it: its token IDs checked and counted, then noted."""
+        at.meter.observe(chunk, now)  # raises BadEngineResponse on bad token IDs
+        at.transcript.observe(chunk)
+
+    async def _validated(
+        self, stream: AsyncIterator[list[dict[str, Any]]], placed: PlacedRequest, at: _Attempt
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """``stream``'s batches, checked; a bad chunk ends the batch (what came before it is
+        yielded first, so that a resume continues after exactly what the client got)."""
+        async for batch in self._batches(stream, placed, at):
+            now = self.clock()
+            good: list[dict[str, Any]] = []
+            try:
+                for chunk in batch:
+                    self._observe(at, chunk, now)
+                    good.append(chunk)
+            except BadEngineResponse:
+                if good and at.meter.first is not None:
+                    at.wait_from = None
+                    yield good
+                raise
+            if at.meter.first is not None:
+                at.wait_from = None
+            yield good
+
+    async def _chunks(
         self, placed: PlacedRequest, at: _Attempt, headers: dict[str, str], span: "Span | None"
-    ) -> AsyncIterator[RelayMessage]:
+    ) -> AsyncGenerator[list[dict[str, Any]], None]:
+        """The answer's checked chunk batches in the client's route: the route's stream, then,
+        when it fails after the first token, continuations on other engines (README, "Engine
+        failures").  Raises what ended it when it cannot go on."""
         req = placed.request
-        route, meter, attempt = at.route, at.meter, at.attempt
-        committed = False
-        held: list[bytes] = []  # chunks before the first generated token (e.g. the role chunk)
-        usage = _UsageWatch(req.prompt_tokens)
-        stream = open_route(self.client, route, req, headers, self.tracing, span, at.cursor, placed.priority)
+        stream = open_route(self.client, at.route, req, headers, self.tracing, span, at.cursor, placed.priority)
+        if self.coalesce_reads:
+            stream = coalesce(stream)
+        try:
+            async for batch in self._validated(stream, placed, at):
+                yield batch
+            return
+        except (EngineFailure, BadEngineResponse) as exc:
+            if at.meter.first is None:
+                raise
+            failure: EngineFailure | BadEngineResponse = exc
+        finally:
+            await stream.aclose()
+        while True:
+            nxt: EngineFailure | BadEngineResponse | None = None
+            async with aclosing(self._resume(placed, at, headers, failure)) as cont:
+                async for batch in cont:
+                    if isinstance(batch, (EngineFailure, BadEngineResponse)):
+                        nxt = batch  # the continuation failed after its first token: the next cut
+                        break
+                    yield batch
+            if nxt is None:
+                return
+            failure = nxt
+
+    async def _resume(
+        self, placed: PlacedRequest, at: _Attempt, headers: dict[str, str], failure: EngineFailure | BadEngineResponse
+    ) -> AsyncGenerator[Any, None]:
+        """One cut: its continuation's batches; a failed continuation is yielded as its exception
+        (the next cut); a cut that cannot be resumed raises ``failure``."""
+        req, t = placed.request, at.transcript
+        reason = _reason(failure)
+        failed_on = at.cursor.engine
+        at.excluded.add(failed_on)
+        if t.finish_reason is not None:  # cut after the last token: only the end was lost
+            at.notes.append((reason, "finished"))
+            return
+        why = self._refusal(placed, at)
+        target = None if why else next((r.decode for r in placed.candidates if r.decode.name not in at.excluded
+                                        and dialect_of(r.decode).supports_token_ids), None)
+        if why is None and target is None:
+            why = "no_engine"
+        if why is not None or target is None:
+            at.notes.append((reason, why or "no_engine"))
+            raise failure
+        assert t.prompt_ids is not None
+        body = continuation_body(req, t.prompt_ids, t.output_ids)
+        if body is None:  # every token the client allowed was generated: only the end was lost
+            at.notes.append((reason, "finished"))
+            yield [self._length_end(req, t)]
+            return
+        at.resumes += 1
+        at.faults.append(fault_of(failure, at.route))
+        at.resumed_from.append(failed_on)
+        shaper = Reshaper(req, t, body["prompt"])
+        at.route, at.cursor.engine = RouteChoice("single", target), target.name
+        at.first_limit, at.wait_from = self.resume_first_token_s, self.clock()
+        opened, last_token = at.wait_from, at.meter.last or at.wait_from
+        stream = stream_chunks(self.client, target.name, target.base_url + PATHS["completion"],
+                               prioritized(target, body, placed.priority), headers)
         if self.coalesce_reads:
             stream = coalesce(stream)
         try:
             async for batch in self._batches(stream, placed, at):
                 now = self.clock()
+                out = []
                 for chunk in batch:
-                    meter.observe(chunk, now)  # raises BadEngineResponse on bad token IDs
+                    shaped = shaper.reshape(chunk)  # raises BadEngineResponse on a prompt it did not run
+                    if shaped is not None:
+                        self._observe(at, shaped, now)
+                        out.append(shaped)
+                if at.wait_from is not None and at.meter.last is not None and at.meter.last > opened:
+                    at.wait_from = None
+                    at.notes.append((reason, "resumed"))
+                    at.moved = at.route.engines
+                    at.gaps.append(now - last_token)
+                    at.prefills.append(now - opened)
+                if out:
+                    yield out
+                if shaper.ended:  # a stop string across the cut ended the answer
+                    return
+            if at.wait_from is not None:
+                at.notes.append((reason, "resumed"))
+                at.moved = at.route.engines
+            return
+        except (EngineFailure, BadEngineResponse) as exc:
+            if at.wait_from is not None:  # the continuation failed before its first token
+                at.notes.append((reason, "failed"))
+                raise exc from None
+            yield exc
+        finally:
+            await stream.aclose()
+
+    def _refusal(self, placed: PlacedRequest, at: _Attempt) -> str | None:
+        """Why this cut is not resumed (an outcome label), or None."""
+        req, t = placed.request, at.transcript
+        if at.resumes >= self.max_resumes:
+            return "limit"
+        if self.clock() >= placed.deadline:
+            return "deadline"
+        dialect = dialect_of(at.route.decode)
+        if (not dialect.supports_token_ids or t.prompt_ids is None or t.reasoning
+                or not_resumable(req, holds_back_stops=dialect.name == "vllm") is not None):
+            return "not_exact"
+        return None
+
+    @staticmethod
+    def _length_end(req: ParsedRequest, t: Transcript) -> dict[str, Any]:
+        """The final chunk of an answer that reached its ``max_tokens`` when the engine died."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "stop_reason": None}
+        if req.route == "chat":
+            choice.update(delta={}, logprobs=None)
+        else:
+            choice.update(text="", logprobs=None)
+        return {**t.meta, "model": None, "choices": [choice]}
+
+    async def _stream(
+        self, placed: PlacedRequest, at: _Attempt, headers: dict[str, str], span: "Span | None"
+    ) -> AsyncIterator[RelayMessage]:
+        req = placed.request
+        meter = at.meter
+        committed = False
+        held: list[bytes] = []  # chunks before the first generated token (e.g. the role chunk)
+        usage = _UsageWatch(req.prompt_tokens)
+        chunks = self._chunks(placed, at, headers, span)
+        try:
+            async for batch in chunks:
+                for chunk in batch:
                     usage.observe(chunk)
                     if "model" in chunk:
                         chunk["model"] = placed.model
@@ -308,64 +503,73 @@ class Relay:
                     held.append(sse_event(expose(chunk, return_token_ids=req.return_token_ids)))
                 # Response headers go out with the first generated token, so that a failure up to
                 # and including it can still be retried on another route.
-                if held and (committed or meter.first is not None):
+                if held and (committed or meter.first is not None) or committed and (at.notes or at.moved):
                     first = not committed
                     committed = True
-                    yield RelayMessage(data=b"".join(held), first_token=first, engines=route.engines,
-                                       tokens=meter.tokens)
+                    yield RelayMessage(data=b"".join(held), first_token=first, tokens=meter.tokens,
+                                       **{"engines": at.route.engines, **at.news()})
                     held = []
         except (EngineFailure, BadEngineResponse, _DeadlinePassed) as exc:
             if not committed:
                 raise
-            faults: tuple[EngineFault, ...] = ()
             if isinstance(exc, _DeadlinePassed):
                 err = _deadline_info()
+                faults: tuple[EngineFault, ...] = ()
             else:
                 err = exc.info() if isinstance(exc, BadEngineResponse) else BadEngineResponse(str(exc)).info()
-                faults = (fault_of(exc, route),)
-            yield RelayMessage(data=error_events(err), error=err, final=True, stats=self._stats(route, meter, attempt),
-                               faults=faults)
+                faults = (fault_of(exc, at.route),)
+            news = at.news()
+            news["faults"] = (*news.get("faults", ()), *faults)
+            yield RelayMessage(data=b"".join(held) + error_events(err), error=err, final=True, stats=self._stats(at),
+                               **news)
             return
         finally:
-            await stream.aclose()
+            await chunks.aclose()
         if req.include_usage and not usage.seen:  # the engine omitted it: computed (seed)
             held.append(sse_event(usage.chunk(placed.model, meter.tokens)))
         yield RelayMessage(
             data=b"".join(held) + DONE_EVENT,
             first_token=not committed,
             final=True,
-            engines=route.engines,
-            stats=self._stats(route, meter, attempt),
+            stats=self._stats(at),
+            **{"engines": at.route.engines, **at.news()},
         )
 
     async def _assemble(
         self, placed: PlacedRequest, at: _Attempt, headers: dict[str, str], span: "Span | None"
     ) -> AsyncIterator[RelayMessage]:
         req = placed.request
-        route, meter, attempt = at.route, at.meter, at.attempt
+        meter = at.meter
         asm = Assembler(req.route, return_token_ids=req.return_token_ids)
-        stream = open_route(self.client, route, req, headers, self.tracing, span, at.cursor, placed.priority)
+        chunks = self._chunks(placed, at, headers, span)
         try:
-            async for batch in self._batches(stream, placed, at):
-                now = self.clock()
+            async for batch in chunks:
                 had_first = meter.first is not None
                 for chunk in batch:
-                    meter.observe(chunk, now)
                     asm.feed(chunk)
                 if not had_first and meter.first is not None:
-                    yield RelayMessage(first_token=True, engines=route.engines)  # prefill is over: frees the prefill permit
+                    yield RelayMessage(first_token=True, engines=at.route.engines)  # prefill is over: frees the prefill permit
+                news = at.news()
+                if news:
+                    yield RelayMessage(**news)
+        except (EngineFailure, BadEngineResponse) as exc:
+            news = at.news()
+            if news:  # what a resume moved and counted, before the failure goes to the next route
+                yield RelayMessage(**news)
+            raise exc from None
         finally:
-            await stream.aclose()
+            await chunks.aclose()
         engine_prompt = asm.prompt_token_ids
         result = asm.result(prompt_tokens=len(engine_prompt) if engine_prompt else req.prompt_tokens)
         result["model"] = placed.model
         body = json.dumps(result, separators=(",", ":"), ensure_ascii=False).encode()
-        yield RelayMessage(data=body, final=True, stats=self._stats(route, meter, attempt))
+        yield RelayMessage(data=body, final=True, stats=self._stats(at), **at.news())
 
 
-def relay_of(engine_http: Literal["aiohttp", "httpx"], idle_timeout_s: float, observability: ObservabilityConfig,
+def relay_of(engine_http: Literal["aiohttp", "httpx"], serving: ServingConfig, observability: ObservabilityConfig,
              *, coalesce_reads: bool = True) -> Relay:
     """The relay of a process that opens engine streams itself (an ingress replica with
     ``deployment.relay: ingress``, or an Assembler replica): its own pooled engine client."""
-    return Relay(engine_client(engine_http), idle_timeout_s=idle_timeout_s, tracing=Tracing(observability),
-                 coalesce_reads=coalesce_reads)
+    return Relay(engine_client(engine_http), idle_timeout_s=serving.engine_idle_timeout_s, tracing=Tracing(observability),
+                 coalesce_reads=coalesce_reads, max_resumes=serving.max_resumes,
+                 resume_first_token_s=serving.resume_first_token_s)

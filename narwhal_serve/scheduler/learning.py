@@ -29,8 +29,11 @@ def learn_from(
     (a completed request's identified tokens), histograms, goodput (a completed request whose first
     token came within its target) and predicted-vs-measured TTFT (``tally``).  Models and drift learn
     only from a request served where it was placed, on its first attempt."""
-    as_placed = stats.attempts == 1 and stats.engines == p.engines
+    as_placed = stats.attempts == 1 and stats.engines == p.engines and not stats.resumed_from
     pl = placement or PlacementConfig()
+    for gap in stats.resume_gap_s:  # a resume's prefill is measured as a resume, never as a client TTFT
+        if "resume_gap" in histograms:
+            histograms["resume_gap"].observe(gap)
     if stats.ttft_s is not None:
         histograms["ttft"].observe(stats.ttft_s)
         if tally is not None and completed and p.ttft_budget_s is not None and stats.ttft_s <= p.ttft_budget_s:

@@ -133,6 +133,7 @@ class Report:
         self.counters.outcomes.update(later.counters.outcomes)
         self.counters.tenants.update(later.counters.tenants)
         self.counters.classes.update(later.counters.classes)
+        self.counters.resumes.update(later.counters.resumes)
         self.decode_started.extend(later.decode_started)
         self.released.extend(later.released)
         self.admission_waits.extend(later.admission_waits)

@@ -99,6 +99,7 @@ class SchedulerService:
             "admission_wait": Histogram(),
             "ttft_prediction_error": Histogram(),
             "ttft_predicted": Histogram(),
+            "resume_gap": Histogram(),
         }
         self.tally = Tally()  # admitted, goodput, predicted vs measured TTFT per engine (/metrics)
         self._waiters: dict[str, asyncio.Future[AdmitResult]] = {}

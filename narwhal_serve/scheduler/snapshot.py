@@ -25,6 +25,7 @@ def snapshot(svc: "SchedulerService") -> dict[str, Any]:
         "counters_by_reason": [
             {"outcome": o, "reason": r, "count": n} for (o, r), n in sorted(svc.counters.by_outcome.items())
         ],
+        "resumes": [{"reason": r, "outcome": o, "count": n} for (r, o), n in sorted(svc.counters.resumes.items())],
         "gauges": svc.admission.gauges(),
         "served": svc.tally.view(),
         "tenants": svc.tenant_tally.view(svc.counters.by_tenant, svc.tenants.remaining(now)),

@@ -15,6 +15,7 @@ FAULT_NAMES: frozenset[str] = frozenset(
         "hang_mid_stream",
         "reset_mid_stream",
         "malformed_sse",
+        "error_mid_stream",
         "bad_token_ids",
         "missing_token_ids",
         "negative_token_ids",

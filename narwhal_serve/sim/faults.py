@@ -3,7 +3,8 @@
 * Answer faults (``error_500``; ``error_429`` and ``error_503`` with a ``Retry-After`` of the
   engine's ``retry_after_s``) answer at once in vLLM's error envelope, before any generation.
 
-* Stream faults (``hang_mid_stream``, ``reset_mid_stream``, ``malformed_sse``) fire after
+* Stream faults (``hang_mid_stream``, ``reset_mid_stream``, ``malformed_sse``, ``error_mid_stream``: an
+  error event with code 500, then ``[DONE]``, as vLLM ends a stream its engine failed) fire after
   ``fault_after`` SSE events have been sent (or just before ``[DONE]`` if the stream is shorter).
 * Token faults (``bad_token_ids``, ``negative_token_ids``, ``unsupported_field``) hit the token chunk
   number ``min(fault_after, n - 1)`` (0-based); ``missing_token_ids`` hits every token chunk.
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 MALFORMED_EVENT = b"data: {not json\n\n"
+# vLLM's answer to an engine error after the stream began: an error event, then [DONE]
+ERROR_EVENT = (b'data: {"error": {"object": "error", "message": "Simulated engine failure (fault error_mid_stream)", '
+               b'"type": "InternalServerError", "param": null, "code": 500}}\n\n')
 
 
 class SimulatedReset(Exception):

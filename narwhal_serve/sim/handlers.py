@@ -25,7 +25,7 @@ from narwhal_serve.sim.chunks import (
     usage_chunk,
 )
 from narwhal_serve.sim.engine import Engine, Job
-from narwhal_serve.sim.faults import MALFORMED_EVENT, FaultPlan, SimulatedReset, corrupt_body, corrupt_stream_choice
+from narwhal_serve.sim.faults import ERROR_EVENT, MALFORMED_EVENT, FaultPlan, SimulatedReset, corrupt_body, corrupt_stream_choice
 from narwhal_serve.sim.reqparse import (
     ChatRequest,
     CompletionRequest,
@@ -40,7 +40,7 @@ from narwhal_serve.sim.textgen import encode_prompt, generate, render_chat, requ
 
 logger = logging.getLogger(__name__)
 Kind = Literal["chat", "completion"]
-_STREAM_FAULTS = ("hang_mid_stream", "reset_mid_stream", "malformed_sse")
+_STREAM_FAULTS = ("hang_mid_stream", "reset_mid_stream", "malformed_sse", "error_mid_stream")
 # Answers of an overloaded engine (or a gateway in front of one): the envelope and a Retry-After.
 BUSY_FAULTS = ((429, "error_429", "RateLimitError"), (503, "error_503", "ServiceUnavailableError"))
 
@@ -153,8 +153,10 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
     else:
         k = req.logprobs
     rng_seed = request_rng_seed(cfg.seed, req.seed, prompt_ids)
+    greedy = (req.model_extra or {}).get("temperature") == 0
     gen = generate(rng_seed, max_tokens=max_tokens, min_tokens=min(req.min_tokens, max_tokens),
-                   stop=req.stop_list(), ignore_eos=req.ignore_eos, eos_prob=cfg.eos_prob, num_top=k or 0)
+                   stop=req.stop_list(), ignore_eos=req.ignore_eos, eos_prob=cfg.eos_prob, num_top=k or 0,
+                   context=prompt_ids if greedy else None, include_stop=req.include_stop_str_in_output)
     script = sim.script if sim else None
     if kind == "chat" and script is None and plan.has("tool_call_no_id"):
         script = "tool_calls"
@@ -245,6 +247,8 @@ class _StreamFault:
             raise SimulatedReset("simulator shutting down during hang_mid_stream")
         if self.plan.has("reset_mid_stream"):
             raise SimulatedReset("simulated connection reset mid-stream")
+        if self.plan.has("error_mid_stream"):
+            return ERROR_EVENT
         return MALFORMED_EVENT
 
 
@@ -278,6 +282,9 @@ async def _sse(engine: Engine, prep: Prepared, job: Job) -> AsyncIterator[bytes]
             pre = await gate.before(sent, at_end=False)
             if pre:
                 yield pre
+                if pre is ERROR_EVENT:
+                    yield b"data: [DONE]\n\n"
+                    return
             yield encode_event(obj)
             sent += 1
     pre = await gate.before(sent, at_end=True)

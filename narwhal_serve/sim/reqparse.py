@@ -77,6 +77,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     n: int = Field(default=1, ge=1)
     return_token_ids: bool | None = None
     kv_transfer_params: dict[str, Any] | None = None

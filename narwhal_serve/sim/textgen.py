@@ -5,6 +5,10 @@
   a chunk that is a vocabulary piece gets that id, any other a stable hash into the vocabulary.
 * Output tokens come from a :class:`random.Random` seeded from (engine seed, request seed or a
   hash of the prompt ids), so a request gives the same tokens streamed or not.
+* Greedy requests (``temperature: 0``) are a function of their context alone, as a model's are: each
+  token is drawn from a hash of every token before it (prompt and output), on any engine.  So a
+  continuation whose prompt is the prompt plus the first k output tokens generates exactly the
+  tokens after them (README, "Engine failures").
 """
 
 from __future__ import annotations
@@ -134,6 +138,22 @@ class Generation:
         return "".join(t.text for t in self.tokens)
 
 
+_MASK = (1 << 64) - 1
+_FNV_OFFSET, _FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
+
+
+def _chain(h: int, token: int) -> int:
+    return ((h ^ (token + 1)) * _FNV_PRIME) & _MASK
+
+
+def context_hash(ids: Sequence[int]) -> int:
+    """A rolling hash of a token sequence: extending it by one token is :func:`_chain`."""
+    h = _FNV_OFFSET
+    for t in ids:
+        h = _chain(h, t)
+    return h
+
+
 def request_rng_seed(engine_seed: int, request_seed: int | None, prompt_ids: Sequence[int]) -> int:
     if request_seed is not None:
         return stable_hash("seed", engine_seed, request_seed)
@@ -173,17 +193,24 @@ def generate(
     ignore_eos: bool = False,
     eos_prob: float = 0.0,
     num_top: int = 0,
+    context: Sequence[int] | None = None,
+    include_stop: bool = False,
 ) -> Generation:
-    """Generate up to ``max_tokens`` tokens; stop strings are cut from the text (vLLM default)."""
+    """Generate up to ``max_tokens`` tokens; stop strings are cut from the text (vLLM default).
+    ``context`` (greedy requests): the prompt IDs, each token then drawn from the whole context."""
     rng = random.Random(rng_seed)
     lp_rng = random.Random(rng_seed ^ 0x5DEECE66D)
     ids: list[int] = []
     raw: list[str] = []
     full = ""
     finish, stop_reason, cut = "length", None, -1
+    h = context_hash(context) if context is not None else 0
     for _ in range(max_tokens):
+        if context is not None:
+            rng = random.Random(h)
         eos_draw = rng.random()
         tid = rng.randrange(FIRST_WORD_ID, VOCAB_SIZE)
+        h = _chain(h, tid)
         if len(ids) >= min_tokens and not ignore_eos and eos_draw < eos_prob:
             ids.append(EOS_ID)
             raw.append("")
@@ -196,7 +223,7 @@ def generate(
         if len(ids) >= min_tokens and stop:
             hit = _find_stop(full, prev_len, stop)
             if hit is not None:
-                cut, stop_reason, finish = hit[0], hit[1], "stop"
+                cut, stop_reason, finish = hit[0] + (len(hit[1]) if include_stop else 0), hit[1], "stop"
                 break
     if cut < 0:
         cut = len(full)

@@ -1,0 +1,262 @@
+"""Mid-stream resume (README, "Engine failures"): what an answer cut after its first token needs to
+continue on another engine exactly where the dead one stopped.
+
+The continuation is a completions request whose prompt is the request's prompt token IDs followed by
+every identified output token ID, with ``max_tokens`` (and ``min_tokens``) reduced by what was
+generated and the request's own sampling parameters.  Its chunks are re-shaped into the client's
+route (chat deltas stay chat deltas) with the original ``id`` and ``created``; ``usage`` counts the
+original prompt once and every output token once.
+
+What cannot be exact is not resumed (:func:`not_resumable`): beam search, tool calls, structured
+output, reasoning already split off by the engine's parser, presence/frequency penalties (vLLM applies
+them to generated tokens only, and the generated tokens become prompt), and stop strings that the
+engine held text back for (vLLM keeps up to ``len(stop) - 1`` characters that may begin a stop string
+unsent, and they die with it) unless the client asked for ``include_stop_str_in_output``.  A stop
+string that straddles the cut is then found here, on the joined text.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from narwhal_serve.errors import BadEngineResponse
+from narwhal_serve.protocol.requests import ParsedRequest
+
+# The client's keys a continuation must not carry (the completions endpoint reads them differently,
+# or the continuation sets them itself)
+_DROPPED = frozenset({
+    "messages", "prompt", "max_tokens", "max_completion_tokens", "min_tokens", "stream", "stream_options", "n",
+    "echo", "logprobs", "top_logprobs", "prompt_logprobs", "suffix", "add_generation_prompt",
+    "continue_final_message", "chat_template", "chat_template_kwargs", "documents", "add_special_tokens",
+    "tool_choice", "parallel_tool_calls", "return_token_ids", "stream_interval", "kv_transfer_params",
+    "priority", "logit_bias_as_ids", "echo_prompt",
+})
+_STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "structured_outputs", "guided_decoding_backend")
+
+
+def stop_strings(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    return [s for s in stop if isinstance(s, str) and s] if isinstance(stop, list) else []
+
+
+def not_resumable(req: ParsedRequest, holds_back_stops: bool) -> str | None:
+    """Why ``req`` cannot be continued exactly on another engine (None: it can).  ``holds_back_stops``:
+    the engine keeps text that may begin a stop string unsent (vLLM)."""
+    b = req.body
+    if b.get("use_beam_search"):  # (n and best_of above 1 are refused on arrival)
+        return "beam search"
+    if b.get("tools") and b.get("tool_choice") != "none" or b.get("functions"):
+        return "tool calls"
+    for key in _STRUCTURED:
+        v = b.get(key)
+        if v is not None and not (key == "response_format" and isinstance(v, dict) and v.get("type") == "text"):
+            return "structured output"
+    for key in ("presence_penalty", "frequency_penalty"):
+        if b.get(key):
+            return key.replace("_", " ")
+    if holds_back_stops and stop_strings(b) and not b.get("include_stop_str_in_output"):
+        return "stop strings held back by the engine"
+    return None
+
+
+def logprobs_wanted(req: ParsedRequest) -> int | None:
+    """The number of top logprobs the client asked for (0: the sampled token's only), or None."""
+    b = req.body
+    if req.route == "chat":
+        if not b.get("logprobs"):
+            return None
+        k = b.get("top_logprobs")
+        return k if isinstance(k, int) and not isinstance(k, bool) else 0
+    k = b.get("logprobs")
+    return k if isinstance(k, int) and not isinstance(k, bool) else None
+
+
+def continuation_body(req: ParsedRequest, prompt_ids: list[int], output_ids: list[int]) -> dict[str, Any] | None:
+    """The completions request that continues ``req`` after ``output_ids`` (None: nothing left to
+    generate within the client's ``max_tokens``)."""
+    b = req.body
+    body = {k: v for k, v in b.items() if k not in _DROPPED}
+    done = len(output_ids)
+    limit = b.get("max_completion_tokens") if req.route == "chat" else None
+    if limit is None:
+        limit = b.get("max_tokens")
+    if isinstance(limit, int):
+        if limit - done < 1:
+            return None
+        body["max_tokens"] = limit - done
+    least = b.get("min_tokens")
+    if isinstance(least, int) and least > done:
+        body["min_tokens"] = least - done
+    k = logprobs_wanted(req)
+    if k is not None:
+        body["logprobs"] = k
+    body["prompt"] = [*prompt_ids, *output_ids]
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
+    body["return_token_ids"] = True
+    body["stream_interval"] = 1
+    return body
+
+
+def chat_logprobs(lp: Any, k: int) -> dict[str, Any] | None:
+    """A completions ``logprobs`` object as chat's ``{"content": [...]}``."""
+    if not isinstance(lp, dict):
+        return None
+    tokens = lp.get("tokens") or []
+    values = lp.get("token_logprobs") or []
+    tops = lp.get("top_logprobs") or []
+    content = []
+    for i, tok in enumerate(tokens):
+        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        content.append({
+            "token": tok, "logprob": values[i] if i < len(values) else None, "bytes": list(str(tok).encode()),
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(str(t).encode())}
+                             for t, v in list(top.items())[:k]],
+        })
+    return {"content": content}
+
+
+class Transcript:
+    """What the client has been sent of a single-choice answer: the prompt and output token IDs,
+    the text (its tail, for stop strings across the cut), the metadata to continue under."""
+
+    __slots__ = ("route", "prompt_ids", "output_ids", "text_len", "tail", "finish_reason", "reasoning", "meta",
+                 "_tail_max")
+
+    def __init__(self, req: ParsedRequest) -> None:
+        self.route = req.route
+        self.prompt_ids: list[int] | None = list(req.prompt_token_ids) if req.prompt_token_ids else None
+        self.output_ids: list[int] = []
+        self.text_len = 0  # characters of output text sent
+        self.tail = ""
+        self.finish_reason: str | None = None
+        self.reasoning = False  # the engine's reasoning parser split some output off
+        self.meta: dict[str, Any] = {}
+        stops = stop_strings(req.body)
+        self._tail_max = max((len(s) for s in stops), default=1) - 1
+
+    def observe(self, chunk: dict[str, Any]) -> None:
+        """One validated chunk as the client gets it (client route's shape)."""
+        for key in ("id", "object", "created", "system_fingerprint"):
+            if key in chunk and key not in self.meta:
+                self.meta[key] = chunk[key]
+        ids = chunk.get("prompt_token_ids")
+        for ch in chunk.get("choices") or ():
+            if not isinstance(ch, dict) or ch.get("index", 0) != 0:
+                continue
+            if ids is None:
+                ids = ch.get("prompt_token_ids")
+            out = ch.get("token_ids")
+            if isinstance(out, list):
+                self.output_ids.extend(out)
+            text = ch.get("text") if self.route == "completion" else None
+            delta = ch.get("delta")
+            if isinstance(delta, dict):
+                text = delta.get("content")
+                if delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls"):
+                    self.reasoning = True
+            if isinstance(text, str) and text:
+                self.text_len += len(text)
+                if self._tail_max:
+                    self.tail = (self.tail + text)[-self._tail_max:]
+            if ch.get("finish_reason") is not None:
+                self.finish_reason = ch["finish_reason"]
+        if isinstance(ids, list) and self.prompt_ids is None:
+            self.prompt_ids = list(ids)
+
+
+class Reshaper:
+    """Continuation chunks (completions shape) as the client's route expects them.  Returns the
+    chunk, or None to drop it; ``ended`` once a stop string straddling the cut ended the answer."""
+
+    def __init__(self, req: ParsedRequest, t: Transcript, sent_prompt: list[int]) -> None:
+        self.route = req.route
+        self.t = t
+        self.lp_k = logprobs_wanted(req)
+        self.stops = stop_strings(req.body) if req.body.get("include_stop_str_in_output") else []
+        self.sent_prompt = sent_prompt
+        self.prompt_tokens = len(t.prompt_ids or ())
+        self.before = len(t.output_ids)  # output tokens before the cut
+        self.new_tokens = 0
+        self.offset = t.text_len  # text_offset of the continuation's text in the whole answer
+        self.pre = t.tail  # the end of the text sent before the cut, where a stop string may begin
+        self.post = ""  # the continuation's first characters, while a stop string may still straddle
+        self.ended = False
+
+    def prompt_checked(self, chunk: dict[str, Any]) -> None:
+        """The continuation must have run on exactly the prompt sent (when its engine says)."""
+        for ch in chunk.get("choices") or ():
+            ids = ch.get("prompt_token_ids") if isinstance(ch, dict) else None
+            if isinstance(ids, list) and ids != self.sent_prompt:
+                raise BadEngineResponse("the continuation engine did not run on the prompt it was sent",
+                                        param="choices.0.prompt_token_ids")
+
+    def _straddle(self, text: str) -> tuple[str, str] | None:
+        """(``text`` cut after a stop string that began before the cut, that stop string)."""
+        if not self.pre or not self.stops or len(self.post) >= len(self.pre):
+            return None
+        joined = self.pre + self.post + text
+        best: tuple[int, str] | None = None
+        for s in self.stops:
+            pos = joined.find(s, max(0, len(self.pre) - len(s) + 1))
+            if 0 <= pos < len(self.pre) and (best is None or pos < best[0]):
+                best = (pos, s)
+        self.post = (self.post + text)[: len(self.pre)]
+        if best is None:
+            return None
+        pos, s = best
+        return joined[len(joined) - len(text): pos + len(s)], s
+
+    def reshape(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        if self.ended:
+            return None
+        self.prompt_checked(chunk)
+        meta = self.t.meta
+        usage = chunk.get("usage")
+        choices = []
+        for ch in chunk.get("choices") or ():
+            if not isinstance(ch, dict):
+                continue
+            raw = ch.get("text")
+            text = raw if isinstance(raw, str) else ""
+            ids = ch.get("token_ids")
+            finish, stop_reason = ch.get("finish_reason"), ch.get("stop_reason")
+            cut = self._straddle(text)
+            if cut is not None:
+                text, stop_reason = cut
+                finish, self.ended = "stop", True
+            if isinstance(ids, list):
+                self.new_tokens += len(ids)
+            lp = ch.get("logprobs")
+            if self.route == "chat":
+                out: dict[str, Any] = {"index": 0, "delta": {"content": text} if text or ids else {},
+                                       "logprobs": chat_logprobs(lp, self.lp_k) if self.lp_k is not None else None,
+                                       "finish_reason": finish, "stop_reason": stop_reason, "token_ids": ids}
+            else:
+                out = {**ch, "index": 0, "text": text, "finish_reason": finish, "stop_reason": stop_reason,
+                       "prompt_token_ids": None}
+                if isinstance(lp, dict) and isinstance(lp.get("text_offset"), list):
+                    out["logprobs"] = {**lp, "text_offset": [o + self.offset for o in lp["text_offset"]]}
+            self.offset += len(text)
+            choices.append(out)
+        if not choices and usage is None:
+            return None
+        shaped: dict[str, Any] = {
+            "id": meta.get("id", chunk.get("id")),
+            "object": meta.get("object", "chat.completion.chunk" if self.route == "chat" else "text_completion"),
+            "created": meta.get("created", chunk.get("created")),
+            "model": chunk.get("model"),
+            "choices": choices,
+        }
+        if "system_fingerprint" in meta:
+            shaped["system_fingerprint"] = meta["system_fingerprint"]
+        if isinstance(usage, dict):
+            done = self.before + self.new_tokens
+            shaped["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                               "total_tokens": self.prompt_tokens + done}
+        return shaped

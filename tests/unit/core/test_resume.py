@@ -1,0 +1,268 @@
+"""Mid-stream resume over httpx.MockTransport engines (README, "Engine failures"): an answer cut after
+its first token continues on the other engine from the prompt and output token IDs, re-shaped into
+the client's route, with no token lost or repeated; what cannot be exact ends as before."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from narwhal_serve.config import EngineConfig
+from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
+from narwhal_serve.protocol.requests import parse_request
+from narwhal_serve.relay.messages import RelayMessage
+from narwhal_serve.relay.pipeline import Relay
+from tests.support.sse import parse_sse
+
+E1 = EngineConfig(name="e1", url="http://e1")
+E2 = EngineConfig(name="e2", url="http://e2")
+PROMPT = [7, 8, 9]
+
+
+def sse(*chunks: dict[str, Any], done: bool = True) -> bytes:
+    out = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+    return out + (b"data: [DONE]\n\n" if done else b"")
+
+
+def chat_tok(text: str, tid: int, finish: str | None = None, lp: Any = None) -> dict[str, Any]:
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 5, "model": "m",
+            "choices": [{"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": finish,
+                         "stop_reason": None, "token_ids": [tid]}]}
+
+
+CHAT_ROLE = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 5, "model": "m",
+             "prompt_token_ids": PROMPT,
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+
+
+def cmpl_tok(text: str, tid: int, finish: str | None = None, first: bool = False, stop: str | None = None,
+             lp: Any = None) -> dict[str, Any]:
+    return {"id": "cmpl-2", "object": "text_completion", "created": 9, "model": "m",
+            "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop,
+                         "token_ids": [tid], "prompt_token_ids": None}]}
+
+
+def usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {"id": "cmpl-2", "object": "text_completion", "created": 9, "model": "m", "choices": [],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+
+
+class Parts(httpx.AsyncByteStream):
+    """A body in several reads, a moment apart; ``broken``: the connection then drops."""
+
+    def __init__(self, *parts: bytes, broken: bool = False) -> None:
+        self.parts, self.broken = parts, broken
+
+    async def __aiter__(self):  # type: ignore[no-untyped-def]
+        for i, p in enumerate(self.parts):
+            if i:
+                await asyncio.sleep(0.02)
+            yield p
+        if self.broken:
+            raise httpx.ReadError("connection reset")
+
+
+def placed(route: str = "chat", stream: bool = True, **body: Any) -> PlacedRequest:
+    base: dict[str, Any] = {"model": "m", "stream": stream, "max_tokens": 5}
+    if route == "chat":
+        base["messages"] = [{"role": "user", "content": "q"}]
+    else:
+        base["prompt"] = "q"
+    req = parse_request(route, json.dumps({**base, **body}).encode(), model="m")  # type: ignore[arg-type]
+    return PlacedRequest("rid-1", "m", req, (RouteChoice("single", E1), RouteChoice("single", E2)), time.time() + 30)
+
+
+class Engines:
+    """e1 answers the client's request and dies after two tokens; e2 answers the continuation."""
+
+    def __init__(self, first: bytes, cont: Callable[[dict[str, Any]], httpx.Response], broken: bool = True) -> None:
+        self.first, self.cont, self.broken = first, cont, broken
+        self.bodies: list[tuple[str, str, dict[str, Any]]] = []
+
+    def __call__(self, r: httpx.Request) -> httpx.Response:
+        body = json.loads(r.content)
+        self.bodies.append((r.url.host, r.url.path, body))
+        if r.url.host == "e1":
+            return httpx.Response(200, stream=Parts(self.first, broken=self.broken))
+        return self.cont(body)
+
+
+async def run(engines: Engines, p: PlacedRequest, **relay: Any) -> list[RelayMessage]:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engines)) as client:
+        return [m async for m in Relay(client, **relay).run(p)]
+
+
+def events(msgs: list[RelayMessage]) -> list[Any]:
+    return parse_sse(b"".join(m.data for m in msgs).decode())
+
+
+def ids_of(evs: list[Any]) -> list[int]:
+    return [i for e in evs if isinstance(e, dict) for c in e.get("choices") or () for i in c.get("token_ids") or ()]
+
+
+FIRST_TWO = sse(CHAT_ROLE, chat_tok("a", 1), chat_tok("b", 2), done=False)
+
+
+def continuation(*chunks: dict[str, Any]) -> Callable[[dict[str, Any]], httpx.Response]:
+    return lambda body: httpx.Response(200, stream=httpx.ByteStream(sse(*chunks)))
+
+
+CONT = continuation(cmpl_tok("c", 3), cmpl_tok("d", 4), cmpl_tok("e", 5, "length"), usage(5, 3))
+
+
+async def test_a_stream_cut_after_two_tokens_continues_on_the_other_engine_as_chat_deltas() -> None:
+    eng = Engines(FIRST_TWO, CONT)
+    msgs = await run(eng, placed(return_token_ids=True, stream_options={"include_usage": True}, temperature=0))
+    host, path, body = eng.bodies[-1]
+    assert (host, path) == ("e2", "/v1/completions")
+    assert body["prompt"] == [*PROMPT, 1, 2] and body["max_tokens"] == 3 and body["temperature"] == 0
+    assert "messages" not in body and body["stream"] and body["return_token_ids"]
+    evs = events(msgs)
+    assert evs[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in evs)
+    assert ids_of(evs) == [1, 2, 3, 4, 5]
+    chunks = [e for e in evs if isinstance(e, dict) and e.get("choices")]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-1" and c["created"] == 5 for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "abcde"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    [u] = [e["usage"] for e in evs if isinstance(e, dict) and e.get("usage")]
+    assert u == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    moved = [m for m in msgs if m.moved]
+    assert len(moved) == 1 and moved[0].engines == ("e2",)
+    assert [r for m in msgs for r in m.resumes] == [("reset", "resumed")]
+    assert [f.engine for m in msgs for f in m.faults] == ["e1"]
+    stats = msgs[-1].stats
+    assert stats is not None and stats.output_tokens == 5 and stats.resumed_from == ("e1",)
+    assert stats.engines == ("e2",) and len(stats.resume_gap_s) == 1 and stats.resume_gap_s[0] >= 0
+
+
+async def test_a_non_streaming_answer_cut_mid_way_is_assembled_from_both_engines() -> None:
+    eng = Engines(FIRST_TWO, CONT)
+    msgs = await run(eng, placed(stream=False, return_token_ids=True))
+    assert [h for h, _, _ in eng.bodies] == ["e1", "e2"]  # continued, not generated again
+    out = json.loads(msgs[-1].data)
+    assert out["choices"][0]["message"]["content"] == "abcde" and out["choices"][0]["token_ids"] == [1, 2, 3, 4, 5]
+    assert out["usage"]["prompt_tokens"] == 3 and out["usage"]["completion_tokens"] == 5
+    assert out["id"] == "chatcmpl-1" and out["object"] == "chat.completion"
+
+
+async def test_completions_keep_their_shape_and_text_offsets_continue() -> None:
+    lp1 = {"text_offset": [0], "token_logprobs": [-0.5], "tokens": ["a"], "top_logprobs": [{"a": -0.5}]}
+    first = {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "m",
+             "choices": [{"index": 0, "text": "aa", "logprobs": lp1, "finish_reason": None, "stop_reason": None,
+                          "token_ids": [1], "prompt_token_ids": PROMPT}]}
+    lp2 = {"text_offset": [0], "token_logprobs": [-0.1], "tokens": ["c"], "top_logprobs": [{"c": -0.1}]}
+    eng = Engines(sse(first, done=False), continuation(cmpl_tok("c", 3, "length", lp=lp2)))
+    msgs = await run(eng, placed("completion", return_token_ids=True, logprobs=1, max_tokens=2))
+    assert eng.bodies[-1][2]["logprobs"] == 1 and eng.bodies[-1][2]["max_tokens"] == 1
+    evs = [e for e in events(msgs) if isinstance(e, dict)]
+    assert ids_of(evs) == [1, 3]
+    last = evs[-1]["choices"][0]
+    assert evs[-1]["id"] == "cmpl-1" and last["text"] == "c" and last["logprobs"]["text_offset"] == [2]
+    assert last.get("prompt_token_ids") is None  # the client got them once, with the first chunk
+
+
+async def test_chat_logprobs_of_the_continuation_come_in_chat_shape() -> None:
+    lp = {"text_offset": [0], "token_logprobs": [-0.25], "tokens": ["c"], "top_logprobs": [{"c": -0.25, "x": -2.0}]}
+    eng = Engines(FIRST_TWO, continuation(cmpl_tok("c", 3, "length", lp=lp)))
+    msgs = await run(eng, placed(logprobs=True, top_logprobs=2, max_tokens=3))
+    assert eng.bodies[-1][2]["logprobs"] == 2 and "top_logprobs" not in eng.bodies[-1][2]
+    last = [e for e in events(msgs) if isinstance(e, dict) and e.get("choices")][-1]["choices"][0]
+    [entry] = last["logprobs"]["content"]
+    assert entry["token"] == "c" and entry["logprob"] == -0.25 and entry["bytes"] == [99]
+    assert [t["token"] for t in entry["top_logprobs"]] == ["c", "x"]
+
+
+async def test_a_stop_string_across_the_cut_ends_the_answer_there() -> None:
+    # "ab" went out; the stop string "bc" begins before the cut and ends in the continuation
+    eng = Engines(FIRST_TWO, continuation(cmpl_tok("cd", 3), cmpl_tok("e", 4, "length")))
+    msgs = await run(eng, placed(stop=["bc"], include_stop_str_in_output=True, return_token_ids=True))
+    chunks = [e for e in events(msgs) if isinstance(e, dict) and e.get("choices")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "abc"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["choices"][0]["stop_reason"] == "bc"
+    assert ids_of(chunks) == [1, 2, 3]
+    assert events(msgs)[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    ({"stop": ["zz"]}, "stop strings held back"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool calls"),
+    ({"response_format": {"type": "json_object"}}, "structured output"),
+    ({"frequency_penalty": 0.5}, "frequency penalty"),
+    ({"use_beam_search": True}, "beam search"),
+])
+async def test_what_cannot_be_exact_ends_with_the_error_event(body: dict[str, Any], why: str) -> None:
+    eng = Engines(FIRST_TWO, CONT)
+    msgs = await run(eng, placed(**body))
+    assert [h for h, _, _ in eng.bodies] == ["e1"]
+    assert msgs[-1].error is not None and msgs[-1].data.endswith(b"data: [DONE]\n\n")
+    assert [r for m in msgs for r in m.resumes] == [("reset", "not_exact")]
+
+
+async def test_without_the_prompt_token_ids_nothing_is_resumed() -> None:
+    role = {**CHAT_ROLE}
+    del role["prompt_token_ids"]
+    eng = Engines(sse(role, chat_tok("a", 1), done=False), CONT)
+    msgs = await run(eng, placed())
+    assert msgs[-1].error is not None and [r for m in msgs for r in m.resumes] == [("reset", "not_exact")]
+
+
+async def test_max_resumes_zero_turns_it_off() -> None:
+    eng = Engines(FIRST_TWO, CONT)
+    msgs = await run(eng, placed(), max_resumes=0)
+    assert msgs[-1].error is not None and [r for m in msgs for r in m.resumes] == [("reset", "limit")]
+
+
+async def test_a_continuation_that_fails_before_its_first_token_ends_the_stream_with_the_error_event() -> None:
+    eng = Engines(FIRST_TWO, lambda body: httpx.Response(500, json={"error": {"message": "boom"}}))
+    msgs = await run(eng, placed())
+    assert msgs[-1].error is not None and msgs[-1].data.endswith(b"data: [DONE]\n\n")
+    assert [r for m in msgs for r in m.resumes] == [("reset", "failed")]
+    assert sorted(f.engine for m in msgs for f in m.faults) == ["e1", "e2"]
+
+
+async def test_a_continuation_on_the_wrong_prompt_is_refused_before_anything_is_written() -> None:
+    wrong = {**cmpl_tok("c", 3), "choices": [{**cmpl_tok("c", 3)["choices"][0], "prompt_token_ids": [1]}]}
+    eng = Engines(FIRST_TWO, continuation(wrong, cmpl_tok("d", 4, "length")))
+    msgs = await run(eng, placed(return_token_ids=True))
+    assert ids_of(events(msgs)) == [1, 2] and msgs[-1].error is not None
+
+
+async def test_a_cut_after_the_finish_reason_only_lost_the_end() -> None:
+    eng = Engines(sse(CHAT_ROLE, chat_tok("a", 1), chat_tok("b", 2, "stop"), done=False), CONT)
+    msgs = await run(eng, placed(stream_options={"include_usage": True}))
+    evs = events(msgs)
+    assert [h for h, _, _ in eng.bodies] == ["e1"] and evs[-1] == "[DONE]" and msgs[-1].error is None
+    [u] = [e["usage"] for e in evs if isinstance(e, dict) and e.get("usage")]
+    assert u["completion_tokens"] == 2 and u["prompt_tokens"] == 3
+    assert [r for m in msgs for r in m.resumes] == [("reset", "finished")]
+
+
+async def test_a_cut_at_max_tokens_ends_with_finish_reason_length() -> None:
+    eng = Engines(FIRST_TWO, CONT)
+    msgs = await run(eng, placed(max_tokens=2))
+    chunks = [e for e in events(msgs) if isinstance(e, dict) and e.get("choices")]
+    assert [h for h, _, _ in eng.bodies] == ["e1"] and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert msgs[-1].error is None and [r for m in msgs for r in m.resumes] == [("reset", "finished")]
+
+
+async def test_a_stall_mid_stream_is_resumed_after_the_idle_timeout() -> None:
+    class Stall(httpx.AsyncByteStream):
+        async def __aiter__(self):  # type: ignore[no-untyped-def]
+            yield FIRST_TWO
+            await asyncio.Event().wait()
+
+    def h(r: httpx.Request) -> httpx.Response:
+        if r.url.host == "e1":
+            return httpx.Response(200, stream=Stall())
+        return CONT(json.loads(r.content))
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(h)) as client:
+        msgs = [m async for m in Relay(client, idle_timeout_s=0.2).run(placed(return_token_ids=True))]
+    assert ids_of(events(msgs)) == [1, 2, 3, 4, 5] and msgs[-1].error is None
+    assert [r for m in msgs for r in m.resumes] == [("stall", "resumed")]
