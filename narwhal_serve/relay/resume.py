@@ -166,7 +166,7 @@ class Transcript:
                     self.tail = (self.tail + text)[-self._tail_max:]
             if ch.get("finish_reason") is not None:
                 self.finish_reason = ch["finish_reason"]
-        if isinstance(ids, list) and self.prompt_ids is None:
+        if isinstance(ids, list):  # what the engine ran wins over the router's own tokenization
             self.prompt_ids = list(ids)
 
 

@@ -76,6 +76,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # The P/D pair boots together with the unified engine (in parallel) when a selected test needs it.
     REPORT["want_pd"] = any("pd" in getattr(i, "fixturenames", ()) for i in ours)
     REPORT["want_kv"] = any("kv_engine" in getattr(i, "fixturenames", ()) for i in ours)
+    REPORT["want_victim"] = any("resume_app" in getattr(i, "fixturenames", ()) for i in ours)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -116,6 +117,7 @@ class Engines:
     decode: engine.Server | None = None
     kv_dir: Path | None = None
     kv_events: engine.Server | None = None  # publishes KV events (KV_EVENTS_*), with a small KV cache
+    victim: engine.Server | None = None  # a second unified engine, killed mid-answer by the resume test
 
 
 # The KV-events engine: vLLM binds ipc:// endpoints (it connects to tcp:// ones unless they name *),
@@ -160,7 +162,10 @@ def engines() -> Iterator[Engines]:
     try:
         unified = engine.launch_server(free_port(), MODEL)
         launched.append(unified)
-        prefill = decode = kv = None
+        prefill = decode = kv = victim = None
+        if REPORT.get("want_victim"):
+            victim = engine.launch_server(free_port(), MODEL)
+            launched.append(victim)
         if REPORT.get("want_kv"):
             port = free_port()
             kv = engine.launch_server(port, MODEL, kv_engine_args(port))
@@ -174,12 +179,12 @@ def engines() -> Iterator[Engines]:
             launched.append(decode)
         for server in launched:
             engine.wait_server(server)
-        roles = {"unified": unified, "prefill": prefill, "decode": decode, "kv-events": kv}
+        roles = {"unified": unified, "prefill": prefill, "decode": decode, "kv-events": kv, "victim": victim}
         REPORT["notes"].append(
             "vLLM servers (booted in parallel): "
             + ", ".join(f"{role} on port {s.port}" for role, s in roles.items() if s is not None)
         )
-        yield Engines(unified, prefill, decode, kv_dir, kv)
+        yield Engines(unified, prefill, decode, kv_dir, kv, victim)
     finally:
         for server in launched:
             engine.stop_server(server)
@@ -239,3 +244,41 @@ def e2e(vllm_server: engine.Server) -> Iterator[E2E]:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@dataclass(frozen=True)
+class ResumeApp:
+    url: str  # the application's base URL
+    victim: engine.Server  # placed first, killed mid-answer
+    survivor: engine.Server
+
+
+@pytest.fixture(scope="session")
+def resume_app(e2e: E2E, engines: Engines) -> Iterator[ResumeApp]:
+    """A second application in the e2e session, over two unified engines: the session's engine and a
+    victim of its own (booted with the others, or here when the session reuses external servers)."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    victim = engines.victim
+    own = victim is None
+    if victim is None:
+        victim = engine.launch_server(free_port(), MODEL)
+    try:
+        engine.wait_server(victim)
+        app = build_app({
+            "model": MODEL,
+            "tokenizer": str(engine.MODEL_DIR),
+            "admission": {"mode": "open"},
+            "engines": [{"name": "victim", "url": victim.url, "role": "unified", "dialect": "vllm"},
+                        {"name": ENGINE_NAME, "url": e2e.vllm, "role": "unified", "dialect": "vllm"}],
+        })
+        serve.run(app, name="narwhal-resume", route_prefix="/resume")
+        url = e2e.narwhal + "/resume"
+        _wait_ready(url)
+        yield ResumeApp(url, victim, e2e.server)
+        serve.delete("narwhal-resume")
+    finally:
+        if own:
+            engine.stop_server(victim)

@@ -1,6 +1,7 @@
 """Engine faults on the ``pair`` application (two unified engines): before response headers a failed
-attempt moves to the other engine; after them the stream ends with one error event and ``[DONE]``.
-Every scenario ends quiescent: no leaked permit, balanced counters, idle engines."""
+attempt moves to the other engine (after them it is resumed there: ``test_resume_faults.py``).  On
+``solo`` (one engine, nowhere to resume) a failure after headers ends the stream with one error event
+and ``[DONE]``.  Every scenario ends quiescent: no leaked permit, balanced counters, idle engines."""
 
 from __future__ import annotations
 
@@ -177,12 +178,21 @@ async def test_engine_5xx_on_every_route_is_a_502_envelope(fleet: Fleet) -> None
     assert delta(before, snap)["failed/bad_engine_response"] == 2
 
 
-# -- after response headers: an explicit end ---------------------------------------------------------
+# -- after response headers, no other engine: an explicit end ---------------------------------------
 
-@pytest.mark.parametrize(("fault", "after"), [("reset_mid_stream", 3), ("malformed_sse", 3), ("bad_token_ids", 2),
-                                              ("negative_token_ids", 2)])
-async def test_engine_fault_mid_stream_ends_with_an_error_event(fleet: Fleet, fault: str, after: int) -> None:
-    app = fleet.pair
+def no_engine_cuts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    old = {(r["reason"], r["outcome"]): r["count"] for r in before["resumes"]}
+    return {f"{r['reason']}/{r['outcome']}": r["count"] - old.get((r["reason"], r["outcome"]), 0)
+            for r in after["resumes"] if r["count"] != old.get((r["reason"], r["outcome"]), 0)}
+
+
+@pytest.mark.parametrize(("fault", "after", "reason"), [
+    ("reset_mid_stream", 3, "reset"), ("malformed_sse", 3, "reset"), ("bad_token_ids", 2, "bad_response"),
+    ("negative_token_ids", 2, "bad_response"),
+])
+async def test_engine_fault_mid_stream_with_no_other_engine_ends_with_an_error_event(
+        fleet: Fleet, fault: str, after: int, reason: str) -> None:
+    app = fleet.solo
     before = await status(app.url)
     body = chat_body(stream=True, return_token_ids=True, max_tokens=6, sim={"fault": fault, "fault_after": after})
     # tokens 50 ms apart: the first goes out (response headers) before the faulty one is read
@@ -194,10 +204,11 @@ async def test_engine_fault_mid_stream_ends_with_an_error_event(fleet: Fleet, fa
     assert took < 5
     snap = await assert_quiescent(app)
     assert delta(before, snap)["failed/bad_engine_response"] == 1
+    assert no_engine_cuts(before, snap) == {f"{reason}/no_engine": 1}
 
 
-async def test_engine_stall_after_the_first_token_ends_at_the_idle_timeout(fleet: Fleet) -> None:
-    app = fleet.pair
+async def test_engine_stall_after_the_first_token_with_no_other_engine_ends_at_the_idle_timeout(fleet: Fleet) -> None:
+    app = fleet.solo
     before = await status(app.url)
     r, took = await timed_post(app, chat_body(stream=True, sim={"fault": "hang_mid_stream", "fault_after": 3}))
     assert_error_end(r, "bad_engine_response")
@@ -278,26 +289,6 @@ async def test_engine_refusing_connections_fails_over_and_a_restart_brings_it_ba
     await wait_usable(app, timeout=BREAKER_MAX_OPEN_S + 10)
     await until_tried(app, "pair-0", mixed, least=1, tag="restarted")
     await assert_quiescent(app)
-
-
-async def test_engine_restart_mid_stream_ends_the_stream_with_an_error_event(fleet: Fleet) -> None:
-    app = fleet.pair
-    before = await status(app.url)
-    r_id = rid("restart")
-    stalled = chat_body(stream=True, sim={"fault": "hang_mid_stream", "fault_after": 3})
-    s = Streaming(app, stalled, {"X-Request-Id": r_id})
-    await s.first_data()
-    name = await engine_of(app, r_id)
-    assert name is not None
-    t0 = time.monotonic()
-    await fleet.host.restart(name)
-    r = await s.end(timeout=IDLE_TIMEOUT_S + 5)
-    assert_error_end(r, "bad_engine_response")
-    assert s.ended_at is not None and s.ended_at - t0 < IDLE_TIMEOUT_S, "ended by the idle timeout, not the reset"
-    await wait_usable(app, timeout=BREAKER_MAX_OPEN_S + 10)
-    await until_tried(app, name, mixed, least=1, tag="back")
-    snap = await assert_quiescent(app)
-    assert delta(before, snap)["failed/bad_engine_response"] == 1
 
 
 async def test_engine_process_killed_mid_stream_ends_the_stream_then_restarts(fleet: Fleet) -> None:

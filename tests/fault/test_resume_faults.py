@@ -1,0 +1,177 @@
+"""Mid-stream resume on the ``pair`` application (README, "Engine failures"): an engine that fails
+after the first token — reset, stall, an in-stream 5xx, a malformed chunk, bad token IDs, a restart
+— is replaced by the other engine, and the client gets one complete answer: ``[DONE]``, no error
+event, and exactly the token IDs of an uninterrupted greedy run, no gap and no repeat.  Each
+scenario ends quiescent and counts one offered request and one terminal outcome per request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.fault.conftest import IDLE_TIMEOUT_S, App, Fleet
+from tests.fault.helpers import (
+    CHAT,
+    COMPLETIONS,
+    assert_clean_end,
+    assert_quiescent,
+    delta,
+    engine_of,
+    engine_set,
+    fleet_set,
+    sse_events,
+    timed_post,
+    wait_usable,
+)
+from tests.support.graph import MODEL, chat_body, status
+
+
+def greedy(stream: bool, max_tokens: int = 12, route: str = "chat") -> dict[str, Any]:
+    kw: dict[str, Any] = {"return_token_ids": True, "ignore_eos": True, "temperature": 0,
+                          "stream_options": {"include_usage": True} if stream else None}
+    if route == "chat":
+        return chat_body("resume me exactly", stream=stream, max_tokens=max_tokens, **kw)
+    return {"model": MODEL, "prompt": "resume me exactly", "stream": stream, "max_tokens": max_tokens, **kw}
+
+
+def answer_ids(r: httpx.Response, stream: bool) -> tuple[list[int], dict[str, Any]]:
+    """The token IDs of an answer, and its usage."""
+    if stream:
+        events = assert_clean_end(r)
+        ids = [i for e in events if isinstance(e, dict) for c in e.get("choices") or () for i in c.get("token_ids") or ()]
+        [usage] = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
+        return ids, usage
+    assert r.status_code == 200, r.text
+    out = r.json()
+    return list(out["choices"][0]["token_ids"]), out["usage"]
+
+
+def resumes(snap: dict[str, Any]) -> dict[tuple[str, str], int]:
+    return {(r["reason"], r["outcome"]): r["count"] for r in snap["resumes"]}
+
+
+def resumed_since(before: dict[str, Any], after: dict[str, Any]) -> dict[tuple[str, str], int]:
+    old = resumes(before)
+    return {k: n - old.get(k, 0) for k, n in resumes(after).items() if n - old.get(k, 0)}
+
+
+async def reference(app: App, route: str = "chat") -> list[int]:
+    path = CHAT if route == "chat" else COMPLETIONS
+    r, _ = await timed_post(app, greedy(False, route=route), path=path)
+    ids, usage = answer_ids(r, False)
+    assert len(ids) == 12 and usage["completion_tokens"] == 12
+    return ids
+
+
+@pytest.mark.parametrize(("fault", "reason"), [
+    ("reset_mid_stream", "reset"), ("malformed_sse", "reset"), ("error_mid_stream", "engine_error"),
+    ("bad_token_ids", "bad_response"), ("negative_token_ids", "bad_response"),
+])
+async def test_an_engine_failing_mid_stream_is_replaced_token_exactly(fleet: Fleet, fault: str, reason: str) -> None:
+    app = fleet.pair
+    ref = await reference(app)
+    before = await status(app.url)
+    sent = 0
+    async with fleet_set(app, tpot_base_s=0.01), engine_set(app, "pair-0", faults=[fault]):
+        for i in range(16):  # until pair-0 served two of them (placement alternates the idle pair)
+            stream = i % 2 == 0
+            r, took = await timed_post(app, greedy(stream))
+            sent += 1
+            ids, usage = answer_ids(r, stream)
+            assert ids == ref, (i, stream, ids, ref)
+            assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] > 0
+            assert took < 5, took
+            if sum(resumed_since(before, await status(app.url)).values()) >= 2:
+                break
+    snap = await assert_quiescent(app)
+    cuts = resumed_since(before, snap)
+    assert set(cuts) == {(reason, "resumed")} and cuts[(reason, "resumed")] >= 2, cuts
+    d = delta(before, snap)
+    assert d["offered"] == sent and d["completed"] == sent, d  # one offered, one terminal outcome each
+
+
+async def test_completions_are_resumed_in_their_own_shape(fleet: Fleet) -> None:
+    app = fleet.pair
+    ref = await reference(app, "completion")
+    before = await status(app.url)
+    async with fleet_set(app, tpot_base_s=0.01), engine_set(app, "pair-0", faults=["reset_mid_stream"]):
+        for _ in range(8):
+            r, _ = await timed_post(app, greedy(True, route="completion"), path=COMPLETIONS)
+            events = assert_clean_end(r)
+            chunks = [e for e in events if isinstance(e, dict) and e.get("choices")]
+            assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+            assert answer_ids(r, True)[0] == ref
+            if resumed_since(before, await status(app.url)):
+                break
+    assert resumed_since(before, await assert_quiescent(app)) == {("reset", "resumed"): 1}
+
+
+async def _timed_stream(app: App, body: dict[str, Any], started: asyncio.Event) -> tuple[list[Any], list[float]]:
+    """An SSE stream's events and each one's arrival time (monotonic)."""
+    events: list[Any] = []
+    times: list[float] = []
+    async with httpx.AsyncClient(timeout=30) as c, c.stream("POST", app.url + CHAT, json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                payload = line[6:]
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+                times.append(time.monotonic())
+                started.set()
+    return events, times
+
+
+async def test_an_engine_restarted_mid_answer_is_replaced_and_the_gap_is_short(fleet: Fleet) -> None:
+    app = fleet.pair
+    body = greedy(True, max_tokens=300)
+    r, _ = await timed_post(app, {**body, "stream": False, "stream_options": None})
+    ref = r.json()["choices"][0]["token_ids"]
+    before = await status(app.url)
+    async with fleet_set(app, tpot_base_s=0.01):  # ~3 s of tokens
+        started = asyncio.Event()
+        task = asyncio.ensure_future(_timed_stream(app, {**body, "user": "restart"}, started))
+        await asyncio.wait_for(started.wait(), 10)
+        await asyncio.sleep(0.3)
+        serving = [n for n in app.engines if (await engine_of_running(app, n))]
+        assert len(serving) == 1, serving
+        await fleet.host.restart(serving[0])
+        events, times = await asyncio.wait_for(task, 20)
+    assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
+    ids = [i for e in events if isinstance(e, dict) for c in e.get("choices") or () for i in c.get("token_ids") or ()]
+    assert ids == ref
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    # the client's longest wait between two events: the continuation's prefill and the router's
+    # turn-around at the cut (tokens come every 10 ms; the simulator's prefill of ~70 tokens is a
+    # few ms), far below the idle timeout that would end a stall
+    print(f"resume gap seen by the client: {max(gaps) * 1000:.1f} ms (tokens every 10 ms)")
+    assert max(gaps) < 0.25, max(gaps)
+    await wait_usable(app, timeout=10)
+    snap = await assert_quiescent(app)
+    assert resumed_since(before, snap) == {("reset", "resumed"): 1}
+    assert delta(before, snap).get("failed/bad_engine_response") is None
+
+
+async def engine_of_running(app: App, name: str) -> bool:
+    async with httpx.AsyncClient(timeout=5) as c:
+        stats = (await c.get(app.engines[name] + "/sim/stats")).json()
+    return bool(stats.get("running"))
+
+
+async def test_an_engine_stalling_mid_stream_is_replaced_after_the_idle_timeout(fleet: Fleet) -> None:
+    app = fleet.pair
+    ref = await reference(app)
+    before = await status(app.url)
+    async with fleet_set(app, tpot_base_s=0.01), engine_set(app, "pair-0", faults=["hang_mid_stream"]):
+        for i in range(6):
+            r, took = await timed_post(app, greedy(True), {"X-Request-Id": f"stall-{i}"})
+            assert answer_ids(r, True)[0] == ref
+            if await engine_of(app, f"stall-{i}") == "pair-0" or resumed_since(before, await status(app.url)):
+                assert IDLE_TIMEOUT_S - 0.5 <= took < IDLE_TIMEOUT_S + 3, took
+                break
+    snap = await assert_quiescent(app)
+    assert resumed_since(before, snap) == {("stall", "resumed"): 1}
