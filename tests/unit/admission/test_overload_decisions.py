@@ -337,3 +337,24 @@ def test_a_cold_engine_is_ranked_like_the_best_measured_one_not_by_its_prior() -
     # ranked by its prior (20 ms/token) it would never get the traffic that would measure it
     assert placed(view(warm, cold), Ask(100, 2.0)).engines == ("cold",)
     assert placed(view(replace(warm, inflight=0), replace(cold, inflight=1)), Ask(100, 2.0)).engines == ("warm",)
+
+
+async def test_a_resume_moves_a_lease_ticket_to_the_engine_it_resumed_on() -> None:
+    from narwhal_serve.admission.lease import AdmissionLease
+
+    svc, clock = scheduler_service({"mode": "open"})
+    lease = AdmissionLease("i1")
+    lease.apply(svc.report(Report(lease=lease.cut(0.0))), clock.t, 0.0)  # type: ignore[arg-type]
+    p = lease.try_admit("a", Ask(100, 2.0), clock.t + 60, clock.t, 0.0)
+    assert isinstance(p, Placement)
+    lease.first_token("a", p.engines)
+    other = next(n for n in svc.engines if n not in p.engines)
+    lease.first_token("a", (other,))  # the relay resumed the answer there
+    local = lease._deltas  # the lease's own view of its charges, until the next report
+    assert local[other].inflight == 1 and all(local[n].inflight == 0 for n in p.engines)
+    svc.report(Report(lease=lease.cut(0.0), decode_started=[("a", p.engines), ("a", (other,))]))
+    assert svc.engines[other].inflight == 1 and all(svc.engines[n].inflight == 0 for n in p.engines)
+    lease.release("a", 5)
+    svc.report(Report(lease=lease.cut(0.0), released=[("a", None, True)]))
+    assert all(e.inflight == 0 for e in svc.engines.values())
+    assert lease.tickets == {} and not any(vars(lease.in_use).values())

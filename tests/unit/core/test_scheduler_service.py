@@ -221,3 +221,26 @@ async def test_backpressure_never_takes_more_of_the_fleet_out_than_it_can_spare(
     svc.report(Report(faults=[EngineFault(n, "backpressure", "HTTP 429", 5.0) for n in ("u", "p", "d")]))
     out = [n for n, e in svc.engines.items() if not e.breaker.takes_work(clock.t)]
     assert out == ["u"]  # 3 engines: one out at a time; the others keep taking work
+
+
+async def test_a_resume_moves_the_ticket_to_the_engine_it_resumed_on_and_counts_the_cut() -> None:
+    from narwhal_serve.admission.counters import CounterDelta
+
+    svc, _ = service()
+    a = await svc.admit(req("a"))
+    route = a.candidates[0]
+    svc.report(Report(decode_started=[("a", route.engines)]))
+    other = next(n for n in svc.engines if n not in route.engines)
+    assert all(svc.engines[n].inflight == 1 for n in route.engines) and svc.engines[other].inflight == 0
+    cut = CounterDelta()
+    cut.resumes[("reset", "resumed")] += 1
+    svc.report(Report(decode_started=[("a", (other,))], counters=cut))  # the relay resumed it on `other`
+    assert svc.engines[other].inflight == 1 and all(svc.engines[n].inflight == 0 for n in route.engines)
+    assert svc.admission.gauges()["decode_inflight"] == 1
+    svc.report(Report(released=[("a", RelayStats("single", (other,), 0.01, 5, 0.02, 1, (route.engines[-1],), (0.004,)), True)]))
+    assert all(e.inflight == 0 and e.decode_tokens == 0 for e in svc.engines.values())
+    assert svc.admission.gauges() == {"retained": 0, "queued": 0, "prefill_inflight": 0, "decode_inflight": 0}
+    text = svc.metrics_text()
+    assert 'narwhal_resumes_total{reason="reset",outcome="resumed"} 1' in text
+    assert 'narwhal_resumes_total{reason="stall",outcome="not_exact"} 0' in text  # every pair from the start
+    assert "narwhal_resume_gap_seconds_count 1" in text
