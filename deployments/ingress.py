@@ -47,6 +47,10 @@ class HandleBackend:
     async def admin(self, op: str, arg: Any) -> Any:
         return await self.scheduler.admin.remote(op, arg)
 
+    @property
+    def local_relay(self) -> Relay | None:
+        return self.local
+
     def relay(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         if self.local is not None:
             return self.local.run(placed)  # closing it (the client left) closes the engine connections

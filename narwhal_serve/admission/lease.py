@@ -25,6 +25,8 @@ from narwhal_serve.admission.controller import NONE, ONE_REQUEST, Permits, Refus
 from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.admission.core import Ask, EngineDelta, FleetView, Placement, charge, decide
 from narwhal_serve.admission.retry import Reservation, earliest
+from narwhal_serve.config import EngineConfig
+from narwhal_serve.placement.picker import resume_targets
 from narwhal_serve.prediction.decode import remaining_tokens
 from narwhal_serve.scheduler.messages import LeaseGrant, LeasePart, LocalPlacement
 from narwhal_serve.tenants.amounts import request_cost
@@ -96,6 +98,11 @@ class AdmissionLease:
                 r for r in mine if r.id not in known and r.id not in taken)
             view = replace(view, reservations=held)
         return view
+
+    def resume_targets(self, now: float) -> list[EngineConfig]:
+        """Engines eligible now for a mid-stream resume, least loaded first (none without a view)."""
+        view = self.current_view()
+        return [] if view is None else resume_targets([e for e in view.engines if e.eligible(now)])
 
     def try_admit(self, ticket_id: str, ask: Ask, deadline: float, now: float, mono: float) -> Placement | Refusal | None:
         """A placement (permits taken), a refusal (counted by the caller), or None: ask the scheduler."""

@@ -98,6 +98,8 @@ def build_api(
     if lease is not None and cfg.tenants is not None and any(t.budgeted() for t in cfg.tenants.list):
         lease.shares = LeaseShares(cfg.tenants.by_name())
     reporter = Reporter(backend.report, lease=lease)
+    if lease is not None and (relay := backend.local_relay) is not None:
+        relay.live_targets = lambda: lease.resume_targets(clock())  # resumes go where the fleet has room now
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -35,6 +35,11 @@ class Backend(Protocol):
 
     def relay(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]: ...
 
+    @property
+    def local_relay(self) -> Relay | None:
+        """The relay when it runs in this process (it can read this ingress's lease view)."""
+        ...
+
 
 class LocalBackend(SchedulerApi):
     def __init__(self, svc: SchedulerService, client: httpx.AsyncClient) -> None:
@@ -48,3 +53,7 @@ class LocalBackend(SchedulerApi):
 
     def relay(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         return self.relay_.run(placed)
+
+    @property
+    def local_relay(self) -> Relay | None:
+        return self.relay_

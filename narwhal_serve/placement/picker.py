@@ -62,3 +62,12 @@ def candidate_routes(eligible: Sequence[E], rotation: int, limit: int | None = M
     n_routes = len(scored)  # (list.sort empties the list while it sorts)
     scored.sort(key=lambda s: (round(s[0], 3), (s[1] - rotation) % n_routes))
     return [r for _, _, r in (scored if limit is None else scored[:limit])]
+
+
+def resume_targets(eligible: Sequence[E]) -> list[EngineConfig]:
+    """The engines an answer cut mid-stream may continue on (README, "Mid-stream resume"): every
+    route's client-facing engine, least loaded first, each once."""
+    out: dict[str, EngineConfig] = {}
+    for r in candidate_routes(eligible, 0, limit=None):
+        out.setdefault(r.decode.name, r.decode)
+    return list(out.values())

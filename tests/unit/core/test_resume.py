@@ -266,3 +266,42 @@ async def test_a_stall_mid_stream_is_resumed_after_the_idle_timeout() -> None:
         msgs = [m async for m in Relay(client, idle_timeout_s=0.2).run(placed(return_token_ids=True))]
     assert ids_of(events(msgs)) == [1, 2, 3, 4, 5] and msgs[-1].error is None
     assert [r for m in msgs for r in m.resumes] == [("stall", "resumed")]
+
+
+async def test_a_non_streaming_answer_whose_continuation_fails_is_a_502_without_a_third_try() -> None:
+    eng = Engines(FIRST_TWO, lambda body: httpx.Response(500, json={"error": {"message": "boom"}}))
+    msgs = await run(eng, placed(stream=False))
+    assert [h for h, _, _ in eng.bodies] == ["e1", "e2"]  # e2 failed the continuation: not tried again
+    assert msgs[-1].error is not None and msgs[-1].error.status == 502
+    assert [r for m in msgs for r in m.resumes] == [("reset", "failed")]
+    assert sorted(f.engine for m in msgs for f in m.faults) == ["e1", "e2"]
+
+
+async def test_the_continuation_goes_to_the_least_loaded_engine_eligible_now_not_only_to_a_candidate() -> None:
+    e3 = EngineConfig(name="e3", url="http://e3")
+    seen: list[str] = []
+
+    def h(r: httpx.Request) -> httpx.Response:
+        seen.append(r.url.host)
+        if r.url.host == "e1":
+            return httpx.Response(200, stream=Parts(FIRST_TWO, broken=True))
+        return CONT(json.loads(r.content))
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(h)) as client:
+        relay = Relay(client)
+        relay.live_targets = lambda: [E1, e3, E2]  # e1 failed this request: skipped
+        msgs = [m async for m in relay.run(placed(return_token_ids=True))]
+    assert seen == ["e1", "e3"] and ids_of(events(msgs)) == [1, 2, 3, 4, 5]
+    assert [m.engines for m in msgs if m.moved] == [("e3",)]
+
+
+def test_resume_targets_are_every_client_facing_engine_least_loaded_first() -> None:
+    from narwhal_serve.placement.picker import resume_targets
+    from tests.unit.core.test_scheduler_service import service
+
+    svc, _ = service()
+    names = [e.name for e in resume_targets(list(svc.engines.values()))]
+    assert sorted(names) == sorted(n for n, e in svc.engines.items() if e.cfg.role != "prefill")
+    busiest = names[0]
+    svc.engines[busiest].inflight = 5
+    assert resume_targets(list(svc.engines.values()))[-1].name == busiest
