@@ -59,6 +59,14 @@ HISTOGRAM_HELP = {
         "narwhal_resume_gap_seconds",
         "Mid-stream resumes: the gap the client saw, from the last token before the cut to the first after it.",
     ),
+    "resume_prefill": (
+        "narwhal_resume_prefill_seconds",
+        "Mid-stream resumes: from the continuation's request to its first token (its prefill).",
+    ),
+    "resume_turnaround": (
+        "narwhal_resume_turnaround_seconds",
+        "Mid-stream resumes: the router's turn-around, from the failure noticed to the continuation's request.",
+    ),
     "ttft_predicted": (
         "narwhal_ttft_predicted_seconds",
         "TTFT predicted at admission, for requests whose TTFT was then measured.",

@@ -19,6 +19,7 @@ class RelayStats:
     resumed_from: tuple[str, ...] = ()  # engines that died mid-answer, the request resumed elsewhere
     resume_gap_s: tuple[float, ...] = ()  # per resume: last token before the cut → first token after
     resume_prefill_s: tuple[float, ...] = ()  # per resume: the continuation's request → its first token
+    resume_turnaround_s: tuple[float, ...] = ()  # per resume: the failure noticed → the continuation's request
 
 
 FaultKind = Literal["error", "timeout", "backpressure"]

@@ -148,7 +148,8 @@ class _Attempt:
     resume after its first token moved (sent to the ingress with the next message)."""
 
     __slots__ = ("route", "attempt", "meter", "first_limit", "wait_from", "cursor", "transcript", "excluded",
-                 "resumes", "notes", "moved", "faults", "resumed_from", "gaps", "prefills")
+                 "resumes", "notes", "moved", "faults", "resumed_from", "gaps", "prefills", "turnarounds",
+                 "cut_at")
 
     def __init__(self, route: RouteChoice, attempt: int, meter: _Meter, first_limit: float | None,
                  req: ParsedRequest, excluded: set[str]) -> None:
@@ -167,6 +168,8 @@ class _Attempt:
         self.resumed_from: list[str] = []
         self.gaps: list[float] = []  # last token before each cut → first token after it
         self.prefills: list[float] = []  # each continuation's request → its first token
+        self.turnarounds: list[float] = []  # each failure noticed → its continuation's request
+        self.cut_at = 0.0  # when the last failure was noticed
 
     def news(self) -> dict[str, Any]:
         """What a resume changed since the last message, as :class:`RelayMessage` fields."""
@@ -335,7 +338,7 @@ class Relay:
         ttft = None if meter.first is None else meter.first - meter.start
         decode = 0.0 if meter.first is None or meter.last is None else meter.last - meter.first
         return RelayStats(at.route.kind, at.route.engines, ttft, meter.tokens, decode, at.attempt,
-                          tuple(at.resumed_from), tuple(at.gaps), tuple(at.prefills))
+                          tuple(at.resumed_from), tuple(at.gaps), tuple(at.prefills), tuple(at.turnarounds))
 
     def _observe(self, at: _Attempt, chunk: dict[str, Any], now: float) -> None:
         """One chunk as the client will get it: its token IDs checked and counted, then noted."""
@@ -381,6 +384,7 @@ class Relay:
             if at.meter.first is None:
                 raise
             failure: EngineFailure | BadEngineResponse = exc
+            at.cut_at = self.clock()
         finally:
             await stream.aclose()
         while True:
@@ -389,6 +393,7 @@ class Relay:
                 async for batch in cont:
                     if isinstance(batch, (EngineFailure, BadEngineResponse)):
                         nxt = batch  # the continuation failed after its first token: the next cut
+                        at.cut_at = self.clock()
                         break
                     yield batch
             if nxt is None:
@@ -427,6 +432,7 @@ class Relay:
         at.route, at.cursor.engine = RouteChoice("single", target), target.name
         at.first_limit, at.wait_from = self.resume_first_token_s, self.clock()
         opened, last_token = at.wait_from, at.meter.last or at.wait_from
+        at.turnarounds.append(max(0.0, opened - (at.cut_at or opened)))
         stream = stream_chunks(self.client, target.name, target.base_url + PATHS["completion"],
                                prioritized(target, body, placed.priority), headers)
         if self.coalesce_reads:

@@ -31,9 +31,12 @@ def learn_from(
     only from a request served where it was placed, on its first attempt."""
     as_placed = stats.attempts == 1 and stats.engines == p.engines and not stats.resumed_from
     pl = placement or PlacementConfig()
-    for gap in stats.resume_gap_s:  # a resume's prefill is measured as a resume, never as a client TTFT
-        if "resume_gap" in histograms:
-            histograms["resume_gap"].observe(gap)
+    # a resume's prefill is measured as a resume, never as a client TTFT
+    for name, values in (("resume_gap", stats.resume_gap_s), ("resume_prefill", stats.resume_prefill_s),
+                         ("resume_turnaround", stats.resume_turnaround_s)):
+        if name in histograms:
+            for v in values:
+                histograms[name].observe(v)
     if stats.ttft_s is not None:
         histograms["ttft"].observe(stats.ttft_s)
         if tally is not None and completed and p.ttft_budget_s is not None and stats.ttft_s <= p.ttft_budget_s:

@@ -100,6 +100,8 @@ class SchedulerService:
             "ttft_prediction_error": Histogram(),
             "ttft_predicted": Histogram(),
             "resume_gap": Histogram(),
+            "resume_prefill": Histogram(),
+            "resume_turnaround": Histogram(),
         }
         self.tally = Tally()  # admitted, goodput, predicted vs measured TTFT per engine (/metrics)
         self._waiters: dict[str, asyncio.Future[AdmitResult]] = {}

@@ -155,8 +155,13 @@ async def test_an_engine_killed_mid_answer_is_replaced_token_exactly(resume_app:
     assert cut == ["chat-json", "chat-stream", "completion-json", "completion-stream"], placed
     assert all(line["outcome"] == "completed" for line in lines.values()), lines
     assert all(line["engines"] == ["vllm0"] for line in lines.values() if line["resumed_from"] == ["victim"]), lines
-    gap = {k: float(v) for k, v in re.findall(r"^narwhal_resume_gap_seconds_(sum|count) (\S+)$", metrics, re.M)}
+    gap, prefill, turn = (
+        {k: float(v) for k, v in re.findall(rf"^narwhal_resume_{name}_seconds_(sum|count) (\S+)$", metrics, re.M)}
+        for name in ("gap", "prefill", "turnaround"))
+    assert gap["count"] == prefill["count"] == turn["count"] == 4
+    pause, own, router = gap["sum"] / 4, prefill["sum"] / 4, turn["sum"] / 4
     print(f"killed the victim mid-answer: its 4 answers resumed on the survivor (which was no candidate at "
-          f"admission), all token-exact; the last "
-          f"answer ended {took:.1f} s after the kill; mean pause at the cut "
-          f"{1000 * gap['sum'] / max(1.0, gap['count']):.0f} ms over {gap['count']:.0f} resumes")
+          f"admission), all token-exact; the last answer ended {took:.1f} s after the kill; the pause at the cut "
+          f"{1000 * pause:.0f} ms on average = the dying engine noticed after {1000 * (pause - own - router):.0f} ms, "
+          f"the router's turn-around {1000 * router:.1f} ms, the continuation's prefill {1000 * own:.0f} ms")
+    assert router <= 0.05, router  # the router's turn-around at a cut: within 50 ms
