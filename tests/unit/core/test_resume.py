@@ -305,3 +305,25 @@ def test_resume_targets_are_every_client_facing_engine_least_loaded_first() -> N
     busiest = names[0]
     svc.engines[busiest].inflight = 5
     assert resume_targets(list(svc.engines.values()))[-1].name == busiest
+
+
+async def test_a_pd_decode_engine_dying_mid_answer_is_continued_on_a_unified_engine() -> None:
+    p1 = EngineConfig(name="p1", url="http://p1", role="prefill")
+    d1 = EngineConfig(name="d1", url="http://d1", role="decode")
+    seen: list[str] = []
+
+    def h(r: httpx.Request) -> httpx.Response:
+        seen.append(r.url.host)
+        if r.url.host == "p1":
+            return httpx.Response(200, json={"id": "x", "choices": [], "kv_transfer_params": {"remote_engine_id": "p1"}})
+        if r.url.host == "d1":
+            return httpx.Response(200, stream=Parts(FIRST_TWO, broken=True))
+        return CONT(json.loads(r.content))
+
+    p = placed(return_token_ids=True)
+    p = PlacedRequest(p.request_id, p.model, p.request, (RouteChoice("pd", d1, p1), RouteChoice("single", E2)),
+                      p.deadline)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(h)) as client:
+        msgs = [m async for m in Relay(client).run(p)]
+    assert seen == ["p1", "d1", "e2"] and ids_of(events(msgs)) == [1, 2, 3, 4, 5]
+    assert msgs[-1].stats is not None and msgs[-1].stats.resumed_from == ("d1",) and msgs[-1].stats.engines == ("e2",)
