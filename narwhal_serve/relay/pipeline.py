@@ -441,11 +441,15 @@ class Relay:
             async for batch in self._batches(stream, placed, at):
                 now = self.clock()
                 out = []
-                for chunk in batch:
-                    shaped = shaper.reshape(chunk)  # raises BadEngineResponse on a prompt it did not run
-                    if shaped is not None:
-                        self._observe(at, shaped, now)
-                        out.append(shaped)
+                bad: BadEngineResponse | None = None
+                try:
+                    for chunk in batch:
+                        shaped = shaper.reshape(chunk)  # raises BadEngineResponse on a prompt it did not run
+                        if shaped is not None:
+                            self._observe(at, shaped, now)
+                            out.append(shaped)
+                except BadEngineResponse as exc:
+                    bad = exc  # what came before it in the batch goes out first (the next cut follows it)
                 if at.wait_from is not None and at.meter.last is not None and at.meter.last > opened:
                     at.wait_from = None
                     at.notes.append((reason, "resumed"))
@@ -454,6 +458,8 @@ class Relay:
                     at.prefills.append(now - opened)
                 if out:
                     yield out
+                if bad is not None:
+                    raise bad
                 if shaper.ended:  # a stop string across the cut ended the answer
                     return
             if at.wait_from is not None:

@@ -105,10 +105,20 @@ async def test_an_engine_killed_mid_answer_is_replaced_token_exactly(resume_app:
 
         tag = f"resume-{time.monotonic_ns()}"
         tasks: list[tuple[str, bool, asyncio.Task[httpx.Response]]] = []
+        arrivals: dict[str, list[float]] = {}  # each streaming answer's events, as the client read them
 
         async def ask(route: str, stream: bool) -> httpx.Response:
             rid = f"{tag}-{route}-{'stream' if stream else 'json'}-{len(tasks)}"
-            return await c.post(app.url + path_of(route), json=greedy(route, stream), headers={"X-Request-Id": rid})
+            headers = {"X-Request-Id": rid}
+            if not stream:
+                return await c.post(app.url + path_of(route), json=greedy(route, stream), headers=headers)
+            times = arrivals[rid] = []
+            body = b""
+            async with c.stream("POST", app.url + path_of(route), json=greedy(route, stream), headers=headers) as r:
+                async for chunk in r.aiter_bytes():
+                    body += chunk
+                    times.extend([time.monotonic()] * chunk.count(b"data: "))
+            return httpx.Response(r.status_code, content=body)
 
         # One request of each kind on the victim: the survivor takes no new work while they are
         # placed (maintenance), then it is eligible again and the victim dies under them.
@@ -164,4 +174,9 @@ async def test_an_engine_killed_mid_answer_is_replaced_token_exactly(resume_app:
           f"admission), all token-exact; the last answer ended {took:.1f} s after the kill; the pause at the cut "
           f"{1000 * pause:.0f} ms on average = the dying engine noticed after {1000 * (pause - own - router):.0f} ms, "
           f"the router's turn-around {1000 * router:.1f} ms, the continuation's prefill {1000 * own:.0f} ms")
+    # what a streaming client waited from the kill to its next token: the dying engine noticed, the
+    # router's turn-around and the continuation's prefill (the wait for the next token before the
+    # kill is the engine's ordinary pace, not the failure's)
+    waits = [min(t for t in times if t > killed_at) - killed_at for times in arrivals.values()]
+    print(f"streaming clients' wait from the kill to their next token: {', '.join(f'{1000 * w:.0f}' for w in waits)} ms")
     assert router <= 0.05, router  # the router's turn-around at a cut: within 50 ms

@@ -327,3 +327,26 @@ async def test_a_pd_decode_engine_dying_mid_answer_is_continued_on_a_unified_eng
         msgs = [m async for m in Relay(client).run(p)]
     assert seen == ["p1", "d1", "e2"] and ids_of(events(msgs)) == [1, 2, 3, 4, 5]
     assert msgs[-1].stats is not None and msgs[-1].stats.resumed_from == ("d1",) and msgs[-1].stats.engines == ("e2",)
+
+
+async def test_a_second_cut_continues_after_exactly_what_the_client_got() -> None:
+    e3 = EngineConfig(name="e3", url="http://e3")
+    bad = cmpl_tok("x", 9)
+    bad["choices"][0]["token_ids"] = [-1]
+    bodies: dict[str, dict[str, Any]] = {}
+
+    def h(r: httpx.Request) -> httpx.Response:
+        bodies[r.url.host] = json.loads(r.content)
+        if r.url.host == "e1":
+            return httpx.Response(200, stream=Parts(FIRST_TWO, broken=True))
+        if r.url.host == "e2":  # one good token, then a bad one in the same read
+            return httpx.Response(200, stream=httpx.ByteStream(sse(cmpl_tok("c", 3), bad, done=False)))
+        return httpx.Response(200, stream=httpx.ByteStream(sse(cmpl_tok("d", 4), cmpl_tok("e", 5, "length"))))
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(h)) as client:
+        relay = Relay(client, max_resumes=2)
+        relay.live_targets = lambda: [E2, e3]
+        msgs = [m async for m in relay.run(placed(return_token_ids=True))]
+    assert bodies["e3"]["prompt"] == [*PROMPT, 1, 2, 3] and bodies["e3"]["max_tokens"] == 2
+    assert ids_of(events(msgs)) == [1, 2, 3, 4, 5] and msgs[-1].error is None
+    assert [r for m in msgs for r in m.resumes] == [("reset", "resumed"), ("bad_response", "resumed")]
