@@ -126,6 +126,12 @@ async def test_a_budget_holds_across_three_ingress_replicas(tenants_app: tuple[s
 
 async def test_the_openai_client_reads_the_limits_and_honours_retry_after(tenants_app: tuple[str, Path, str]) -> None:
     url, _, _ = tenants_app
+    async with httpx.AsyncClient(timeout=30) as c:  # the metered tenant's bucket empty now (whatever refilled since the flood)
+        for _ in range(int(RPM) + 5):
+            r = await c.post(url + "/v1/chat/completions", json=chat("drain"), headers=bearer(KEYS["metered"]))
+            if r.status_code == 429:
+                break
+        assert r.status_code == 429, r.text
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["metered"], max_retries=3, timeout=60)
     try:
         t0 = time.monotonic()
