@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import ADMIN, ResumeApp
+from tests.e2e.conftest import ADMIN, REPORT, ResumeApp
 from tests.e2e.helpers import body_for, parse_sse, path_of, vllm_generated, wait_router_idle
 
 pytestmark = pytest.mark.e2e
@@ -170,13 +170,17 @@ async def test_an_engine_killed_mid_answer_is_replaced_token_exactly(resume_app:
         for name in ("gap", "prefill", "turnaround"))
     assert gap["count"] == prefill["count"] == turn["count"] == 4
     pause, own, router = gap["sum"] / 4, prefill["sum"] / 4, turn["sum"] / 4
-    print(f"killed the victim mid-answer: its 4 answers resumed on the survivor (which was no candidate at "
-          f"admission), all token-exact; the last answer ended {took:.1f} s after the kill; the pause at the cut "
-          f"{1000 * pause:.0f} ms on average = the dying engine noticed after {1000 * (pause - own - router):.0f} ms, "
-          f"the router's turn-around {1000 * router:.1f} ms, the continuation's prefill {1000 * own:.0f} ms")
+    line = (f"resume: the victim killed mid-answer, its 4 answers resumed on the survivor (no candidate at "
+            f"admission), all token-exact; the last ended {took:.1f} s after the kill; the pause at the cut "
+            f"{1000 * pause:.0f} ms on average = the dying engine noticed after {1000 * (pause - own - router):.0f} ms, "
+            f"the router's turn-around {1000 * router:.1f} ms, the continuation's prefill {1000 * own:.0f} ms")
+    print(line)
+    REPORT.setdefault("extra", []).append(line)
     # what a streaming client waited from the kill to its next token: the dying engine noticed, the
     # router's turn-around and the continuation's prefill (the wait for the next token before the
     # kill is the engine's ordinary pace, not the failure's)
     waits = [min(t for t in times if t > killed_at) - killed_at for times in arrivals.values()]
-    print(f"streaming clients' wait from the kill to their next token: {', '.join(f'{1000 * w:.0f}' for w in waits)} ms")
+    line = f"resume: streaming clients' wait from the kill to their next token: {', '.join(f'{1000 * w:.0f}' for w in waits)} ms"
+    print(line)
+    REPORT.setdefault("extra", []).append(line)
     assert router <= 0.05, router  # the router's turn-around at a cut: within 50 ms
