@@ -132,7 +132,6 @@ async def test_the_openai_client_reads_the_limits_and_honours_retry_after(tenant
             if r.status_code == 429:
                 break
         assert r.status_code == 429, r.text
-        drained = (time.monotonic(), int(r.headers["retry-after-ms"]) / 1000)
     refusals: list[tuple[float, float]] = []  # (when, the retry-after-ms it was told) of each 429 the SDK got
 
     async def seen(resp: httpx.Response) -> None:
@@ -148,11 +147,13 @@ async def test_the_openai_client_reads_the_limits_and_honours_retry_after(tenant
         assert raw.http_response.status_code == 200
         assert raw.headers["x-ratelimit-limit-requests"] == str(int(RPM))
         assert int(raw.headers["x-ratelimit-remaining-requests"]) >= 0
-        # it was refused, waited what it was told, and got in (or, in the rare run where the bucket
-        # refilled between the drain and its first try, it came no earlier than the drain was told)
+        # every refusal it met was retried after the retry-after-ms it was told.  (It may meet none:
+        # another ingress replica can still hold a share of the tenant's budget when the one that
+        # refused the drain had none left; README "Tenants" says so.)
         assert len(refusals) == raw.retries_taken, (raw.retries_taken, refusals)
-        when, told = refusals[-1] if refusals else drained
-        assert done - when >= told, (done - when, told, raw.retries_taken)
+        if refusals:
+            when, told = refusals[-1]
+            assert done - when >= told, (done - when, told, raw.retries_taken)
         assert raw.parse().choices[0].message.content is not None
     finally:
         await client.close()
