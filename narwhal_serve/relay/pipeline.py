@@ -13,8 +13,8 @@ import asyncio
 import json
 import math
 import time
-from contextlib import aclosing
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -25,9 +25,8 @@ from narwhal_serve.assembly.fold import Assembler
 from narwhal_serve.assembly.tokens import check_token_ids
 from narwhal_serve.assembly.usage import computed_usage
 from narwhal_serve.config import EngineConfig, ObservabilityConfig, ServingConfig
-from narwhal_serve.engines.client import engine_client
+from narwhal_serve.engines.client import engine_client, stream_chunks
 from narwhal_serve.engines.errors import EngineFailure
-from narwhal_serve.engines.client import stream_chunks
 from narwhal_serve.engines.dialect import PATHS
 from narwhal_serve.engines.legs import LegCursor, dialect_of, open_route, prioritized
 from narwhal_serve.errors import BadEngineResponse, ErrorInfo, InvalidRequest, TerminalExpiry, Unavailable
@@ -340,31 +339,39 @@ class Relay:
         return RelayStats(at.route.kind, at.route.engines, ttft, meter.tokens, decode, at.attempt,
                           tuple(at.resumed_from), tuple(at.gaps), tuple(at.prefills), tuple(at.turnarounds))
 
-    def _observe(self, at: _Attempt, chunk: dict[str, Any], now: float) -> None:
-        """One chunk as the client will get it: its token IDs checked and counted, then noted."""
-        at.meter.observe(chunk, now)  # raises BadEngineResponse on bad token IDs
-        at.transcript.observe(chunk)
+    @staticmethod
+    def _checked(
+        at: _Attempt, batch: list[dict[str, Any]], now: float,
+        shape: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+    ) -> tuple[list[dict[str, Any]], BadEngineResponse | None]:
+        """The batch's chunks as the client will get them (``shape``d; None drops one), each one's
+        token IDs checked and counted, then noted, up to the first bad one; and that one's error.
+        What came before a bad chunk still goes out, so that a resume continues after exactly
+        what the client got."""
+        good: list[dict[str, Any]] = []
+        try:
+            for chunk in batch:
+                shaped = chunk if shape is None else shape(chunk)
+                if shaped is not None:
+                    at.meter.observe(shaped, now)  # raises BadEngineResponse on bad token IDs
+                    at.transcript.observe(shaped)
+                    good.append(shaped)
+        except BadEngineResponse as exc:
+            return good, exc
+        return good, None
 
     async def _validated(
         self, stream: AsyncIterator[list[dict[str, Any]]], placed: PlacedRequest, at: _Attempt
     ) -> AsyncIterator[list[dict[str, Any]]]:
-        """``stream``'s batches, checked; a bad chunk ends the batch (what came before it is
-        yielded first, so that a resume continues after exactly what the client got)."""
+        """``stream``'s batches, checked (:meth:`_checked`); a bad chunk ends the batch."""
         async for batch in self._batches(stream, placed, at):
-            now = self.clock()
-            good: list[dict[str, Any]] = []
-            try:
-                for chunk in batch:
-                    self._observe(at, chunk, now)
-                    good.append(chunk)
-            except BadEngineResponse:
-                if good and at.meter.first is not None:
-                    at.wait_from = None
-                    yield good
-                raise
+            good, bad = self._checked(at, batch, self.clock())
             if at.meter.first is not None:
                 at.wait_from = None
-            yield good
+            if bad is None or (good and at.meter.first is not None):
+                yield good
+            if bad is not None:
+                raise bad
 
     async def _chunks(
         self, placed: PlacedRequest, at: _Attempt, headers: dict[str, str], span: "Span | None"
@@ -440,16 +447,8 @@ class Relay:
         try:
             async for batch in self._batches(stream, placed, at):
                 now = self.clock()
-                out = []
-                bad: BadEngineResponse | None = None
-                try:
-                    for chunk in batch:
-                        shaped = shaper.reshape(chunk)  # raises BadEngineResponse on a prompt it did not run
-                        if shaped is not None:
-                            self._observe(at, shaped, now)
-                            out.append(shaped)
-                except BadEngineResponse as exc:
-                    bad = exc  # what came before it in the batch goes out first (the next cut follows it)
+                # (reshape raises BadEngineResponse on a continuation that ran another prompt)
+                out, bad = self._checked(at, batch, now, shaper.reshape)
                 if at.wait_from is not None and at.meter.last is not None and at.meter.last > opened:
                     at.wait_from = None
                     at.notes.append((reason, "resumed"))
