@@ -79,7 +79,7 @@ async def test_an_engine_failing_mid_stream_is_replaced_token_exactly(fleet: Fle
     before = await status(app.url)
     sent = 0
     async with fleet_set(app, tpot_base_s=0.01), engine_set(app, "pair-0", faults=[fault]):
-        for i in range(16):  # until pair-0 served two of them (placement alternates the idle pair)
+        for i in range(40):  # until pair-0 served two of them (placement alternates the idle pair; its breaker may rest it)
             stream = i % 2 == 0
             r, took = await timed_post(app, greedy(stream))
             sent += 1
