@@ -134,7 +134,9 @@ async def stream_chunks(
     """POST a streaming request; yield the parsed chunks of each network read (coalesced).
 
     Ends normally only after ``data: [DONE]``; a stream that closes before it, a non-200 answer or
-    a payload that is not a JSON object raises :class:`EngineFailure`.
+    a payload that is not a JSON object (or is an error event) raises :class:`EngineFailure` —
+    after the chunks that came before it in the same read, so that a resume continues after
+    every token the engine produced, and a first token is not lost with the read it came in.
     """
     req = client.build_request("POST", url, json=body, headers=headers)
     resp: httpx.Response | None
@@ -159,7 +161,12 @@ async def stream_chunks(
                     if data == _DONE:
                         done = True
                         break
-                    batch.append(_parse(engine, data))
+                    try:
+                        batch.append(_parse(engine, data))
+                    except EngineFailure:
+                        if batch:  # the read's good chunks first: their tokens were generated
+                            yield batch
+                        raise
                 if batch:
                     yield batch
                 if done:

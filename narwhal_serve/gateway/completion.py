@@ -295,7 +295,7 @@ class CompletionHandler:
     ) -> Response:
         gen = self.backend.relay(placed)
         flow = Flow(lambda msg: self._first_token(ticket, msg), lambda o, r, st, code: self._end(ticket, trail, o, r, st, code),
-                    self.reporter.engine_faults, lambda n: self.reporter.progress(ticket, n), self.reporter.resumes)
+                    self.reporter.engine_health, lambda n: self.reporter.progress(ticket, n), self.reporter.resumes)
         rid_header = {"X-Request-Id": rid} if rid else {}
         # the TTFT its admission predicted (predictive mode): clients and benchmarks can check it
         ok_headers = {} if predicted_ttft_s is None else {"X-Narwhal-Predicted-TTFT": f"{predicted_ttft_s:.4f}"}

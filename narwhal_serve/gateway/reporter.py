@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from narwhal_serve.admission.core import FleetView
 from narwhal_serve.admission.lease import AdmissionLease
 from narwhal_serve.admission.outcomes import Outcome
-from narwhal_serve.relay.messages import EngineFault, RelayStats
+from narwhal_serve.relay.messages import EngineFault, HealthEvent, RelayStats
 from narwhal_serve.scheduler.messages import LeaseGrant, Report
 
 log = logging.getLogger(__name__)
@@ -95,10 +95,12 @@ class Reporter:
             self._pending.counters.resumes[key] += 1
         self._queue()
 
-    def engine_faults(self, faults: tuple[EngineFault, ...]) -> None:
-        """Failed attempts, for the engines' breakers: sent at once (they change placement)."""
-        self._pending.faults.extend(faults)
-        self._urgent = True
+    def engine_health(self, events: tuple[HealthEvent, ...]) -> None:
+        """First tokens and failed attempts, in order, for the engines' breakers; a failure is sent
+        at once (it changes placement), a first token rides with the next report."""
+        self._pending.health.extend(events)
+        if any(isinstance(e, EngineFault) for e in events):
+            self._urgent = True
         self._queue()
 
     def start(self) -> None:

@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.errors import ErrorInfo, NarwhalError, Unavailable
-from narwhal_serve.relay.messages import EngineFault, RelayMessage, RelayStats
+from narwhal_serve.relay.messages import HealthEvent, RelayMessage, RelayStats
 
 KEEPALIVE = b": keep-alive\n\n"
 DRAINED = "router_draining"
@@ -62,27 +62,27 @@ def error_event(err: ErrorInfo) -> bytes:
 class Flow:
     """One admitted request's phase; reports its first token and its end exactly once."""
 
-    __slots__ = ("on_first_token", "on_end", "on_faults", "on_progress", "on_resumes", "decoding", "ended")
+    __slots__ = ("on_first_token", "on_end", "on_health", "on_progress", "on_resumes", "decoding", "ended")
 
     def __init__(
         self,
         on_first_token: Callable[[RelayMessage], None],
         on_end: Callable[[Outcome, str, RelayStats | None, int], None],
-        on_faults: Callable[[tuple[EngineFault, ...]], None] | None = None,
+        on_health: Callable[[tuple[HealthEvent, ...]], None] | None = None,
         on_progress: Callable[[int], None] | None = None,
         on_resumes: Callable[[tuple[tuple[str, str], ...]], None] | None = None,
     ) -> None:
         self.on_first_token = on_first_token  # also called again when a resume moves the answer
         self.on_end = on_end
-        self.on_faults = on_faults
+        self.on_health = on_health
         self.on_progress = on_progress  # identified output tokens so far, as they arrive
         self.on_resumes = on_resumes  # (reason, outcome) of each mid-stream cut
         self.decoding = False
         self.ended = False
 
     def observe(self, msg: RelayMessage) -> None:
-        if msg.faults and self.on_faults is not None:
-            self.on_faults(msg.faults)
+        if msg.health and self.on_health is not None:
+            self.on_health(msg.health)
         if msg.resumes and self.on_resumes is not None:
             self.on_resumes(msg.resumes)
         if msg.first_token and not self.decoding and not msg.final:

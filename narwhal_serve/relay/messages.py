@@ -49,6 +49,18 @@ class EngineFault:
 
 
 @dataclass(frozen=True)
+class EngineWorked:
+    """An attempt's good first token on these engines: a success for their breakers.  It travels in
+    the same ordered list as the :class:`EngineFault` s, so the scheduler counts "failures in a row"
+    in the order they happened (an answer's first token, then its mid-stream fault: one failure)."""
+
+    engines: tuple[str, ...]
+
+
+HealthEvent = EngineFault | EngineWorked
+
+
+@dataclass(frozen=True)
 class RelayMessage:
     """``data`` is what the client gets (SSE events, or the assembled JSON body).
 
@@ -65,7 +77,7 @@ class RelayMessage:
     final: bool = False
     stats: RelayStats | None = None
     engines: tuple[str, ...] = ()  # with ``first_token``: the route that produced it
-    faults: tuple[EngineFault, ...] = ()  # attempts that failed since the last message
+    health: tuple[HealthEvent, ...] = ()  # attempts that failed, and first tokens, since the last message (in order)
     tokens: int = 0  # identified output tokens so far (streams: decode correction at the scheduler)
     moved: bool = False  # with ``engines``: a resume moved the answer to that route (README, "Engine failures")
     resumes: tuple[tuple[str, str], ...] = ()  # (reason, outcome) of each cut since the last message

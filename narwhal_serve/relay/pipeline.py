@@ -34,7 +34,7 @@ from narwhal_serve.observability import Tracing, end_span
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
 from narwhal_serve.protocol.requests import ParsedRequest, Route
 from narwhal_serve.relay.coalesce import coalesce
-from narwhal_serve.relay.messages import EngineFault, FaultKind, RelayMessage, RelayStats
+from narwhal_serve.relay.messages import EngineFault, EngineWorked, FaultKind, HealthEvent, RelayMessage, RelayStats
 from narwhal_serve.relay.resume import Reshaper, Transcript, continuation_body, not_resumable
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class _Attempt:
     resume after its first token moved (sent to the ingress with the next message)."""
 
     __slots__ = ("route", "attempt", "meter", "first_limit", "wait_from", "cursor", "transcript", "excluded",
-                 "resumes", "notes", "moved", "faults", "resumed_from", "gaps", "prefills", "turnarounds",
+                 "resumes", "notes", "moved", "health", "resumed_from", "gaps", "prefills", "turnarounds",
                  "cut_at")
 
     def __init__(self, route: RouteChoice, attempt: int, meter: _Meter, first_limit: float | None,
@@ -163,7 +163,7 @@ class _Attempt:
         self.resumes = 0
         self.notes: list[tuple[str, str]] = []  # (reason, outcome) of resumes, not yet sent
         self.moved: tuple[str, ...] = ()  # the route a resume moved the request to, not yet sent
-        self.faults: list[EngineFault] = []  # mid-stream failures that were resumed, not yet sent
+        self.health: list[HealthEvent] = []  # first tokens, and mid-stream failures that were resumed, not yet sent
         self.resumed_from: list[str] = []
         self.gaps: list[float] = []  # last token before each cut → first token after it
         self.prefills: list[float] = []  # each continuation's request → its first token
@@ -171,14 +171,14 @@ class _Attempt:
         self.cut_at = 0.0  # when the last failure was noticed
 
     def news(self) -> dict[str, Any]:
-        """What a resume changed since the last message, as :class:`RelayMessage` fields."""
+        """What a first token or a resume changed since the last message, as :class:`RelayMessage` fields."""
         out: dict[str, Any] = {}
         if self.notes:
             out["resumes"], self.notes = tuple(self.notes), []
         if self.moved:
             out["engines"], out["moved"], self.moved = self.moved, True, ()
-        if self.faults:
-            out["faults"], self.faults = tuple(self.faults), []
+        if self.health:
+            out["health"], self.health = tuple(self.health), []
         return out
 
 
@@ -255,7 +255,7 @@ class Relay:
 
     async def run(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         failures: list[str] = []
-        faults: list[EngineFault] = []  # not yet sent to the ingress
+        health: list[HealthEvent] = []  # failed attempts not yet sent to the ingress
         pushed_back: list[float | None] = []  # the Retry-After of each route that answered 429/503
         expired = False
         req = placed.request
@@ -281,9 +281,9 @@ class Relay:
                 async for msg in work(placed, at, headers, span):
                     if msg.error is not None:
                         failed = msg.error.code
-                    if faults and (msg.data or msg.first_token or msg.final):
-                        msg = replace(msg, faults=(*faults, *msg.faults))
-                        faults.clear()
+                    if health and (msg.data or msg.first_token or msg.final):
+                        msg = replace(msg, health=(*health, *msg.health))
+                        health.clear()
                     yield msg
                 return
             except EngineFailure as exc:
@@ -291,16 +291,16 @@ class Relay:
                 if exc.client_error:  # the engine blames the request: no other engine will differ
                     why = exc.upstream_message or exc.message
                     rejected = InvalidRequest(f"The engine rejected the request: {why}", param=exc.param)
-                    yield RelayMessage(error=rejected.info(), final=True, faults=tuple(faults))
+                    yield RelayMessage(error=rejected.info(), final=True, health=tuple(health))
                     return
-                faults.append(fault_of(exc, at.route))
+                health.append(fault_of(exc, at.route))
                 failures.append(str(exc))
                 excluded.add(at.cursor.engine)
                 if exc.backpressure:
                     pushed_back.append(exc.retry_after_s)
             except BadEngineResponse as exc:
                 failed = str(exc)
-                faults.append(fault_of(exc, at.route))
+                health.append(fault_of(exc, at.route))
                 failures.append(str(exc))
                 excluded.add(at.cursor.engine)
             except _DeadlinePassed:
@@ -308,7 +308,7 @@ class Relay:
                 expired = True
                 limit = placed.first_token_s
                 if at.meter.first is None and limit is not None and self.clock() - at.meter.start >= limit:
-                    faults.append(EngineFault(at.cursor.engine, "timeout", "no first token before the deadline"))
+                    health.append(EngineFault(at.cursor.engine, "timeout", "no first token before the deadline"))
                 break
             finally:
                 end_span(span, failed, **{"narwhal.output_tokens": at.meter.tokens})
@@ -322,7 +322,7 @@ class Relay:
             err = BadEngineResponse(
                 "no engine produced a usable answer: " + "; ".join(failures or ["no candidate route"])
             ).info()
-        yield RelayMessage(error=err, final=True, stats=None, faults=tuple(faults))
+        yield RelayMessage(error=err, final=True, stats=None, health=tuple(health))
 
     def _attempt_span(self, placed: PlacedRequest, route: RouteChoice, attempt: int) -> "Span | None":
         if self.tracing is None:
@@ -366,8 +366,9 @@ class Relay:
         """``stream``'s batches, checked (:meth:`_checked`); a bad chunk ends the batch."""
         async for batch in self._batches(stream, placed, at):
             good, bad = self._checked(at, batch, self.clock())
-            if at.meter.first is not None:
+            if at.meter.first is not None and at.wait_from is not None:
                 at.wait_from = None
+                at.health.append(EngineWorked(at.route.engines))  # the route produced a first token
             if bad is None or (good and at.meter.first is not None):
                 yield good
             if bad is not None:
@@ -433,7 +434,7 @@ class Relay:
             yield [self._length_end(req, t)]
             return
         at.resumes += 1
-        at.faults.append(fault_of(failure, at.route))
+        at.health.append(fault_of(failure, at.route))
         at.resumed_from.append(failed_on)
         shaper = Reshaper(req, t, body["prompt"])
         at.route, at.cursor.engine = RouteChoice("single", target), target.name
@@ -453,6 +454,7 @@ class Relay:
                     at.wait_from = None
                     at.notes.append((reason, "resumed"))
                     at.moved = at.route.engines
+                    at.health.append(EngineWorked(at.route.engines))
                     at.gaps.append(now - last_token)
                     at.prefills.append(now - opened)
                 if out:
@@ -539,12 +541,12 @@ class Relay:
                 raise
             if isinstance(exc, _DeadlinePassed):
                 err = _deadline_info()
-                faults: tuple[EngineFault, ...] = ()
+                faults: tuple[HealthEvent, ...] = ()
             else:
                 err = exc.info() if isinstance(exc, BadEngineResponse) else BadEngineResponse(str(exc)).info()
                 faults = (fault_of(exc, at.route),)
             news = at.news()
-            news["faults"] = (*news.get("faults", ()), *faults)
+            news["health"] = (*news.get("health", ()), *faults)
             yield RelayMessage(data=b"".join(held) + error_events(err), error=err, final=True, stats=self._stats(at),
                                **news)
             return

@@ -17,7 +17,7 @@ from narwhal_serve.placement.drift import PROFILE_OUTPUT_TOKENS, PROFILE_PROMPT_
 from narwhal_serve.placement.health import may_open
 from narwhal_serve.prediction.decode import TpotModel
 from narwhal_serve.prediction.ttft import PrefillModel
-from narwhal_serve.relay.messages import EngineFault
+from narwhal_serve.relay.messages import EngineWorked, HealthEvent
 from narwhal_serve.scheduler.monitor import Profile, probe_one, profile_one
 
 
@@ -25,12 +25,17 @@ def _out_of_work(engines: dict[str, EngineState], now: float) -> int:
     return sum(1 for x in engines.values() if not x.breaker.takes_work(now) or x.drift.out)
 
 
-def apply_faults(engines: dict[str, EngineState], faults: Iterable[EngineFault], now: float, cfg: NarwhalConfig) -> None:
-    """Count failed attempts against their engines' breakers, and start backpressure windows —
-    never taking more engines out of work (breaker open or pushing back) than the fleet can spare:
+def apply_health(engines: dict[str, EngineState], events: Iterable[HealthEvent], now: float, cfg: NarwhalConfig) -> None:
+    """Feed the engines' breakers in the order things happened: a first token resets an engine's
+    failures; a failed attempt counts against it, or starts a backpressure window — never taking
+    more engines out of work (breaker open or pushing back) than the fleet can spare:
     :func:`~narwhal_serve.placement.health.may_open`."""
-    for f in faults:
-        if (e := engines.get(f.engine)) is not None:
+    for f in events:
+        if isinstance(f, EngineWorked):
+            for name in f.engines:
+                if (e := engines.get(name)) is not None:
+                    e.breaker.on_success()
+        elif (e := engines.get(f.engine)) is not None:
             spare = may_open(_out_of_work(engines, now), len(engines), cfg.monitoring)
             e.breaker.on_fault(f.kind, now, cfg.monitoring, f.retry_after_s, f.why, may_open=spare)
 

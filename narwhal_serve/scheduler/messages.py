@@ -12,7 +12,7 @@ from narwhal_serve.admission.outcomes import Outcome
 from narwhal_serve.admission.retry import Reservation
 from narwhal_serve.errors import ErrorInfo
 from narwhal_serve.protocol.placement import RouteChoice
-from narwhal_serve.relay.messages import EngineFault, RelayStats
+from narwhal_serve.relay.messages import HealthEvent, RelayStats
 from narwhal_serve.tenants.amounts import Amounts
 from narwhal_serve.tenants.messages import TenantFacts, TenantPart
 
@@ -118,13 +118,13 @@ class Report:
     decode_started: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # ticket, engines served
     released: list[tuple[str, RelayStats | None, bool]] = field(default_factory=list)  # (ticket, stats, completed)
     admission_waits: list[float] = field(default_factory=list)
-    faults: list[EngineFault] = field(default_factory=list)  # failed attempts (passive health)
+    health: list[HealthEvent] = field(default_factory=list)  # attempts failed and first tokens, in order (breakers)
     progress: dict[str, int] = field(default_factory=dict)  # ticket → identified output tokens so far
     lease: LeasePart | None = None
 
     def empty(self) -> bool:
         return (self.counters.empty() and not self.decode_started and not self.released
-                and not self.admission_waits and not self.faults and not self.progress and self.lease is None)
+                and not self.admission_waits and not self.health and not self.progress and self.lease is None)
 
     def absorb(self, later: "Report") -> None:
         """Append ``later``'s events to this report (order kept)."""
@@ -137,5 +137,5 @@ class Report:
         self.decode_started.extend(later.decode_started)
         self.released.extend(later.released)
         self.admission_waits.extend(later.admission_waits)
-        self.faults.extend(later.faults)
+        self.health.extend(later.health)
         self.progress.update(later.progress)

@@ -32,7 +32,7 @@ from narwhal_serve.prediction.decode import OutputLengths, remaining_tokens
 from narwhal_serve.relay.messages import RelayStats
 from narwhal_serve.scheduler.ha import RouterHA
 from narwhal_serve.managed.slot import ReplicaReport
-from narwhal_serve.scheduler.health import Profiler, Prober, apply_faults, update_drift
+from narwhal_serve.scheduler.health import Profiler, Prober, apply_health, update_drift
 from narwhal_serve.scheduler.learning import learn_from
 from narwhal_serve.scheduler.leases import LEASE_TTL_S, LeaseLedger
 from narwhal_serve.scheduler.managed import ManagedFleet, initial_engines
@@ -455,11 +455,8 @@ class SchedulerService:
             for rid in part.consumed:
                 self.reservations.pop(rid, None)
             grant_for = (rec, fresh)
-        apply_faults(self.engines, rep.faults, now, self.cfg)
+        apply_health(self.engines, rep.health, now, self.cfg)
         for tid, engines in rep.decode_started:
-            for name in engines:
-                if (e := self.engines.get(name)) is not None:
-                    e.breaker.on_success()
             self.admission.enter_decode(tid)
             t = self._tickets.get(tid)
             if t is not None:

@@ -79,7 +79,8 @@ async def test_an_engine_failing_mid_stream_is_replaced_token_exactly(fleet: Fle
     before = await status(app.url)
     sent = 0
     async with fleet_set(app, tpot_base_s=0.01), engine_set(app, "pair-0", faults=[fault]):
-        for i in range(40):  # until pair-0 served two of them (placement alternates the idle pair; its breaker may rest it)
+        for i in range(40):  # until pair-0 served two (placement alternates the idle pair; each answer's first
+            # token precedes its fault, so pair-0's breaker, 2 in a row, stays closed: README "Engine failures")
             stream = i % 2 == 0
             r, took = await timed_post(app, greedy(stream))
             sent += 1
@@ -92,6 +93,8 @@ async def test_an_engine_failing_mid_stream_is_replaced_token_exactly(fleet: Fle
     snap = await assert_quiescent(app)
     cuts = resumed_since(before, snap)
     assert set(cuts) == {(reason, "resumed")} and cuts[(reason, "resumed")] >= 2, cuts
+    [pair0] = [e for e in snap["engines"] if e["name"] == "pair-0"]  # one failure per answer, none in a row
+    assert pair0["breaker_state"] == "closed" and pair0["consecutive_failures"] == 1, pair0
     d = delta(before, snap)
     assert d["offered"] == sent and d["completed"] == sent, d  # one offered, one terminal outcome each
 

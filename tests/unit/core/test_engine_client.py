@@ -73,6 +73,20 @@ async def test_fine_payloads_pass(payload: bytes) -> None:
     assert await _post(200, payload) == json.loads(payload)
 
 
+@pytest.mark.parametrize("bad", [b"{not json", b'{"error": {"message": "engine died", "code": 500}}'])
+async def test_the_good_chunks_of_a_read_come_before_its_failure(bad: bytes) -> None:
+    """One network read with two tokens and then a broken payload: the tokens are yielded (the
+    relay resumes after them), then the failure is raised."""
+    body = b"".join(b"data: " + p + b"\n\n" for p in (b'{"choices": [{"index": 0, "text": "a", "token_ids": [1]}]}',
+                                                      b'{"choices": [{"index": 0, "text": "b", "token_ids": [2]}]}', bad))
+    got: list[list[dict[str, Any]]] = []
+    async with httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200, stream=httpx.ByteStream(body)))) as c:
+        with pytest.raises(EngineFailure):
+            async for batch in stream_chunks(c, "e", "http://e/v1/completions", {}, {}):
+                got.append(batch)
+    assert [[ch["choices"][0]["token_ids"] for ch in b] for b in got] == [[[1], [2]]]
+
+
 def test_loads_strict_keeps_values() -> None:
     assert loads_strict(b'{"a": "\xf0\x9f\x98\x80", "b": [1, 2.5, null, true]}') == {"a": "\U0001F600", "b": [1, 2.5, None, True]}
 

@@ -16,6 +16,7 @@ from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
 from narwhal_serve.protocol.requests import parse_request
 from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.relay.pipeline import Relay
+from tests.support.relay import faults_of
 
 E1 = EngineConfig(name="e1", url="http://e1")
 E2 = EngineConfig(name="e2", url="http://e2")
@@ -214,9 +215,9 @@ async def test_no_first_token_within_the_limit_fails_over_and_blames_the_engine(
     msgs = await _relay(h, _with(placed(True), first_token_s=0.2), idle_s=60)  # the idle limit alone: 60 s
     assert time.monotonic() - t0 < 5
     assert msgs[-1].error is None and msgs[-1].stats is not None and msgs[-1].stats.engines == ("e2",)
-    faults = [f for m in msgs for f in m.faults]
+    faults = [f for m in msgs for f in faults_of(m)]
     assert [(f.engine, f.kind) for f in faults] == [("e1", "timeout")]
-    assert msgs[0].faults and msgs[0].first_token  # sent with the first message, not at the end
+    assert faults_of(msgs[0]) and msgs[0].first_token  # sent with the first message, not at the end
 
 
 async def test_the_last_route_waits_past_the_first_token_limit_for_its_deadline() -> None:
@@ -224,7 +225,7 @@ async def test_the_last_route_waits_past_the_first_token_limit_for_its_deadline(
     p = PlacedRequest(p.request_id, p.model, p.request, p.candidates[:1], time.time() + 0.6, first_token_s=0.1)
     msgs = await _relay(lambda r: httpx.Response(200, stream=Stalls(sse(ROLE, done=False))), p, idle_s=60)
     assert len(msgs) == 1 and msgs[0].error is not None and msgs[0].error.code == "deadline_expired"
-    assert [(f.engine, f.kind) for f in msgs[0].faults] == [("e1", "timeout")]
+    assert [(f.engine, f.kind) for f in faults_of(msgs[0])] == [("e1", "timeout")]
 
 
 async def test_engine_backpressure_moves_on_and_is_reported_as_such_with_retry_after() -> None:
@@ -235,7 +236,7 @@ async def test_engine_backpressure_moves_on_and_is_reported_as_such_with_retry_a
 
     msgs, seen = await run(h, placed(False))
     assert seen == ["e1", "e2"] and msgs[-1].error is None
-    (f,) = [f for m in msgs for f in m.faults]
+    (f,) = [f for m in msgs for f in faults_of(m)]
     assert (f.engine, f.kind, f.retry_after_s) == ("e1", "backpressure", 3.0)
 
 
@@ -250,7 +251,7 @@ async def test_backpressure_on_every_route_is_a_503_with_the_soonest_retry_after
     err = msgs[-1].error
     assert err is not None and (err.status, err.code, err.retry_after, err.reason) == (
         503, "backend_unavailable", 3, "engine_backpressure")
-    assert [f.kind for f in msgs[-1].faults] == ["backpressure", "backpressure"]
+    assert [f.kind for f in faults_of(msgs[-1])] == ["backpressure", "backpressure"]
 
     def mixed(r: httpx.Request) -> httpx.Response:  # one busy, one broken: a failure, as before
         if r.url.host == "e1":
@@ -273,7 +274,7 @@ async def test_a_failed_prefill_leg_is_blamed_on_the_prefill_engine() -> None:
     p = _with(p, candidates=(RouteChoice(kind="pd", decode=dec, prefill=pre), RouteChoice(kind="single", decode=E2)))
     msgs, seen = await run(h, p)
     assert seen == ["p1", "e2"] and msgs[-1].error is None
-    assert [(f.engine, f.kind) for m in msgs for f in m.faults] == [("p1", "error")]
+    assert [(f.engine, f.kind) for m in msgs for f in faults_of(m)] == [("p1", "error")]
     # silent prefill: the timeout is the prefill engine's too
     stalls = Stalls(b"")
 
@@ -283,17 +284,17 @@ async def test_a_failed_prefill_leg_is_blamed_on_the_prefill_engine() -> None:
         return httpx.Response(200, stream=httpx.ByteStream(GOOD))
 
     msgs = await _relay(h2, _with(p, first_token_s=0.2), idle_s=60)
-    assert msgs[-1].error is None and [(f.engine, f.kind) for m in msgs for f in m.faults] == [("p1", "timeout")]
+    assert msgs[-1].error is None and [(f.engine, f.kind) for m in msgs for f in faults_of(m)] == [("p1", "timeout")]
 
 
 async def test_a_stream_broken_after_headers_reports_its_engine() -> None:
     msgs, _ = await run(lambda r: httpx.Response(200, stream=httpx.ByteStream(sse(ROLE, tok("a", [1]), done=False))),
                         placed(True))
-    assert msgs[-1].error is not None and [(f.engine, f.kind) for f in msgs[-1].faults] == [("e1", "error")]
+    assert msgs[-1].error is not None and [(f.engine, f.kind) for f in faults_of(msgs[-1])] == [("e1", "error")]
     # a client error (400) is the request's fault, not the engine's
     err = {"error": {"message": "bad", "type": "BadRequestError", "param": "x", "code": 400}}
     msgs, _ = await run(lambda r: httpx.Response(400, json=err), placed(True))
-    assert msgs[-1].error is not None and msgs[-1].error.status == 400 and not msgs[-1].faults
+    assert msgs[-1].error is not None and msgs[-1].error.status == 400 and not faults_of(msgs[-1])
 
 
 async def test_the_router_epoch_goes_to_the_engine() -> None:

@@ -16,9 +16,10 @@ import pytest
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
 from narwhal_serve.protocol.requests import parse_request
-from narwhal_serve.relay.messages import RelayMessage
+from narwhal_serve.relay.messages import EngineWorked, RelayMessage
 from narwhal_serve.relay.pipeline import Relay
 from tests.support.sse import parse_sse
+from tests.support.relay import faults_of
 
 E1 = EngineConfig(name="e1", url="http://e1")
 E2 = EngineConfig(name="e2", url="http://e2")
@@ -135,10 +136,30 @@ async def test_a_stream_cut_after_two_tokens_continues_on_the_other_engine_as_ch
     moved = [m for m in msgs if m.moved]
     assert len(moved) == 1 and moved[0].engines == ("e2",)
     assert [r for m in msgs for r in m.resumes] == [("reset", "resumed")]
-    assert [f.engine for m in msgs for f in m.faults] == ["e1"]
+    assert [f.engine for m in msgs for f in faults_of(m)] == ["e1"]
+    # the breakers hear it in order: e1 produced a first token, then failed; e2 took over
+    assert [h.engines if isinstance(h, EngineWorked) else h.engine for m in msgs for h in m.health] == \
+        [("e1",), "e1", ("e2",)]
     stats = msgs[-1].stats
     assert stats is not None and stats.output_tokens == 5 and stats.resumed_from == ("e1",)
     assert stats.engines == ("e2",) and len(stats.resume_gap_s) == 1 and stats.resume_gap_s[0] >= 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_error_event_in_the_same_read_as_the_first_tokens_is_resumed_after_them(stream: bool) -> None:
+    """vLLM's in-stream error event arriving in one network read with the tokens before it: those
+    tokens count (the client gets them, e1 is credited a first token) and the answer is resumed."""
+    err = {"error": {"object": "error", "message": "engine died", "type": "InternalServerError", "code": 500}}
+    eng = Engines(sse(CHAT_ROLE, chat_tok("a", 1), chat_tok("b", 2), err), CONT, broken=False)
+    msgs = await run(eng, placed(stream=stream, return_token_ids=True, temperature=0))
+    assert eng.bodies[-1][2]["prompt"] == [*PROMPT, 1, 2]
+    assert [r for m in msgs for r in m.resumes] == [("engine_error", "resumed")]
+    assert [h.engines if isinstance(h, EngineWorked) else h.engine for m in msgs for h in m.health] == \
+        [("e1",), "e1", ("e2",)]
+    if stream:
+        assert ids_of(events(msgs)) == [1, 2, 3, 4, 5]
+    else:
+        assert json.loads(msgs[-1].data)["choices"][0]["token_ids"] == [1, 2, 3, 4, 5]
 
 
 async def test_a_non_streaming_answer_cut_mid_way_is_assembled_from_both_engines() -> None:
@@ -223,7 +244,7 @@ async def test_a_continuation_that_fails_before_its_first_token_ends_the_stream_
     msgs = await run(eng, placed())
     assert msgs[-1].error is not None and msgs[-1].data.endswith(b"data: [DONE]\n\n")
     assert [r for m in msgs for r in m.resumes] == [("reset", "failed")]
-    assert sorted(f.engine for m in msgs for f in m.faults) == ["e1", "e2"]
+    assert sorted(f.engine for m in msgs for f in faults_of(m)) == ["e1", "e2"]
 
 
 async def test_a_continuation_on_the_wrong_prompt_is_refused_before_anything_is_written() -> None:
@@ -274,7 +295,7 @@ async def test_a_non_streaming_answer_whose_continuation_fails_is_a_502_without_
     assert [h for h, _, _ in eng.bodies] == ["e1", "e2"]  # e2 failed the continuation: not tried again
     assert msgs[-1].error is not None and msgs[-1].error.status == 502
     assert [r for m in msgs for r in m.resumes] == [("reset", "failed")]
-    assert sorted(f.engine for m in msgs for f in m.faults) == ["e1", "e2"]
+    assert sorted(f.engine for m in msgs for f in faults_of(m)) == ["e1", "e2"]
 
 
 async def test_the_continuation_goes_to_the_least_loaded_engine_eligible_now_not_only_to_a_candidate() -> None:

@@ -111,7 +111,7 @@ async def test_failed_attempts_open_a_breaker_a_probe_closes_it() -> None:
 
     svc, clock = service()
     boom = EngineFault("u", "error", "HTTP 500")
-    svc.report(Report(faults=[boom, boom, boom]))  # three in a row (breaker_failures defaults to 3)
+    svc.report(Report(health=[boom, boom, boom]))  # three in a row (breaker_failures defaults to 3)
     u = svc.engines["u"]
     assert u.breaker.state == "open" and not u.eligible(clock.t, 5.0, frozenset())
     a = await svc.admit(req("a"))
@@ -144,19 +144,33 @@ async def test_failed_attempts_open_a_breaker_a_probe_closes_it() -> None:
 
 
 async def test_backpressure_keeps_an_engine_out_briefly_and_a_first_token_resets_failures() -> None:
-    from narwhal_serve.relay.messages import EngineFault
+    from narwhal_serve.relay.messages import EngineFault, EngineWorked
 
     svc, clock = service()
-    svc.report(Report(faults=[EngineFault("u", "backpressure", "HTTP 429", 2.0)]))
+    svc.report(Report(health=[EngineFault("u", "backpressure", "HTTP 429", 2.0)]))
     u = svc.engines["u"]
     assert not u.eligible(clock.t, 5.0, frozenset()) and u.breaker.failures == 0
     clock.t += 2.0
     assert u.eligible(clock.t, 5.0, frozenset())
-    svc.report(Report(faults=[EngineFault("u", "timeout")]))
+    svc.report(Report(health=[EngineFault("u", "timeout")]))
     a = await svc.admit(req("a"))
     assert a.error is None
-    svc.report(Report(decode_started=[("a", ("u",))]))
+    svc.report(Report(decode_started=[("a", ("u",))], health=[EngineWorked(("u",))]))
     assert u.breaker.failures == 0
+
+
+def test_breaker_counts_failures_in_the_order_they_happened() -> None:
+    """One report may carry an answer's first token and its mid-stream fault: a first token between
+    two faults breaks the run of failures, so the breaker (3 in a row) stays closed."""
+    from narwhal_serve.relay.messages import EngineFault, EngineWorked
+
+    svc, _ = service()
+    u = svc.engines["u"]
+    cut, ok = EngineFault("u", "error", "stream reset"), EngineWorked(("u",))
+    svc.report(Report(health=[ok, cut, ok, cut, ok, cut]))
+    assert u.breaker.state == "closed" and u.breaker.failures == 1
+    svc.report(Report(health=[cut, cut]))
+    assert u.breaker.state == "open"
 
 
 async def test_monitoring_degraded_is_detected_and_recovers_by_itself() -> None:
@@ -207,7 +221,7 @@ async def test_failures_never_open_more_breakers_than_the_fleet_can_spare() -> N
     from narwhal_serve.relay.messages import EngineFault
 
     svc, _ = service()
-    svc.report(Report(faults=[EngineFault(n, "error") for n in ("u", "p", "d") for _ in range(3)]))
+    svc.report(Report(health=[EngineFault(n, "error") for n in ("u", "p", "d") for _ in range(3)]))
     states = {n: e.breaker.state for n, e in svc.engines.items()}
     assert states == {"u": "open", "p": "closed", "d": "closed"}  # 3 engines: at most one open
     assert svc.engines["p"].breaker.failures == 3  # counted: it opens as soon as it may
@@ -218,7 +232,7 @@ async def test_backpressure_never_takes_more_of_the_fleet_out_than_it_can_spare(
     from narwhal_serve.relay.messages import EngineFault
 
     svc, clock = service()
-    svc.report(Report(faults=[EngineFault(n, "backpressure", "HTTP 429", 5.0) for n in ("u", "p", "d")]))
+    svc.report(Report(health=[EngineFault(n, "backpressure", "HTTP 429", 5.0) for n in ("u", "p", "d")]))
     out = [n for n, e in svc.engines.items() if not e.breaker.takes_work(clock.t)]
     assert out == ["u"]  # 3 engines: one out at a time; the others keep taking work
 

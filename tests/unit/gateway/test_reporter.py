@@ -38,3 +38,19 @@ async def test_a_failed_send_keeps_the_report() -> None:
     await r.flush()
     assert sum(x.counters.offered for x in calls) == 1
     assert sum(x.counters.outcomes[("invalid_requests", "invalid_request")] for x in calls) == 1
+
+
+async def test_health_events_reach_the_scheduler_in_order() -> None:
+    from narwhal_serve.relay.messages import EngineFault, EngineWorked
+
+    got: list[Report] = []
+
+    async def send(rep: Report) -> None:
+        got.append(rep)
+
+    r = Reporter(send, linger_s=0.01)
+    ok, cut = EngineWorked(("e0",)), EngineFault("e0", "error", "stream reset")
+    r.engine_health((ok,))
+    r.engine_health((cut, EngineWorked(("e1",))))
+    await r.flush()
+    assert [e for x in got for e in x.health] == [ok, cut, EngineWorked(("e1",))]
