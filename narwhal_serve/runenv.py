@@ -26,7 +26,9 @@ the environment of the process that starts Ray: ``scripts/serve_run.py`` (``make
 and the benchmark set it.  Two more answers in the envelope from HAProxy itself: a header value with
 a control character (0x01–0x1f but tab, or 0x7f; uvicorn would answer a plain-text 400) gets a 400
 ``invalid_request``, and ``OPTIONS *`` (Ray's plain-text 404) a 404 ``not_found``; neither is counted
-(they never reach the router).
+(they never reach the router).  So does a head over ``MAX_HEADER_BYTES`` or ``MAX_HEADERS`` (431
+``request_headers_too_large``), for which HAProxy's buffer is raised (``HAPROXY_BUFSIZE``): a head
+that does not fit HAProxy's buffer gets its own HTML 400 (the H1 layer, as for the 408).
 """
 
 from __future__ import annotations
@@ -49,12 +51,15 @@ for a in "$@"; do
   if [ "$take" = 1 ] && [ -f "$a" ]; then
     sed -e 's/^\\([[:space:]]*\\)option splice-request/\\1no option splice-request/' \\
         -e 's/^\\([[:space:]]*\\)option splice-response/\\1no option splice-response/' \\
+        -e '/^global/a\\
+    tune.http.maxhdr 1000' \\
         -e '/^defaults/a\\
     timeout http-request {header_timeout_s}s' \\
         -e '/^frontend http_frontend/a\\
     http-request del-header x-request-timeout-seconds\\
     http-request del-header x-request-disconnect-disabled\\
-    http-after-response set-header connection close if {{ status 408 }}\\
+    http-after-response set-header connection close if {{ status 408 }} || {{ status 431 }}\\
+    http-request return status 431 content-type application/json file {big_headers} if {{ req.hdrs,length gt {max_header_bytes} }} || {{ req.hdr_cnt gt {max_headers} }}\\
     http-request return status 400 content-type application/json file {bad_rid} if {{ req.hdr(x-request-id) -m reg "[\\\\x80-\\\\xff]" }} || {{ hdr_len(x-request-id) gt 128 }}\\
     http-request return status 400 content-type application/json file {bad_header} if {{ req.hdrs -m reg "[\\\\x01-\\\\x08\\\\x0b\\\\x0c\\\\x0e-\\\\x1f\\\\x7f]" }}\\
     http-request return status 404 content-type application/json file {not_found} if {{ method OPTIONS }} {{ url * }}' "$a" > "$a.narwhal"
@@ -70,6 +75,14 @@ exec "$real" "$@"
 
 
 HEADER_TIMEOUT_ENV = "NARWHAL_HTTP_HEADER_TIMEOUT_S"  # default 10 (README, "Run modes")
+# Request headers past these get a 431 in the envelope from HAProxy (README, "Errors"): what HAProxy's
+# default 16 KB buffer let through before (the whole head up to 16 KB less its 1 KB rewrite reserve).
+MAX_HEADER_BYTES = 15360
+MAX_HEADERS = 100
+# HAProxy's buffer, raised from Ray's 16 KB so that a larger head is parsed and answered by the rule
+# above instead of HAProxy's own HTML 400 (2.8's H1 layer answers a head that does not fit before
+# any errorfile applies).  Beyond it, that HTML 400 remains.
+HAPROXY_BUFSIZE = 131072
 
 
 def real_haproxy() -> str | None:
@@ -100,8 +113,14 @@ def haproxy_wrapper(folder: str | None = None) -> str | None:
     not_found = d / "not-found.json"
     not_found.write_text(json.dumps(ErrorInfo(404, "invalid_request_error", "not_found",
                                               "OPTIONS *: there is no such route").body()))
+    big_headers = d / "headers-too-large.json"
+    big_headers.write_text(json.dumps(ErrorInfo(
+        431, "invalid_request_error", "request_headers_too_large",
+        f"request headers over {MAX_HEADER_BYTES} bytes or {MAX_HEADERS} fields").body()))
     path.write_text(_WRAPPER.format(real=real.replace("'", "'\\''"), header_timeout_s=f"{header_timeout:g}",
-                                    bad_rid=str(bad_rid), bad_header=str(bad_header), not_found=str(not_found)))
+                                    bad_rid=str(bad_rid), bad_header=str(bad_header), not_found=str(not_found),
+                                    big_headers=str(big_headers), max_header_bytes=MAX_HEADER_BYTES,
+                                    max_headers=MAX_HEADERS))
     path.chmod(0o755)
     return str(path)
 
@@ -113,4 +132,5 @@ def direct_ingress_env(env: dict[str, str], folder: str | None = None) -> dict[s
         wrapper = haproxy_wrapper(folder)
         if wrapper is not None:
             out["RAY_SERVE_HAPROXY_BINARY_PATH"] = wrapper
+            out.setdefault("RAY_SERVE_HAPROXY_TUNE_BUFSIZE", str(HAPROXY_BUFSIZE))  # (the wrapper's 431 rule)
     return out

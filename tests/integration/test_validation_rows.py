@@ -150,8 +150,19 @@ def _length(out: bytes) -> int:
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Odd: a\x1fb\r\n\r\n", 400, "invalid_request"),
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Odd: a\x7fb\r\n\r\n", 400, "invalid_request"),
     (b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n", 404, "not_found"),
+    # oversized heads (HAProxy's own HTML 400 before the rule): 32 KB in one header, 120 headers,
+    # a 100 KB Authorization
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 32_000 + b"\r\n\r\n", 431, "request_headers_too_large"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(120)) + b"\r\n", 431,
+     "request_headers_too_large"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + b"k" * 100_000
+     + b"\r\nContent-Length: 2\r\n\r\n{}", 431, "request_headers_too_large"),
+    # just under the bounds: through to the router
+    (b"GET /v1/nothing HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 14_000 + b"\r\n\r\n", 404, "not_found"),
+    (b"GET /v1/nothing HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(90)) + b"\r\n", 404,
+     "not_found"),
 ])
-def test_control_characters_and_options_star_answer_in_the_envelope(graph: Graph, raw: bytes, status_code: int,
+def test_control_characters_options_star_and_oversized_heads_answer_in_the_envelope(graph: Graph, raw: bytes, status_code: int,
                                                                      code: str) -> None:
     port = int(graph.url.rsplit(":", 1)[1])
     status, body = _raw(port, raw)
