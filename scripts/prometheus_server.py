@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from narwhal_serve.bench.procs import free_port  # outside the ephemeral range, never handed out twice
 
 DEBIAN_BINARY = "/usr/bin/prometheus"
 POLICY_RC = Path("/usr/sbin/policy-rc.d")
@@ -89,12 +90,6 @@ def install() -> str:
         raise SystemExit("the prometheus package installed, but no prometheus binary was found")
     print(f"prometheus: {found} ({version(found)})")
     return found
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape_config(targets: list[str], job: str, interval: str, metrics_path: str = "/metrics") -> str:

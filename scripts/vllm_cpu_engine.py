@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from narwhal_serve.bench.procs import free_port  # outside the ephemeral range, never handed out twice
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("NARWHAL_CACHE_DIR") or REPO / ".cache")
@@ -137,12 +138,6 @@ def tail(path: Path, lines: int = 60) -> str:
     except OSError as exc:
         return f"(no log at {path}: {exc})"
     return "\n".join(text.splitlines()[-lines:])
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def venv_python() -> Path:
