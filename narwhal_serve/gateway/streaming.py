@@ -49,7 +49,7 @@ def outcome_of(err: ErrorInfo) -> Outcome:
     if err.status == 504:
         return Outcome.EXPIRED  # the deadline passed (before or after headers)
     if err.status == 503:
-        return Outcome.REJECTED  # every engine tried pushed back (relay/pipeline.py backpressure_refusal)
+        return Outcome.REJECTED  # every engine tried pushed back (relay/attempt.py backpressure_refusal)
     if 400 <= err.status < 500:
         return Outcome.INVALID  # the engine rejected the request itself
     return Outcome.FAILED

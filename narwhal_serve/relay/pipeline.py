@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
@@ -22,175 +21,35 @@ import httpx
 
 from narwhal_serve.assembly.exposure import expose
 from narwhal_serve.assembly.fold import Assembler
-from narwhal_serve.assembly.tokens import check_token_ids
-from narwhal_serve.assembly.usage import computed_usage
 from narwhal_serve.config import EngineConfig, ObservabilityConfig, ServingConfig
 from narwhal_serve.engines.client import engine_client, stream_chunks
 from narwhal_serve.engines.errors import EngineFailure
 from narwhal_serve.engines.dialect import PATHS
-from narwhal_serve.engines.legs import LegCursor, dialect_of, open_route, prioritized
-from narwhal_serve.errors import BadEngineResponse, ErrorInfo, InvalidRequest, TerminalExpiry, Unavailable
+from narwhal_serve.engines.legs import dialect_of, open_route, prioritized
+from narwhal_serve.errors import BadEngineResponse, InvalidRequest, TerminalExpiry
 from narwhal_serve.observability import Tracing, end_span
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
-from narwhal_serve.protocol.requests import ParsedRequest, Route
+from narwhal_serve.protocol.requests import ParsedRequest
+from narwhal_serve.relay.attempt import (
+    DONE_EVENT,
+    Attempt,
+    DeadlinePassed,
+    Meter,
+    UsageWatch,
+    backpressure_refusal,
+    cut_reason,
+    deadline_info,
+    error_events,
+    fault_of,
+    sse_event,
+)
 from narwhal_serve.relay.coalesce import coalesce
-from narwhal_serve.relay.messages import EngineFault, EngineWorked, FaultKind, HealthEvent, RelayMessage, RelayStats
+from narwhal_serve.relay.messages import EngineFault, EngineWorked, HealthEvent, RelayMessage, RelayStats
 from narwhal_serve.relay.resume import Reshaper, Transcript, continuation_body, not_resumable
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
-DONE_EVENT = b"data: [DONE]\n\n"
-
-
-def sse_event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
-def error_events(err: ErrorInfo) -> bytes:
-    return sse_event(err.body()) + DONE_EVENT
-
-
-class _DeadlinePassed(Exception):
-    """The request's deadline passed while waiting for the engine."""
-
-
-def fault_of(exc: EngineFailure | BadEngineResponse, route: RouteChoice) -> EngineFault:
-    """What a failed attempt says about its engine's health."""
-    if isinstance(exc, BadEngineResponse):  # bad token IDs and other unusable answers
-        return EngineFault(route.decode.name, "error", str(exc))
-    kind: FaultKind = "backpressure" if exc.backpressure else "timeout" if exc.timed_out else "error"
-    return EngineFault(exc.engine, kind, exc.message, exc.retry_after_s)
-
-
-def _deadline_info() -> ErrorInfo:
-    return TerminalExpiry("terminal expiry: the request deadline passed", code="deadline_expired").info()
-
-
-class _UsageWatch:
-    """Whether a stream carried usage, and what a computed usage chunk needs if it did not."""
-
-    __slots__ = ("seen", "prompt_tokens", "meta")
-
-    def __init__(self, prompt_estimate: int) -> None:
-        self.seen = False
-        self.prompt_tokens = prompt_estimate
-        self.meta: dict[str, Any] = {}
-
-    def observe(self, chunk: dict[str, Any]) -> None:
-        if chunk.get("usage") is not None:
-            self.seen = True
-        for k in ("id", "object", "created", "system_fingerprint"):
-            if k in chunk:
-                self.meta[k] = chunk[k]
-        ids = chunk.get("prompt_token_ids")
-        choices = chunk.get("choices") or ()
-        if ids is None and choices and isinstance(choices[0], dict):
-            ids = choices[0].get("prompt_token_ids")
-        if isinstance(ids, list):
-            self.prompt_tokens = len(ids)
-
-    def chunk(self, model: str, completion_tokens: int) -> dict[str, Any]:
-        return {**self.meta, "model": model, "choices": [],
-                "usage": computed_usage(self.prompt_tokens, completion_tokens)}
-
-
-class _Meter:
-    """Counts validated output tokens and times them (TTFT, decode time)."""
-
-    __slots__ = ("start", "first", "last", "tokens", "check_ids", "route")
-
-    def __init__(self, start: float, check_ids: bool, route: Route) -> None:
-        self.start = start
-        self.first: float | None = None
-        self.last: float | None = None
-        self.tokens = 0
-        self.check_ids = check_ids
-        self.route = route
-
-    def observe(self, chunk: dict[str, Any], now: float) -> None:
-        if self.check_ids:
-            n = check_token_ids(chunk, self.route)
-        else:
-            n = _content_events(chunk)
-        if n:
-            self.tokens += n
-            if self.first is None:
-                self.first = now
-            self.last = now
-
-
-def _content_events(chunk: dict[str, Any]) -> int:
-    n = 0
-    for ch in chunk.get("choices") or ():
-        delta = ch.get("delta", ch)
-        if isinstance(delta, dict) and any(
-            delta.get(k) for k in ("content", "text", "reasoning", "reasoning_content", "refusal", "tool_calls")
-        ):
-            n += 1
-    return n
-
-
-def backpressure_refusal(retry_after_s: list[float | None], failures: list[str]) -> ErrorInfo:
-    """Every route tried answered 429/503: the engines are busy, not broken.  The client gets the
-    seed's retryable capacity answer (503 ``backend_unavailable``, counted ``rejected`` with reason
-    ``engine_backpressure``) and a ``Retry-After`` from the engines' own: the soonest any of them
-    said it would take work (1 s when none said)."""
-    known = [s for s in retry_after_s if s is not None and s > 0]
-    wait = max(1, math.ceil(min(known))) if known else 1
-    return Unavailable("every engine tried is busy (it answered 429/503); retry after the Retry-After: "
-                       + "; ".join(failures), retry_after=wait, reason="engine_backpressure").info()
-
-
-class _Attempt:
-    """One try of one route: its meter, the engine it waits on, its first-token limit, and what a
-    resume after its first token moved (sent to the ingress with the next message)."""
-
-    __slots__ = ("route", "attempt", "meter", "first_limit", "wait_from", "cursor", "transcript", "excluded",
-                 "resumes", "notes", "moved", "health", "resumed_from", "gaps", "prefills", "turnarounds",
-                 "cut_at")
-
-    def __init__(self, route: RouteChoice, attempt: int, meter: _Meter, first_limit: float | None,
-                 req: ParsedRequest, excluded: set[str]) -> None:
-        self.route = route
-        self.attempt = attempt
-        self.meter = meter
-        self.first_limit = first_limit
-        self.wait_from: float | None = meter.start  # waiting for a first token since (None: not waiting)
-        self.cursor = LegCursor(route)
-        self.transcript = Transcript(req)
-        self.excluded = excluded  # engines that failed this request
-        self.resumes = 0
-        self.notes: list[tuple[str, str]] = []  # (reason, outcome) of resumes, not yet sent
-        self.moved: tuple[str, ...] = ()  # the route a resume moved the request to, not yet sent
-        self.health: list[HealthEvent] = []  # first tokens, and mid-stream failures that were resumed, not yet sent
-        self.resumed_from: list[str] = []
-        self.gaps: list[float] = []  # last token before each cut → first token after it
-        self.prefills: list[float] = []  # each continuation's request → its first token
-        self.turnarounds: list[float] = []  # each failure noticed → its continuation's request
-        self.cut_at = 0.0  # when the last failure was noticed
-
-    def news(self) -> dict[str, Any]:
-        """What a first token or a resume changed since the last message, as :class:`RelayMessage` fields."""
-        out: dict[str, Any] = {}
-        if self.notes:
-            out["resumes"], self.notes = tuple(self.notes), []
-        if self.moved:
-            out["engines"], out["moved"], self.moved = self.moved, True, ()
-        if self.health:
-            out["health"], self.health = tuple(self.health), []
-        return out
-
-
-def _reason(exc: Exception) -> str:
-    """What cut a stream, for narwhal_resumes_total{reason}."""
-    if isinstance(exc, BadEngineResponse):
-        return "bad_response"
-    if isinstance(exc, EngineFailure):
-        if exc.timed_out:
-            return "stall"
-        return "engine_error" if exc.status is not None else "reset"
-    return "engine_error"
 
 
 class Relay:
@@ -228,7 +87,7 @@ class Relay:
         self.tracing = tracing if tracing is not None and tracing.on else None
 
     async def _batches(
-        self, stream: AsyncIterator[list[dict[str, Any]]], placed: PlacedRequest, at: _Attempt
+        self, stream: AsyncIterator[list[dict[str, Any]]], placed: PlacedRequest, at: Attempt
     ) -> AsyncIterator[list[dict[str, Any]]]:
         """``stream``'s batches, each awaited within the idle timeout, the first-token limit (until
         the first token) and the deadline."""
@@ -249,7 +108,7 @@ class Relay:
             except TimeoutError:
                 # (the loop's timer may fire a hair before the wall clock reaches the deadline)
                 if by_deadline or self.clock() >= placed.deadline:
-                    raise _DeadlinePassed() from None
+                    raise DeadlinePassed() from None
                 raise EngineFailure(at.cursor.engine, why, timed_out=True) from None
             yield batch
 
@@ -269,8 +128,8 @@ class Relay:
                 break
             if excluded.intersection(route.engines):
                 continue  # an engine of this route failed this request already (a continuation's)
-            at = _Attempt(
-                route, attempt, _Meter(self.clock(), dialect_of(route.decode).supports_token_ids, req.route),
+            at = Attempt(
+                route, attempt, Meter(self.clock(), dialect_of(route.decode).supports_token_ids, req.route),
                 placed.first_token_s if attempt < last else None,  # the last route waits to the deadline
                 req, excluded,
             )
@@ -303,7 +162,7 @@ class Relay:
                 health.append(fault_of(exc, at.route))
                 failures.append(str(exc))
                 excluded.add(at.cursor.engine)
-            except _DeadlinePassed:
+            except DeadlinePassed:
                 failed = "deadline_expired"
                 expired = True
                 limit = placed.first_token_s
@@ -332,7 +191,7 @@ class Relay:
             "narwhal.route_kind": route.kind, "narwhal.engines": route.engines,
         })
 
-    def _stats(self, at: _Attempt) -> RelayStats:
+    def _stats(self, at: Attempt) -> RelayStats:
         meter = at.meter
         ttft = None if meter.first is None else meter.first - meter.start
         decode = 0.0 if meter.first is None or meter.last is None else meter.last - meter.first
@@ -341,7 +200,7 @@ class Relay:
 
     @staticmethod
     def _checked(
-        at: _Attempt, batch: list[dict[str, Any]], now: float,
+        at: Attempt, batch: list[dict[str, Any]], now: float,
         shape: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
     ) -> tuple[list[dict[str, Any]], BadEngineResponse | None]:
         """The batch's chunks as the client will get them (``shape``d; None drops one), each one's
@@ -361,7 +220,7 @@ class Relay:
         return good, None
 
     async def _validated(
-        self, stream: AsyncIterator[list[dict[str, Any]]], placed: PlacedRequest, at: _Attempt
+        self, stream: AsyncIterator[list[dict[str, Any]]], placed: PlacedRequest, at: Attempt
     ) -> AsyncIterator[list[dict[str, Any]]]:
         """``stream``'s batches, checked (:meth:`_checked`); a bad chunk ends the batch."""
         async for batch in self._batches(stream, placed, at):
@@ -375,7 +234,7 @@ class Relay:
                 raise bad
 
     async def _chunks(
-        self, placed: PlacedRequest, at: _Attempt, headers: dict[str, str], span: "Span | None"
+        self, placed: PlacedRequest, at: Attempt, headers: dict[str, str], span: "Span | None"
     ) -> AsyncGenerator[list[dict[str, Any]], None]:
         """The answer's checked chunk batches in the client's route: the route's stream, then,
         when it fails after the first token, continuations on other engines (README, "Engine
@@ -409,12 +268,12 @@ class Relay:
             failure = nxt
 
     async def _resume(
-        self, placed: PlacedRequest, at: _Attempt, headers: dict[str, str], failure: EngineFailure | BadEngineResponse
+        self, placed: PlacedRequest, at: Attempt, headers: dict[str, str], failure: EngineFailure | BadEngineResponse
     ) -> AsyncGenerator[Any, None]:
         """One cut: its continuation's batches; a failed continuation is yielded as its exception
         (the next cut); a cut that cannot be resumed raises ``failure``."""
         req, t = placed.request, at.transcript
-        reason = _reason(failure)
+        reason = cut_reason(failure)
         failed_on = at.cursor.engine
         at.excluded.add(failed_on)
         if t.finish_reason is not None:  # cut after the last token: only the end was lost
@@ -475,7 +334,7 @@ class Relay:
         finally:
             await stream.aclose()
 
-    def _target(self, placed: PlacedRequest, at: _Attempt) -> EngineConfig | None:
+    def _target(self, placed: PlacedRequest, at: Attempt) -> EngineConfig | None:
         """Where to continue: the least loaded engine eligible now (an engine of the fleet that was
         no candidate at admission, or busy then, may be the best now), else a candidate route's."""
         for pool in (self.live_targets() if self.live_targets is not None else [],
@@ -485,7 +344,7 @@ class Relay:
                     return e
         return None
 
-    def _refusal(self, placed: PlacedRequest, at: _Attempt) -> str | None:
+    def _refusal(self, placed: PlacedRequest, at: Attempt) -> str | None:
         """Why this cut is not resumed (an outcome label), or None."""
         req, t = placed.request, at.transcript
         if at.resumes >= self.max_resumes:
@@ -509,13 +368,13 @@ class Relay:
         return {**t.meta, "model": None, "choices": [choice]}
 
     async def _stream(
-        self, placed: PlacedRequest, at: _Attempt, headers: dict[str, str], span: "Span | None"
+        self, placed: PlacedRequest, at: Attempt, headers: dict[str, str], span: "Span | None"
     ) -> AsyncIterator[RelayMessage]:
         req = placed.request
         meter = at.meter
         committed = False
         held: list[bytes] = []  # chunks before the first generated token (e.g. the role chunk)
-        usage = _UsageWatch(req.prompt_tokens)
+        usage = UsageWatch(req.prompt_tokens)
         chunks = self._chunks(placed, at, headers, span)
         try:
             async for batch in chunks:
@@ -536,11 +395,11 @@ class Relay:
                     yield RelayMessage(data=b"".join(held), first_token=first, tokens=meter.tokens,
                                        **{"engines": at.route.engines, **at.news()})
                     held = []
-        except (EngineFailure, BadEngineResponse, _DeadlinePassed) as exc:
+        except (EngineFailure, BadEngineResponse, DeadlinePassed) as exc:
             if not committed:
                 raise
-            if isinstance(exc, _DeadlinePassed):
-                err = _deadline_info()
+            if isinstance(exc, DeadlinePassed):
+                err = deadline_info()
                 faults: tuple[HealthEvent, ...] = ()
             else:
                 err = exc.info() if isinstance(exc, BadEngineResponse) else BadEngineResponse(str(exc)).info()
@@ -563,7 +422,7 @@ class Relay:
         )
 
     async def _assemble(
-        self, placed: PlacedRequest, at: _Attempt, headers: dict[str, str], span: "Span | None"
+        self, placed: PlacedRequest, at: Attempt, headers: dict[str, str], span: "Span | None"
     ) -> AsyncIterator[RelayMessage]:
         req = placed.request
         meter = at.meter

@@ -1,0 +1,172 @@
+"""One attempt at one route, and what the relay writes: the per-attempt state (its meter of token
+IDs and timing, the transcript a resume continues from, what a first token or a resume changed since
+the last message), the usage watch, and the SSE and error events (``relay/pipeline.py`` drives them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from narwhal_serve.assembly.tokens import check_token_ids
+from narwhal_serve.assembly.usage import computed_usage
+from narwhal_serve.engines.errors import EngineFailure
+from narwhal_serve.engines.legs import LegCursor
+from narwhal_serve.errors import BadEngineResponse, ErrorInfo, TerminalExpiry, Unavailable
+from narwhal_serve.protocol.placement import RouteChoice
+from narwhal_serve.protocol.requests import ParsedRequest, Route
+from narwhal_serve.relay.messages import EngineFault, FaultKind, HealthEvent
+from narwhal_serve.relay.resume import Transcript
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def sse_event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def error_events(err: ErrorInfo) -> bytes:
+    return sse_event(err.body()) + DONE_EVENT
+
+
+class DeadlinePassed(Exception):
+    """The request's deadline passed while waiting for the engine."""
+
+
+def fault_of(exc: EngineFailure | BadEngineResponse, route: RouteChoice) -> EngineFault:
+    """What a failed attempt says about its engine's health."""
+    if isinstance(exc, BadEngineResponse):  # bad token IDs and other unusable answers
+        return EngineFault(route.decode.name, "error", str(exc))
+    kind: FaultKind = "backpressure" if exc.backpressure else "timeout" if exc.timed_out else "error"
+    return EngineFault(exc.engine, kind, exc.message, exc.retry_after_s)
+
+
+def deadline_info() -> ErrorInfo:
+    return TerminalExpiry("terminal expiry: the request deadline passed", code="deadline_expired").info()
+
+
+class UsageWatch:
+    """Whether a stream carried usage, and what a computed usage chunk needs if it did not."""
+
+    __slots__ = ("seen", "prompt_tokens", "meta")
+
+    def __init__(self, prompt_estimate: int) -> None:
+        self.seen = False
+        self.prompt_tokens = prompt_estimate
+        self.meta: dict[str, Any] = {}
+
+    def observe(self, chunk: dict[str, Any]) -> None:
+        if chunk.get("usage") is not None:
+            self.seen = True
+        for k in ("id", "object", "created", "system_fingerprint"):
+            if k in chunk:
+                self.meta[k] = chunk[k]
+        ids = chunk.get("prompt_token_ids")
+        choices = chunk.get("choices") or ()
+        if ids is None and choices and isinstance(choices[0], dict):
+            ids = choices[0].get("prompt_token_ids")
+        if isinstance(ids, list):
+            self.prompt_tokens = len(ids)
+
+    def chunk(self, model: str, completion_tokens: int) -> dict[str, Any]:
+        return {**self.meta, "model": model, "choices": [],
+                "usage": computed_usage(self.prompt_tokens, completion_tokens)}
+
+
+class Meter:
+    """Counts validated output tokens and times them (TTFT, decode time)."""
+
+    __slots__ = ("start", "first", "last", "tokens", "check_ids", "route")
+
+    def __init__(self, start: float, check_ids: bool, route: Route) -> None:
+        self.start = start
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+        self.check_ids = check_ids
+        self.route = route
+
+    def observe(self, chunk: dict[str, Any], now: float) -> None:
+        if self.check_ids:
+            n = check_token_ids(chunk, self.route)
+        else:
+            n = content_events(chunk)
+        if n:
+            self.tokens += n
+            if self.first is None:
+                self.first = now
+            self.last = now
+
+
+def content_events(chunk: dict[str, Any]) -> int:
+    n = 0
+    for ch in chunk.get("choices") or ():
+        delta = ch.get("delta", ch)
+        if isinstance(delta, dict) and any(
+            delta.get(k) for k in ("content", "text", "reasoning", "reasoning_content", "refusal", "tool_calls")
+        ):
+            n += 1
+    return n
+
+
+def backpressure_refusal(retry_after_s: list[float | None], failures: list[str]) -> ErrorInfo:
+    """Every route tried answered 429/503: the engines are busy, not broken.  The client gets the
+    seed's retryable capacity answer (503 ``backend_unavailable``, counted ``rejected`` with reason
+    ``engine_backpressure``) and a ``Retry-After`` from the engines' own: the soonest any of them
+    said it would take work (1 s when none said)."""
+    known = [s for s in retry_after_s if s is not None and s > 0]
+    wait = max(1, math.ceil(min(known))) if known else 1
+    return Unavailable("every engine tried is busy (it answered 429/503); retry after the Retry-After: "
+                       + "; ".join(failures), retry_after=wait, reason="engine_backpressure").info()
+
+
+class Attempt:
+    """One try of one route: its meter, the engine it waits on, its first-token limit, and what a
+    resume after its first token moved (sent to the ingress with the next message)."""
+
+    __slots__ = ("route", "attempt", "meter", "first_limit", "wait_from", "cursor", "transcript", "excluded",
+                 "resumes", "notes", "moved", "health", "resumed_from", "gaps", "prefills", "turnarounds",
+                 "cut_at")
+
+    def __init__(self, route: RouteChoice, attempt: int, meter: Meter, first_limit: float | None,
+                 req: ParsedRequest, excluded: set[str]) -> None:
+        self.route = route
+        self.attempt = attempt
+        self.meter = meter
+        self.first_limit = first_limit
+        self.wait_from: float | None = meter.start  # waiting for a first token since (None: not waiting)
+        self.cursor = LegCursor(route)
+        self.transcript = Transcript(req)
+        self.excluded = excluded  # engines that failed this request
+        self.resumes = 0
+        self.notes: list[tuple[str, str]] = []  # (reason, outcome) of resumes, not yet sent
+        self.moved: tuple[str, ...] = ()  # the route a resume moved the request to, not yet sent
+        self.health: list[HealthEvent] = []  # first tokens, and mid-stream failures that were resumed, not yet sent
+        self.resumed_from: list[str] = []
+        self.gaps: list[float] = []  # last token before each cut → first token after it
+        self.prefills: list[float] = []  # each continuation's request → its first token
+        self.turnarounds: list[float] = []  # each failure noticed → its continuation's request
+        self.cut_at = 0.0  # when the last failure was noticed
+
+    def news(self) -> dict[str, Any]:
+        """What a first token or a resume changed since the last message, as :class:`RelayMessage` fields."""
+        out: dict[str, Any] = {}
+        if self.notes:
+            out["resumes"], self.notes = tuple(self.notes), []
+        if self.moved:
+            out["engines"], out["moved"], self.moved = self.moved, True, ()
+        if self.health:
+            out["health"], self.health = tuple(self.health), []
+        return out
+
+
+def cut_reason(exc: Exception) -> str:
+    """What cut a stream, for narwhal_resumes_total{reason}."""
+    if isinstance(exc, BadEngineResponse):
+        return "bad_response"
+    if isinstance(exc, EngineFailure):
+        if exc.timed_out:
+            return "stall"
+        return "engine_error" if exc.status is not None else "reset"
+    return "engine_error"
