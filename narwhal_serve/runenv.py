@@ -26,7 +26,10 @@ the environment of the process that starts Ray: ``scripts/serve_run.py`` (``make
 and the benchmark set it.  Two more answers in the envelope from HAProxy itself: a header value with
 a control character (0x01–0x1f but tab, or 0x7f; uvicorn would answer a plain-text 400) gets a 400
 ``invalid_request``, and ``OPTIONS *`` (Ray's plain-text 404) a 404 ``not_found``; neither is counted
-(they never reach the router).  So does a head over ``MAX_HEADER_BYTES`` or ``MAX_HEADERS`` (431
+(they never reach the router).  So do a header name that is not a token, a NUL in a header
+value and a request target with a character RFC 3986 forbids: HAProxy's parser is relaxed
+(``option accept-invalid-http-request``) so that the rules, not the parser's HTML 400, refuse them.
+So does a head over ``MAX_HEADER_BYTES`` or ``MAX_HEADERS`` (431
 ``request_headers_too_large``), for which HAProxy's buffer is raised (``HAPROXY_BUFSIZE``): a head
 that does not fit HAProxy's buffer gets its own HTML 400 (the H1 layer, as for the 408).
 """
@@ -61,7 +64,10 @@ for a in "$@"; do
     http-after-response set-header connection close if {{ status 408 }} || {{ status 431 }}\\
     http-request return status 431 content-type application/json file {big_headers} if {{ req.hdrs,length gt {max_header_bytes} }} || {{ req.hdr_cnt gt {max_headers} }}\\
     http-request return status 400 content-type application/json file {bad_rid} if {{ req.hdr(x-request-id) -m reg "[\\\\x80-\\\\xff]" }} || {{ hdr_len(x-request-id) gt 128 }}\\
-    http-request return status 400 content-type application/json file {bad_header} if {{ req.hdrs -m reg "[\\\\x01-\\\\x08\\\\x0b\\\\x0c\\\\x0e-\\\\x1f\\\\x7f]" }}\\
+    option accept-invalid-http-request\\
+    http-request return status 400 content-type application/json file {bad_target} if {{ url -m reg "[^]A-Za-z0-9._~:/?[@!\\\\x24&\\\\x27()*+,;=%-]" }}\\
+    http-request return status 400 content-type application/json file {bad_name} if {{ req.hdr_names(:) -m reg "[^]A-Za-z0-9!#\\\\x24%&\\\\x27*+.^_`|~:-]" }}\\
+    http-request return status 400 content-type application/json file {bad_header} if {{ req.hdrs -m reg "[^\\\\x01-\\\\xff]" }} || {{ req.hdrs -m reg "[\\\\x01-\\\\x08\\\\x0b\\\\x0c\\\\x0e-\\\\x1f\\\\x7f]" }}\\
     http-request return status 404 content-type application/json file {not_found} if {{ method OPTIONS }} {{ url * }}' "$a" > "$a.narwhal"
     a="$a.narwhal"
   fi
@@ -109,16 +115,23 @@ def haproxy_wrapper(folder: str | None = None) -> str | None:
         "header X-Request-Id must be 1-128 printable ASCII characters", param="x-request-id").info().body()))
     bad_header = d / "bad-header.json"
     bad_header.write_text(json.dumps(InvalidRequest(
-        "a request header holds a control character (bytes 0x01-0x1f other than tab, or 0x7f)").info().body()))
+        "a request header holds a control character (bytes 0x00-0x1f other than tab, or 0x7f)").info().body()))
     not_found = d / "not-found.json"
     not_found.write_text(json.dumps(ErrorInfo(404, "invalid_request_error", "not_found",
                                               "OPTIONS *: there is no such route").body()))
+    bad_target = d / "bad-target.json"
+    bad_target.write_text(json.dumps(InvalidRequest(
+        "the request target holds a character a URI may not (RFC 3986): percent-encode it").info().body()))
+    bad_name = d / "bad-header-name.json"
+    bad_name.write_text(json.dumps(InvalidRequest(
+        "a request header name holds a character a header name may not (RFC 9110 token)").info().body()))
     big_headers = d / "headers-too-large.json"
     big_headers.write_text(json.dumps(ErrorInfo(
         431, "invalid_request_error", "request_headers_too_large",
         f"request headers over {MAX_HEADER_BYTES} bytes or {MAX_HEADERS} fields").body()))
     path.write_text(_WRAPPER.format(real=real.replace("'", "'\\''"), header_timeout_s=f"{header_timeout:g}",
                                     bad_rid=str(bad_rid), bad_header=str(bad_header), not_found=str(not_found),
+                                    bad_target=str(bad_target), bad_name=str(bad_name),
                                     big_headers=str(big_headers), max_header_bytes=MAX_HEADER_BYTES,
                                     max_headers=MAX_HEADERS))
     path.chmod(0o755)

@@ -150,6 +150,18 @@ def _length(out: bytes) -> int:
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Odd: a\x1fb\r\n\r\n", 400, "invalid_request"),
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Odd: a\x7fb\r\n\r\n", 400, "invalid_request"),
     (b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n", 404, "not_found"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Odd: a\x00b\r\n\r\n", 400, "invalid_request"),
+    # header names and request targets HAProxy's strict parser answered with its own HTML 400
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX Odd: ab\r\n\r\n", 400, "invalid_request"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX(Odd): ab\r\n\r\n", 400, "invalid_request"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX,Odd: ab\r\n\r\n", 400, "invalid_request"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-\xc3\xa9: ab\r\n\r\n", 400, "invalid_request"),
+    (b"GET /v1/mod\xc3\xa9ls HTTP/1.1\r\nHost: x\r\n\r\n", 400, "invalid_request"),
+    (b'GET /v1/"models" HTTP/1.1\r\nHost: x\r\n\r\n', 400, "invalid_request"),
+    (b"GET /v1/models#frag HTTP/1.1\r\nHost: x\r\n\r\n", 400, "invalid_request"),
+    (b"GET /v1/{models} HTTP/1.1\r\nHost: x\r\n\r\n", 400, "invalid_request"),
+    # ... and what stays valid: every token character in a name, every RFC 3986 character in a target
+    (b"GET /v1/nothing?a=%20[b]@!$'()*+,;=:/?~._- HTTP/1.1\r\nHost: x\r\nX-$'`|~^!#%&*+._: v\r\n\r\n", 404, "not_found"),
     # oversized heads (HAProxy's own HTML 400 before the rule): 32 KB in one header, 120 headers,
     # a 100 KB Authorization
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 32_000 + b"\r\n\r\n", 431, "request_headers_too_large"),
@@ -162,7 +174,7 @@ def _length(out: bytes) -> int:
     (b"GET /v1/nothing HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(90)) + b"\r\n", 404,
      "not_found"),
 ])
-def test_control_characters_options_star_and_oversized_heads_answer_in_the_envelope(graph: Graph, raw: bytes, status_code: int,
+def test_malformed_and_oversized_heads_answer_in_the_envelope(graph: Graph, raw: bytes, status_code: int,
                                                                      code: str) -> None:
     port = int(graph.url.rsplit(":", 1)[1])
     status, body = _raw(port, raw)
