@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import sys
 import tempfile
 from dataclasses import asdict
@@ -38,16 +37,10 @@ from narwhal_serve.managed.command import (
 from narwhal_serve.managed.process import EngineProcess
 from narwhal_serve.managed.slot import HEARTBEAT_S, ReplicaReport
 from narwhal_serve.managed.spec import LaunchSpec
+from narwhal_serve.ports import free_port
 
 SCHEDULER = "Scheduler"  # the scheduler's deployment name (build_app)
 log = logging.getLogger("ray.serve")
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _bundle_probe() -> tuple[str, list[str]]:
@@ -92,11 +85,11 @@ class ManagedEngine:
         node_ip = ray.util.get_node_ip_address()
         gpus = await _accelerators(spec, node_id, self.cfg.name)
         host = spec.host or node_ip
-        port = _free_port(host)
+        port = free_port(host)
         self.url = f"http://{url_host(host, node_ip)}:{port}"
         kv_bind = kv_reach = None
         if kv_events_wanted(spec):
-            kv_bind, kv_reach = kv_event_endpoints(host, node_ip, (_free_port(host), _free_port(host)))
+            kv_bind, kv_reach = kv_event_endpoints(host, node_ip, (free_port(host), free_port(host)))
         argv = engine_argv(spec, name=self.cfg.name, model=model, role=self.cfg.role, dialect=self.cfg.dialect,
                            host=host, port=port, python=spec.interpreter(sys.executable), kv_events=kv_bind,
                            priority=self.cfg.priority_scheduling)

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from narwhal_serve.bench.procs import free_port  # outside the ephemeral range, never handed out twice
+from narwhal_serve.ports import free_port  # outside the ephemeral range, never handed out twice
 
 DEBIAN_BINARY = "/usr/bin/prometheus"
 POLICY_RC = Path("/usr/sbin/policy-rc.d")

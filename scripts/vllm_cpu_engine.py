@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from narwhal_serve.bench.procs import free_port  # outside the ephemeral range, never handed out twice
+from narwhal_serve.ports import free_port  # outside the ephemeral range, never handed out twice
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("NARWHAL_CACHE_DIR") or REPO / ".cache")

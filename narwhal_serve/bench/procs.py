@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,82 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from narwhal_serve.ports import free_port, free_port_run
+
+__all__ = ["free_port", "free_port_run"]  # (from narwhal_serve.ports: the bench modules use them as procs.free_port)
+
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-_HANDED_OUT: set[int] = set()
-_RANGE = (20000, 32000)  # below Linux's ephemeral ports (32768-60999), above Ray's worker ports (10002-19999)
-
-
-def _ephemeral() -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now, outside the kernel's ephemeral range, and never handed out
-    before by this process.
-
-    Outside the ephemeral range: a server (vLLM, Serve's proxy) binds its port seconds after it
-    is chosen, and meanwhile Ray and the engines open connections and listeners on ephemeral
-    ports, one of which can take a port that ``bind(0)`` had just reported free (seen in CI:
-    Serve's proxy "Failed to bind"). Never handed out: two servers started back to back must not
-    be told the same port. Falls back to ``bind(0)`` if the range has nothing free.
-    """
-    lo, hi = _RANGE
-    elo, ehi = _ephemeral()
-    if not (hi <= elo or lo > ehi):  # the ephemeral range overlaps ours: take what is below it
-        hi = min(hi, elo)
-    if hi - lo > 100:
-        start = int.from_bytes(os.urandom(4), "big") % (hi - lo)
-        for i in range(hi - lo):
-            port = lo + (start + i) % (hi - lo)
-            if port not in _HANDED_OUT and _bindable(host, port):
-                _HANDED_OUT.add(port)
-                return port
-    for _ in range(1000):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise OSError(f"no free port on {host} that this process has not handed out already")
-
-
-def free_port_run(n: int, start: int = 20000, stop: int = 60000) -> int:
-    """The first port p such that p..p+n-1 are all free on 127.0.0.1 and not handed out by
-    :func:`free_port` (a simulated fleet's ports); they count as handed out from then on."""
-    p = start
-    while p + n < stop:
-        socks: list[socket.socket] = []
-        try:
-            if _HANDED_OUT.intersection(range(p, p + n)):
-                raise OSError("handed out")
-            for i in range(n):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("127.0.0.1", p + i))
-            _HANDED_OUT.update(range(p, p + n))
-            return p
-        except OSError:
-            p += n
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port run")
 
 
 def _proc_stat(pid: int) -> tuple[int, float, str] | None:

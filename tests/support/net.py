@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from narwhal_serve.bench.procs import free_port, free_port_run
+from narwhal_serve.ports import free_port, free_port_run
 
 __all__ = ["free_port", "free_port_run"]

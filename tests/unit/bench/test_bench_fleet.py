@@ -81,7 +81,9 @@ def test_tree_cpu_of_this_process() -> None:
 def test_free_ports_avoid_the_ephemeral_range_and_never_repeat() -> None:
     import socket
 
-    lo, _ = procs._ephemeral()
+    from narwhal_serve import ports as net
+
+    lo, _ = net._ephemeral()
     ports = [procs.free_port() for _ in range(50)]
     assert len(set(ports)) == 50 and all(p < lo for p in ports)  # nothing another process's bind(0) takes
     for p in ports[:5]:  # and free when handed out
@@ -90,6 +92,13 @@ def test_free_ports_avoid_the_ephemeral_range_and_never_repeat() -> None:
     run = procs.free_port_run(3, start=ports[0] - 1)  # a run never overlaps a port handed out
     assert ports[0] not in range(run, run + 3)
     assert procs.free_port_run(3, start=run) != run and procs.free_port() not in range(run, run + 3)
+    try:  # a managed engine's host may be IPv6 (where this machine has it)
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s6:
+            s6.bind(("::1", 0))
+    except OSError:
+        return
+    v6 = net.free_port("::1")
+    assert v6 < lo and v6 not in ports
 
 
 def test_table_and_plot(tmp_path: Path) -> None:
