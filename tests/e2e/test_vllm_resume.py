@@ -183,4 +183,18 @@ async def test_an_engine_killed_mid_answer_is_replaced_token_exactly(resume_app:
     line = f"resume: streaming clients' wait from the kill to their next token: {', '.join(f'{1000 * w:.0f}' for w in waits)} ms"
     print(line)
     REPORT.setdefault("extra", []).append(line)
+    # ... and the client's longest pause from the last read before the kill on (the victim's tokens
+    # still in flight come first: the pause is the cut's), beside the victim's own intervals before it
+    spans, usual = [], []
+    for times in arrivals.values():
+        reads = sorted(set(times))  # one time per read
+        before_kill = [t for t in reads if t <= killed_at]
+        usual += [b - a for a, b in zip(before_kill[1:], before_kill[2:])]  # (from the second read: the first may be the role)
+        around = reads[len(before_kill) - 1:]
+        spans.append(max(b - a for a, b in zip(around, around[1:])))
+    usual.sort()
+    line = (f"resume: streaming clients' pause at the cut {', '.join(f'{1000 * x:.0f}' for x in spans)} ms; "
+            f"the victim's intervals before it p50 {1000 * usual[len(usual) // 2]:.0f} ms, max {1000 * usual[-1]:.0f} ms")
+    print(line)
+    REPORT.setdefault("extra", []).append(line)
     assert router <= 0.05, router  # the router's turn-around at a cut: within 50 ms
