@@ -95,6 +95,9 @@ async def test_engine_fault_before_the_first_token_fails_over(fleet: Fleet, faul
 
 async def test_engine_5xx_opens_its_breaker_no_placements_while_open_probe_closes_it(fleet: Fleet) -> None:
     app = fleet.pair
+    # from a clean slate: a failure counted by an earlier test would open the breaker at the first 5xx
+    await until_tried(app, "pair-0", mixed, least=1, tag="clean")
+    await wait_engine(app, "pair-0", lambda e: e["consecutive_failures"] == 0, "a good answer reset its failures")
     async with engine_set(app, "pair-0", faults=["error_500"]):
         await until_tried(app, "pair-0", mixed, least=2, tries=2, tag="5xx")
         view = await wait_engine(app, "pair-0", lambda e: e["breaker"] == "open", "breaker open", timeout=10)
