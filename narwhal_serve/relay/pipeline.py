@@ -44,7 +44,7 @@ from narwhal_serve.relay.attempt import (
     sse_event,
 )
 from narwhal_serve.relay.coalesce import coalesce
-from narwhal_serve.relay.messages import EngineFault, EngineWorked, HealthEvent, RelayMessage, RelayStats
+from narwhal_serve.relay.messages import EngineFault, EngineWorked, RelayMessage, RelayStats
 from narwhal_serve.relay.resume import Reshaper, Transcript, continuation_body, not_resumable
 
 if TYPE_CHECKING:
@@ -59,8 +59,9 @@ class Relay:
     the attempt — another route before headers, an error event after), before the first token by
     the request's first-token limit when another route is left to try, and by the request's
     deadline, which holds for the whole request (README, "Configuration"): past it, 504 before headers, an error
-    event ``deadline_expired`` and ``[DONE]`` after.  Failed attempts travel to the scheduler as
-    :class:`EngineFault`\ s on the next message (passive health)."""
+    event ``deadline_expired`` and ``[DONE]`` after.  Failed attempts and each attempt's first token
+    travel to the scheduler in order, as ``EngineFault`` and ``EngineWorked`` health events on the
+    next message (passive health)."""
 
     def __init__(
         self,
@@ -114,7 +115,7 @@ class Relay:
 
     async def run(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         failures: list[str] = []
-        health: list[HealthEvent] = []  # failed attempts not yet sent to the ingress
+        faults: list[EngineFault] = []  # failed attempts not yet sent to the ingress
         pushed_back: list[float | None] = []  # the Retry-After of each route that answered 429/503
         expired = False
         req = placed.request
@@ -140,9 +141,9 @@ class Relay:
                 async for msg in work(placed, at, headers, span):
                     if msg.error is not None:
                         failed = msg.error.code
-                    if health and (msg.data or msg.first_token or msg.final):
-                        msg = replace(msg, health=(*health, *msg.health))
-                        health.clear()
+                    if faults and (msg.data or msg.first_token or msg.final):
+                        msg = replace(msg, health=(*faults, *msg.health))
+                        faults.clear()
                     yield msg
                 return
             except EngineFailure as exc:
@@ -150,16 +151,16 @@ class Relay:
                 if exc.client_error:  # the engine blames the request: no other engine will differ
                     why = exc.upstream_message or exc.message
                     rejected = InvalidRequest(f"The engine rejected the request: {why}", param=exc.param)
-                    yield RelayMessage(error=rejected.info(), final=True, health=tuple(health))
+                    yield RelayMessage(error=rejected.info(), final=True, health=tuple(faults))
                     return
-                health.append(fault_of(exc, at.route))
+                faults.append(fault_of(exc, at.route))
                 failures.append(str(exc))
                 excluded.add(at.cursor.engine)
                 if exc.backpressure:
                     pushed_back.append(exc.retry_after_s)
             except BadEngineResponse as exc:
                 failed = str(exc)
-                health.append(fault_of(exc, at.route))
+                faults.append(fault_of(exc, at.route))
                 failures.append(str(exc))
                 excluded.add(at.cursor.engine)
             except DeadlinePassed:
@@ -167,7 +168,7 @@ class Relay:
                 expired = True
                 limit = placed.first_token_s
                 if at.meter.first is None and limit is not None and self.clock() - at.meter.start >= limit:
-                    health.append(EngineFault(at.cursor.engine, "timeout", "no first token before the deadline"))
+                    faults.append(EngineFault(at.cursor.engine, "timeout", "no first token before the deadline"))
                 break
             finally:
                 end_span(span, failed, **{"narwhal.output_tokens": at.meter.tokens})
@@ -181,7 +182,7 @@ class Relay:
             err = BadEngineResponse(
                 "no engine produced a usable answer: " + "; ".join(failures or ["no candidate route"])
             ).info()
-        yield RelayMessage(error=err, final=True, stats=None, health=tuple(health))
+        yield RelayMessage(error=err, final=True, stats=None, health=tuple(faults))
 
     def _attempt_span(self, placed: PlacedRequest, route: RouteChoice, attempt: int) -> "Span | None":
         if self.tracing is None:
@@ -400,7 +401,7 @@ class Relay:
                 raise
             if isinstance(exc, DeadlinePassed):
                 err = deadline_info()
-                faults: tuple[HealthEvent, ...] = ()
+                faults: tuple[EngineFault, ...] = ()
             else:
                 err = exc.info() if isinstance(exc, BadEngineResponse) else BadEngineResponse(str(exc)).info()
                 faults = (fault_of(exc, at.route),)

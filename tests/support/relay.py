@@ -10,6 +10,7 @@ def faults_of(msg: RelayMessage) -> list[EngineFault]:
     return [e for e in msg.health if isinstance(e, EngineFault)]
 
 
-def worked_of(msg: RelayMessage) -> list[tuple[str, ...]]:
-    """The routes a message reports a first token from."""
-    return [e.engines for e in msg.health if isinstance(e, EngineWorked)]
+def health_order(msgs: list[RelayMessage]) -> list[tuple[str, ...] | str]:
+    """The health events of ``msgs`` in order: a first token as its route's engines (a tuple), a
+    failed attempt as its engine's name."""
+    return [e.engines if isinstance(e, EngineWorked) else e.engine for m in msgs for e in m.health]
