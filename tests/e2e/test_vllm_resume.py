@@ -86,14 +86,6 @@ def _outcome(task: asyncio.Task[httpx.Response]) -> str:
     return f"HTTP {r.status_code}: {r.content[:300]!r}"
 
 
-def _outcome(task: asyncio.Task[httpx.Response]) -> str:
-    """What a finished client task got: its exception, or its status and the start of its body."""
-    if task.exception() is not None:
-        return repr(task.exception())
-    r = task.result()
-    return f"HTTP {r.status_code}: {r.content[:400]!r}"
-
-
 async def until(pred: Any, what: str, timeout_s: float = 60.0) -> None:
     end = time.monotonic() + timeout_s
     while not await pred():
