@@ -30,11 +30,9 @@ import time
 from types import FrameType
 from typing import Any, TextIO
 
-RAY_DRIVER_ENV = {
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_AUTH_MODE": "disabled",
-}
+from narwhal_serve.runenv import RAY_BASE_ENV
+
+RAY_DRIVER_ENV = RAY_BASE_ENV
 
 
 def snapshot(status: Any, app: str | None = None) -> dict[str, Any]:

@@ -55,18 +55,14 @@ from pathlib import Path
 from types import FrameType
 
 from narwhal_serve.drain import drain, drain_targets
-from narwhal_serve.runenv import direct_ingress_env
+from narwhal_serve.runenv import RUN_ENV, direct_ingress_env
 
 RUN_ID_ENV = "NARWHAL_SERVE_RUN_ID"
 
 # The environment `make run` documents, direct ingress (HA-proxy mode) included; a caller's values
 # win (RAY_SERVE_ENABLE_HA_PROXY=0: Serve's proxy actor instead, README "Run modes").
 ENV_DEFAULTS: dict[str, str] = {
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    **RUN_ENV,
     # Ray's default (30 s) keeps every ingress replica reachable for 30 s after it is told to stop,
     # for external load balancers to deregister it. Behind Serve's HAProxy the deregistration is a
     # controller broadcast plus an HAProxy reload (well under a second here), and after the window

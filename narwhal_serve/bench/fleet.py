@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from narwhal_serve.bench import procs
-from narwhal_serve.runenv import direct_ingress_env
+from narwhal_serve.runenv import RUN_ENV, direct_ingress_env
 from narwhal_serve.bench.client import Endpoint
 
 BASE = "@base"
@@ -57,11 +57,7 @@ NARWHAL_PREFIX = {"narwhal-open": "/open", "narwhal-predictive": "/predictive", 
 PREDICTIVE_TARGETS = frozenset({"narwhal-predictive", "narwhal-prefix-blind", "narwhal-estimate", "narwhal-assembler",
                                 "narwhal-tenants", "narwhal-tenants-3"})
 RAY_ENV = {
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_ENABLE_HA_PROXY": "1",  # direct ingress, the run mode (--ray-env ...=0: the proxy actor)
+    **RUN_ENV,  # direct ingress, the run mode (--ray-env RAY_SERVE_ENABLE_HA_PROXY=0: the proxy actor)
     "RAY_ADDRESS": "local",  # never join another Ray instance on this machine
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
 }
