@@ -13,7 +13,8 @@ from narwhal_serve.gateway.app import build_api
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.relay.pipeline import Relay, relay_of
-from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, Report
+from narwhal_serve.admission.wire import LeaseGrant
+from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
 
 
 class HandleBackend:

@@ -152,6 +152,25 @@ class Unavailable(NarwhalError):
     code = "backend_unavailable"
 
 
+def router_unavailable(reason: str) -> ErrorInfo:
+    """The router refuses everything now (README, "Routes": the /ready reasons)."""
+    return Unavailable(
+        f"The router is not serving ({reason}); retry after the Retry-After delay.",
+        code="router_unavailable",
+        retry_after=1,
+        reason=reason,
+    ).info()
+
+
+def backend_unavailable() -> ErrorInfo:
+    """No engine can take work now."""
+    return Unavailable(
+        "No placement-eligible engine is available; retry after the Retry-After delay.",
+        code="backend_unavailable",
+        retry_after=1,
+    ).info()
+
+
 class BadEngineResponse(NarwhalError):
     status = 502
     type = "upstream_error"

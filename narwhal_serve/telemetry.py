@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from narwhal_serve.tenants.tally import render_classes, render_tenants
-from narwhal_serve.admission.outcomes import KNOWN_REASONS
+from narwhal_serve.protocol.outcomes import KNOWN_REASONS
 from narwhal_serve.relay.messages import RESUME_OUTCOMES, RESUME_REASONS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)

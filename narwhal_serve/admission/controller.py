@@ -17,7 +17,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
-from narwhal_serve.admission.outcomes import Outcome
+from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.admission.retry import Reservation
 from narwhal_serve.config import AdmissionConfig, ServingConfig
 from narwhal_serve.errors import ErrorInfo, RateLimited, TerminalExpiry

@@ -19,12 +19,12 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 
 from narwhal_serve.admission.controller import Refusal
-from narwhal_serve.admission.outcomes import Outcome
+from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.admission.predictive import judge, judge_tpot
 from narwhal_serve.admission.retry import BOOKED_SHARE, RETRY_GRACE_S, Reservation, reserved_at
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
-from narwhal_serve.ha.state import backend_unavailable, router_unavailable
+from narwhal_serve.errors import backend_unavailable, router_unavailable
 from narwhal_serve.placement.picker import MAX_CANDIDATES, candidate_routes
 from narwhal_serve.placement.prefix import SetUnion, matched_blocks
 from narwhal_serve.prediction.decode import DEFAULT_OUTPUT_PRIOR, PRIOR_TPOT_A, expected_output, tpot_at

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from narwhal_serve.admission.outcomes import TERMINAL, Outcome
+from narwhal_serve.protocol.outcomes import TERMINAL, Outcome
 
 
 @dataclass

@@ -22,13 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from narwhal_serve.admission.controller import NONE, ONE_REQUEST, Permits, Refusal
-from narwhal_serve.admission.outcomes import Outcome
+from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.admission.core import Ask, EngineDelta, FleetView, Placement, charge, decide
 from narwhal_serve.admission.retry import Reservation, earliest
+from narwhal_serve.admission.wire import LeaseGrant, LeasePart, LocalPlacement
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.placement.picker import resume_targets
 from narwhal_serve.prediction.decode import remaining_tokens
-from narwhal_serve.scheduler.messages import LeaseGrant, LeasePart, LocalPlacement
 from narwhal_serve.tenants.amounts import request_cost
 from narwhal_serve.tenants.rules import budget_error
 from narwhal_serve.tenants.shares import LeaseShares

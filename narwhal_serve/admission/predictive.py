@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from narwhal_serve.admission.controller import Refusal
-from narwhal_serve.admission.outcomes import Outcome
+from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.errors import RateLimited
 from narwhal_serve.prediction.ttft import Projection
 

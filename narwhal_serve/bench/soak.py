@@ -51,7 +51,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import numpy as np
 
-from narwhal_serve.admission.outcomes import TERMINAL
+from narwhal_serve.protocol.outcomes import TERMINAL
 from narwhal_serve.bench import procs
 from narwhal_serve.bench.client import Endpoint, Shape, _parse_error, make_session, request_body, send_one
 from narwhal_serve.bench.fleet import _app_dir, _sim_idle, narwhal_app, serve_config

@@ -7,6 +7,10 @@ sees when nothing else can be done.
 
 from __future__ import annotations
 
+from typing import Literal
+
+# What a failed attempt tells the engine's breaker (placement/health.py): an error, silence, or a 429/503
+FaultKind = Literal["error", "timeout", "backpressure"]
 
 # Engine answers that blame the request itself: retrying elsewhere cannot help, and the client
 # gets a 400 with the engine's message and param instead of a 502.

@@ -16,7 +16,8 @@ from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.relay.pipeline import Relay
 from narwhal_serve.scheduler.api import SchedulerApi
-from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, Report
+from narwhal_serve.admission.wire import LeaseGrant
+from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
 from narwhal_serve.scheduler.service import SchedulerService
 
 

@@ -23,7 +23,7 @@ from fastapi.responses import Response
 from narwhal_serve.admission.controller import NONE, Refusal
 from narwhal_serve.admission.core import Ask, FleetView
 from narwhal_serve.admission.retry import retry_count
-from narwhal_serve.admission.outcomes import Outcome
+from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.errors import BodyTimeout, ErrorInfo, InvalidRequest, NarwhalError, TerminalExpiry
 from narwhal_serve.gateway.backend import Backend
@@ -42,7 +42,8 @@ from narwhal_serve.observability import Observability, RequestTrail
 from narwhal_serve.placement.prefix import request_prefix
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.protocol.requests import ParsedRequest, Route, parse_request
-from narwhal_serve.relay.messages import RelayMessage, RelayStats
+from narwhal_serve.protocol.stats import RelayStats
+from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
 from narwhal_serve.gateway.tenancy import Tenancy
 from narwhal_serve.tenants.amounts import Amounts

@@ -17,9 +17,11 @@ from collections.abc import Awaitable, Callable
 
 from narwhal_serve.admission.core import FleetView
 from narwhal_serve.admission.lease import AdmissionLease
-from narwhal_serve.admission.outcomes import Outcome
-from narwhal_serve.relay.messages import EngineFault, HealthEvent, RelayStats
-from narwhal_serve.scheduler.messages import LeaseGrant, Report
+from narwhal_serve.protocol.outcomes import Outcome
+from narwhal_serve.protocol.stats import RelayStats
+from narwhal_serve.relay.messages import EngineFault, HealthEvent
+from narwhal_serve.admission.wire import LeaseGrant
+from narwhal_serve.scheduler.messages import Report
 
 log = logging.getLogger(__name__)
 

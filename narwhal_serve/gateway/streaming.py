@@ -25,9 +25,10 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from narwhal_serve.admission.outcomes import Outcome
+from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.errors import ErrorInfo, NarwhalError, Unavailable
-from narwhal_serve.relay.messages import HealthEvent, RelayMessage, RelayStats
+from narwhal_serve.protocol.stats import RelayStats
+from narwhal_serve.relay.messages import HealthEvent, RelayMessage
 
 KEEPALIVE = b": keep-alive\n\n"
 DRAINED = "router_draining"

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from narwhal_serve.errors import ErrorInfo, Unavailable
 
 RouterMode = Literal["active", "standby", "fenced", "monitoring_degraded"]
 
@@ -29,20 +28,3 @@ class RouterState:
         if all_waves and all_waves <= self.maintenance:
             return "maintenance"  # whole-wave maintenance: every engine's wave is down
         return None
-
-
-def router_unavailable(reason: str) -> ErrorInfo:
-    return Unavailable(
-        f"The router is not serving ({reason}); retry after the Retry-After delay.",
-        code="router_unavailable",
-        retry_after=1,
-        reason=reason,
-    ).info()
-
-
-def backend_unavailable() -> ErrorInfo:
-    return Unavailable(
-        "No placement-eligible engine is available; retry after the Retry-After delay.",
-        code="backend_unavailable",
-        retry_after=1,
-    ).info()

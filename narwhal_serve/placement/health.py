@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from narwhal_serve.config import MonitoringConfig
-from narwhal_serve.relay.messages import FaultKind
+from narwhal_serve.engines.errors import FaultKind
 
 BACKPRESSURE_CAP_S = 10.0
 

@@ -16,7 +16,8 @@ from narwhal_serve.engines.legs import LegCursor
 from narwhal_serve.errors import BadEngineResponse, ErrorInfo, TerminalExpiry, Unavailable
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.protocol.requests import ParsedRequest, Route
-from narwhal_serve.relay.messages import EngineFault, FaultKind, HealthEvent
+from narwhal_serve.engines.errors import FaultKind
+from narwhal_serve.relay.messages import EngineFault, HealthEvent
 from narwhal_serve.relay.resume import Transcript
 
 DONE_EVENT = b"data: [DONE]\n\n"

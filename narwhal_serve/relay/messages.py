@@ -3,26 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
+from narwhal_serve.engines.errors import FaultKind
 from narwhal_serve.errors import ErrorInfo
+from narwhal_serve.protocol.stats import RelayStats
 
-
-@dataclass(frozen=True)
-class RelayStats:
-    route_kind: str
-    engines: tuple[str, ...]
-    ttft_s: float | None
-    output_tokens: int
-    decode_s: float  # time from the first to the last generated token
-    attempts: int
-    resumed_from: tuple[str, ...] = ()  # engines that died mid-answer, the request resumed elsewhere
-    resume_gap_s: tuple[float, ...] = ()  # per resume: last token before the cut → first token after
-    resume_prefill_s: tuple[float, ...] = ()  # per resume: the continuation's request → its first token
-    resume_turnaround_s: tuple[float, ...] = ()  # per resume: the failure noticed → the continuation's request
-
-
-FaultKind = Literal["error", "timeout", "backpressure"]
 
 # What was cut, for narwhal_resumes_total{reason}
 RESUME_REASONS = ("reset", "stall", "engine_error", "bad_response")

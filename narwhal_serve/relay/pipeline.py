@@ -44,7 +44,8 @@ from narwhal_serve.relay.attempt import (
     sse_event,
 )
 from narwhal_serve.relay.coalesce import coalesce
-from narwhal_serve.relay.messages import EngineFault, EngineWorked, RelayMessage, RelayStats
+from narwhal_serve.protocol.stats import RelayStats
+from narwhal_serve.relay.messages import EngineFault, EngineWorked, RelayMessage
 from narwhal_serve.relay.resume import Reshaper, Transcript, continuation_body, not_resumable
 
 if TYPE_CHECKING:

@@ -7,7 +7,8 @@ from typing import Any
 
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.managed.slot import ReplicaReport
-from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, Report
+from narwhal_serve.admission.wire import LeaseGrant
+from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
 from narwhal_serve.scheduler.service import SchedulerService
 
 

@@ -10,7 +10,7 @@ from narwhal_serve.placement.drift import rel_error
 from narwhal_serve.placement.engines import EngineState
 from narwhal_serve.placement.prefix import CREDIT_EWMA, was_hit
 from narwhal_serve.prediction.decode import OutputLengths
-from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.telemetry import Histogram, Tally
 
 

@@ -18,25 +18,27 @@ from typing import Any
 import httpx
 
 from narwhal_serve.admission.controller import AdmissionController, Enqueued, Grant, Refusal
-from narwhal_serve.admission.core import Ask, EngineFacts, FleetView, Placement, decide, rank
+from narwhal_serve.admission.core import EngineFacts, FleetView, Placement, decide, rank
 from narwhal_serve.admission.counters import Counters
-from narwhal_serve.admission.outcomes import Outcome
+from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation, earliest
 from narwhal_serve.config import EngineConfig, NarwhalConfig
 from narwhal_serve.errors import ErrorInfo, NarwhalError
-from narwhal_serve.ha.state import RouterState, backend_unavailable, router_unavailable
+from narwhal_serve.errors import backend_unavailable, router_unavailable
+from narwhal_serve.ha.state import RouterState
 from narwhal_serve.placement.engines import EngineState
 from narwhal_serve.placement.prefix import index_capacity
 from narwhal_serve.tokenization.estimate import CHARS_PER_TOKEN
 from narwhal_serve.prediction.decode import OutputLengths, remaining_tokens
-from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.scheduler.ha import RouterHA
 from narwhal_serve.managed.slot import ReplicaReport
 from narwhal_serve.scheduler.health import Profiler, Prober, apply_health, update_drift
 from narwhal_serve.scheduler.learning import learn_from
 from narwhal_serve.scheduler.leases import LEASE_TTL_S, LeaseLedger
 from narwhal_serve.scheduler.managed import ManagedFleet, initial_engines
-from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, LeaseGrant, LocalPlacement, Report
+from narwhal_serve.admission.wire import LeaseGrant, LocalPlacement
+from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
 from narwhal_serve.scheduler.monitor import scrape_all, scrape_one
 from narwhal_serve.scheduler.kvfeeds import KVEventFeeds
 from narwhal_serve.scheduler.snapshot import snapshot

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from narwhal_serve.admission.core import Placement
-from narwhal_serve.admission.outcomes import TERMINAL
-from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.protocol.outcomes import TERMINAL
+from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.tenants.amounts import KINDS
 
 OTHER = "other"

@@ -189,7 +189,7 @@ def test_a_credited_prefix_is_learned_as_a_hit_or_a_miss() -> None:
     from narwhal_serve.config import EngineConfig
     from narwhal_serve.placement.engines import EngineState
     from narwhal_serve.protocol.placement import RouteChoice
-    from narwhal_serve.relay.messages import RelayStats
+    from narwhal_serve.protocol.stats import RelayStats
     from narwhal_serve.scheduler.learning import learn_from
     from narwhal_serve.telemetry import Histogram
 

@@ -14,7 +14,7 @@ from narwhal_serve.admission.core import Ask, EngineFacts, FleetView, Placement,
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
 from narwhal_serve.placement.prefix import text_block_hashes
-from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest, Report
 from tests.support.scheduler import scheduler_service
 

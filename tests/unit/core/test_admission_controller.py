@@ -1,5 +1,5 @@
 from narwhal_serve.admission.controller import AdmissionController, Enqueued, Grant, Refusal
-from narwhal_serve.admission.outcomes import Outcome
+from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.config import AdmissionConfig, PhaseConcurrency, ServingConfig
 
 

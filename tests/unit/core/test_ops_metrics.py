@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from narwhal_serve.admission.core import Ask, Placement, decide
 from narwhal_serve.admission.lease import AdmissionLease
 from narwhal_serve.engines.metrics import EngineLoad
-from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest, Report
 from narwhal_serve.scheduler.service import SchedulerService
 from narwhal_serve.telemetry import Histogram, render_metrics
@@ -166,7 +166,7 @@ def test_a_snapshot_without_served_figures_renders_zeros() -> None:
 def test_a_fresh_router_exports_every_known_family_at_zero() -> None:
     """Dashboards chart a new router, and rate() sees the first increment: every terminal class
     with each of its known reasons, and each engine's fault, probe and TTFT families, at 0."""
-    from narwhal_serve.admission.outcomes import KNOWN_REASONS
+    from narwhal_serve.protocol.outcomes import KNOWN_REASONS
 
     svc, _ = service()
     s = samples(svc.metrics_text())

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest, Report
 from narwhal_serve.scheduler.service import SchedulerService
 from tests.support.scheduler import Clock, scheduler_service

@@ -1,6 +1,6 @@
 import asyncio
 
-from narwhal_serve.admission.outcomes import Outcome
+from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.scheduler.messages import Report
 

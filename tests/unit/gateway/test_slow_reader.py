@@ -6,9 +6,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from narwhal_serve.admission.outcomes import Outcome
+from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.gateway.streaming import Flow, RelayStreamResponse
-from narwhal_serve.relay.messages import RelayMessage, RelayStats
+from narwhal_serve.protocol.stats import RelayStats
+from narwhal_serve.relay.messages import RelayMessage
 
 
 class Relay:

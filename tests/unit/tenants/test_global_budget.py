@@ -12,7 +12,7 @@ import pytest
 from narwhal_serve.admission.controller import Refusal
 from narwhal_serve.admission.core import Ask, Placement
 from narwhal_serve.admission.lease import AdmissionLease
-from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
 from narwhal_serve.scheduler.service import SchedulerService
 from narwhal_serve.tenants.shares import LeaseShares

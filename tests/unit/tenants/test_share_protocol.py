@@ -9,7 +9,7 @@ import pytest
 
 from narwhal_serve.admission.core import Ask, Placement
 from narwhal_serve.admission.retry import retry_count
-from narwhal_serve.relay.messages import RelayStats
+from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest
 from narwhal_serve.tenants.amounts import Amounts, request_cost
 from narwhal_serve.tenants.messages import TenantPart

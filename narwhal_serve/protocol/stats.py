@@ -1,0 +1,20 @@
+"""What the router did for one finished request, as the relay measured it: read by the scheduler's
+models, the tenants' tallies, the request log and the metrics (it crosses the Ray hop in a report)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RelayStats:
+    route_kind: str
+    engines: tuple[str, ...]
+    ttft_s: float | None
+    output_tokens: int
+    decode_s: float  # time from the first to the last generated token
+    attempts: int
+    resumed_from: tuple[str, ...] = ()  # engines that died mid-answer, the request resumed elsewhere
+    resume_gap_s: tuple[float, ...] = ()  # per resume: last token before the cut → first token after
+    resume_prefill_s: tuple[float, ...] = ()  # per resume: the continuation's request → its first token
+    resume_turnaround_s: tuple[float, ...] = ()  # per resume: the failure noticed → the continuation's request
