@@ -27,6 +27,7 @@ prometheus: $(VENV)/.installed
 
 test: $(VENV)/.installed prometheus
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests --ignore=tests/e2e --ignore=tests/managed --ignore=tests/fault
 	$(MAKE) test-proxy-actor
 	$(MAKE) test-fault
@@ -64,3 +65,4 @@ test-unit: $(VENV)/.installed
 
 typecheck: $(VENV)/.installed
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
