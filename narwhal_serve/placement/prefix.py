@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from narwhal_serve.tokenization.estimate import CHARS_PER_TOKEN
+from narwhal_serve.protocol.estimate import CHARS_PER_TOKEN
 
 KV_SHARE = 0.8  # of an engine's KV cache, what the index assumes cached prefixes keep (running sequences use the rest)
 CREDIT_PRIOR = 0.8  # how often a believed prefix hit is a real one, before any measurement

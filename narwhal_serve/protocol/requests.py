@@ -18,7 +18,7 @@ from narwhal_serve.errors import (
     ModelNotFound,
     UnsupportedOption,
 )
-from narwhal_serve.tokenization.estimate import estimate_tokens
+from narwhal_serve.protocol.estimate import estimate_tokens
 
 Route = Literal["chat", "completion"]
 

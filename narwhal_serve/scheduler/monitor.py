@@ -14,7 +14,7 @@ from narwhal_serve.engines.client import TRANSPORT_ERRORS
 from narwhal_serve.engines.dialect import PATHS
 from narwhal_serve.engines.metrics import parse_engine_metrics
 from narwhal_serve.placement.engines import EngineState
-from narwhal_serve.tokenization.estimate import estimate_tokens
+from narwhal_serve.protocol.estimate import estimate_tokens
 
 
 async def scrape_one(client: httpx.AsyncClient, e: EngineState, now: float, timeout_s: float) -> None:

@@ -28,7 +28,7 @@ from narwhal_serve.errors import backend_unavailable, router_unavailable
 from narwhal_serve.ha.state import RouterState
 from narwhal_serve.placement.engines import EngineState
 from narwhal_serve.placement.prefix import index_capacity
-from narwhal_serve.tokenization.estimate import CHARS_PER_TOKEN
+from narwhal_serve.protocol.estimate import CHARS_PER_TOKEN
 from narwhal_serve.prediction.decode import OutputLengths, remaining_tokens
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.scheduler.ha import RouterHA
