@@ -36,7 +36,7 @@ from narwhal_serve.managed.command import (
 )
 from narwhal_serve.managed.process import EngineProcess
 from narwhal_serve.managed.slot import HEARTBEAT_S, ReplicaReport
-from narwhal_serve.managed.spec import LaunchSpec
+from narwhal_serve.config.launch import LaunchSpec
 from narwhal_serve.ports import free_port
 
 SCHEDULER = "Scheduler"  # the scheduler's deployment name (build_app)

@@ -36,7 +36,7 @@ from narwhal_serve.bench.progress import Progress
 from narwhal_serve.bench.report import check
 from narwhal_serve.bench.stats import RequestResult, Slo, ratio, summarize
 from narwhal_serve.bench.workload import Api, Arrival, LengthDist, Workload, arrival_times, oracle_hit_rate
-from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.config.sim import SimEngineConfig
 
 CHAT_TEMPLATE_TOKENS = 6  # the simulator's chat template around one user message
 CHAT_LEAD_TOKENS = 3  # of which before the message (<|im_start|> user \n); completions: BOS only

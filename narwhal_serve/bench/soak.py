@@ -60,7 +60,7 @@ from narwhal_serve.bench.report import check, checks_table, plot_lines, run_dir,
 from narwhal_serve.bench.stats import RequestResult
 from narwhal_serve.bench.workload import Api, LengthDist, RequestSpec, make_prompt
 from narwhal_serve.config import NarwhalConfig, SimFleetConfig
-from narwhal_serve.sim.config import FAULT_NAMES, SCRIPT_NAMES
+from narwhal_serve.config.sim import FAULT_NAMES, SCRIPT_NAMES
 
 APP = "narwhal"
 SUPERVISOR = Path("scripts") / "serve_run.py"

@@ -590,7 +590,7 @@ async def _pool_limit(name: str, make: Callable[[], httpx.AsyncClient], n: int =
 
 
 async def run_checks(model: str = "narwhal-sim") -> list[Check]:
-    from narwhal_serve.sim.config import SimEngineConfig
+    from narwhal_serve.config.sim import SimEngineConfig
     from narwhal_serve.sim.server import start_server
 
     cfg = SimEngineConfig(model=model, prefill_overhead_s=0.0, prefill_per_token_s=0.0, tpot_base_s=0.001,

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from narwhal_serve.managed.spec import LaunchSpec
+from narwhal_serve.config.launch import LaunchSpec
 
 # Serve's own per-call bookkeeping is all that reaches a replica: control calls, never requests.
 MAX_ONGOING = 8

@@ -6,14 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from narwhal_serve.config.launch import slot_names
+
+__all__ = ["HEARTBEAT_S", "STALE_AFTER_S", "ManagedSlot", "ReplicaReport", "slot_names"]
+
 HEARTBEAT_S = 5.0  # a replica repeats its report this often (a restarted scheduler re-learns it)
 STALE_AFTER_S = 3 * HEARTBEAT_S + 5.0  # a holder silent this long gives its slot up to a new replica
-
-
-def slot_names(engine: str, replicas: int) -> list[str]:
-    """The engines a managed entry puts in the fleet: its own name for one replica, else one per
-    replica (``<name>-0`` …)."""
-    return [engine] if replicas == 1 else [f"{engine}-{k}" for k in range(replicas)]
 
 
 @dataclass(frozen=True)

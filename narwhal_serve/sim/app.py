@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 
-from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.config.sim import SimEngineConfig
 from narwhal_serve.sim.engine import Engine
 from narwhal_serve.sim.handlers import handle_generate, read_json, wait_disconnect
 from narwhal_serve.sim.metrics import render_metrics

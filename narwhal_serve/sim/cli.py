@@ -6,7 +6,7 @@ import argparse
 
 import uvicorn
 
-from narwhal_serve.sim.config import FAULT_NAMES, SimEngineConfig
+from narwhal_serve.config.sim import FAULT_NAMES, SimEngineConfig
 from narwhal_serve.sim.server import bind_socket, uvicorn_config
 
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.config.sim import SimEngineConfig
 from narwhal_serve.sim.scripts import Output, Step
 from narwhal_serve.sim.kvevents import SimKVPublisher
 from narwhal_serve.sim.timing import PrefixCache, block_hashes, next_token_deadline, prefill_deadline

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from narwhal_serve.sim.config import FAULT_NAMES, SCRIPT_NAMES
+from narwhal_serve.config.sim import FAULT_NAMES, SCRIPT_NAMES
 
 M = TypeVar("M", bound=BaseModel)
 

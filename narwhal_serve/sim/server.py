@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from narwhal_serve.sim.app import create_app, get_engine
-from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.config.sim import SimEngineConfig
 from narwhal_serve.sim.engine import Engine
 from narwhal_serve.sim.faults import SimulatedReset
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.config.sim import SimEngineConfig
 from narwhal_serve.sim.textgen import VOCAB_SIZE, encode_prompt, render_chat, token_str, tokenize_text
 from narwhal_serve.tokenization.cache import TokenCache
 from narwhal_serve.tokenization.hf import Encoded, text_prompt

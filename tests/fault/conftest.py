@@ -26,7 +26,7 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
-from narwhal_serve.sim.config import SimEngineConfig  # noqa: E402
+from narwhal_serve.config.sim import SimEngineConfig  # noqa: E402
 from tests.support.engine_host import EngineHost, EngineProcess  # noqa: E402
 from tests.support.graph import MODEL  # noqa: E402
 from tests.support.net import free_port  # noqa: E402

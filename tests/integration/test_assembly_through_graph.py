@@ -12,7 +12,7 @@ import pytest
 
 from collections.abc import AsyncIterator
 
-from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.config.sim import SimEngineConfig
 from narwhal_serve.sim.server import SimServer, start_server
 from tests.integration.conftest import ADMIN, MODEL, Graph
 from tests.integration.helpers import AUTH, wait_status

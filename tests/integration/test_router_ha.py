@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.config.sim import SimEngineConfig
 from tests.integration.conftest import ADMIN, Graph
 from tests.support.engine_host import EngineHost
 from tests.support.graph import chat_body, wait_ready

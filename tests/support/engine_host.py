@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from narwhal_serve.bench.procs import Managed, python_module, start, wait_ready
-from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.config.sim import SimEngineConfig
 from narwhal_serve.sim.server import SimServer, start_server
 
 T = TypeVar("T")

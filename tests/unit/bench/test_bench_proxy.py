@@ -10,7 +10,7 @@ import pytest
 
 from narwhal_serve.bench.proxy import create_proxy_app
 from narwhal_serve.sim.app import create_app, get_engine
-from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.config.sim import SimEngineConfig
 
 BODY = {"model": "narwhal-sim", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 5,
         "ignore_eos": True}

@@ -15,7 +15,7 @@ from narwhal_serve.bench import soak
 from narwhal_serve.bench.cli import build_parser, soak_args
 from narwhal_serve.bench.stats import RequestResult
 from narwhal_serve.config import NarwhalConfig
-from narwhal_serve.sim.config import FAULT_NAMES
+from narwhal_serve.config.sim import FAULT_NAMES
 
 STATUS_TEXT = "Name:\tpython\nVmPeak:\t  200000 kB\nVmRSS:\t  148652 kB\nRssAnon:\t  100 kB\n"
 

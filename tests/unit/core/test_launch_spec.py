@@ -19,7 +19,7 @@ from narwhal_serve.managed.command import (
     guarded,
     url_host,
 )
-from narwhal_serve.managed.spec import LaunchSpec
+from narwhal_serve.config.launch import LaunchSpec
 
 VLLM = {"kind": "vllm", "model": "/models/tiny"}
 

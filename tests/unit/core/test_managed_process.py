@@ -16,7 +16,7 @@ import pytest
 
 from narwhal_serve.managed.command import engine_argv, engine_env, guard_prefix, guarded
 from narwhal_serve.managed.process import EngineDown, EngineProcess, EngineStartError
-from narwhal_serve.managed.spec import LaunchSpec
+from narwhal_serve.config.launch import LaunchSpec
 from tests.support.net import free_port
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups, prctl")

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from narwhal_serve.sim.app import create_app
-from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.config.sim import SimEngineConfig
 from tests.support.sse import parse_sse  # noqa: F401  (re-exported for the test_sim_* files)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from sim_testutil import CHAT, COMPLETIONS, chat_body, completion_body, content_chunks, parse_sse, sim_client
 
-from narwhal_serve.sim.config import SCRIPT_NAMES, SimEngineConfig
+from narwhal_serve.config.sim import SCRIPT_NAMES, SimEngineConfig
 from narwhal_serve.sim.scripts import TOOL_CALLS
 
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from narwhal_serve.sim.cli import build_parser, config_from_args
-from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.config.sim import SimEngineConfig
 from narwhal_serve.sim.server import start_server
 
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from sim_testutil import CHAT, COMPLETIONS, chat_body, completion_body, content_chunks, parse_sse, sim_client
 
-from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.config.sim import SimEngineConfig
 from narwhal_serve.sim.server import SimServer, start_server
 
 

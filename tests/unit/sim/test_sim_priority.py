@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 
-from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.config.sim import SimEngineConfig
 from narwhal_serve.sim.engine import Scheduler
 from narwhal_serve.sim.server import start_server
 from tests.support.net import free_port

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from sim_testutil import CHAT, COMPLETIONS, sim_client
 
-from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.config.sim import SimEngineConfig
 from narwhal_serve.sim.server import SimServer, start_server
 from narwhal_serve.sim.timing import (
     PrefixCache,

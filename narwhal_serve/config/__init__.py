@@ -1,4 +1,7 @@
-"""Typed application args (README, "Configuration"). Unknown keys are rejected, naming the key."""
+"""Typed application args (README, "Configuration"). Unknown keys are rejected, naming the key.
+
+Two sections live in their own modules: :mod:`.launch` (a managed engine's launch spec) and
+:mod:`.sim` (one simulated engine's timing and faults, also the simulator's own config)."""
 
 from __future__ import annotations
 
@@ -6,9 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from narwhal_serve.managed.slot import slot_names
-from narwhal_serve.managed.spec import LaunchSpec
-from narwhal_serve.sim.config import SimEngineConfig
+from narwhal_serve.config.launch import LaunchSpec, slot_names
+from narwhal_serve.config.sim import SimEngineConfig
 
 
 class _Strict(BaseModel):

@@ -134,3 +134,9 @@ def _check_placeholders(arg: str) -> None:
         if field is not None and field not in PLACEHOLDERS:
             raise ValueError(f"launch.command: unknown placeholder {{{field}}} in {arg!r} "
                              f"(known: {', '.join('{' + p + '}' for p in PLACEHOLDERS)})")
+
+
+def slot_names(engine: str, replicas: int) -> list[str]:
+    """The engines a managed entry puts in the fleet: its own name for one replica, else one per
+    replica (``<name>-0`` …)."""
+    return [engine] if replicas == 1 else [f"{engine}-{k}" for k in range(replicas)]
