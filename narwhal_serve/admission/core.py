@@ -74,6 +74,9 @@ class EngineDelta:
     pending_prefill_requests: int = 0
     decode_tokens: float = 0.0
     prefix: frozenset[int] = frozenset()  # blocks placed here (added; the scheduler's index evicts)
+    # blocks whose prefill finished here: the scheduler's index stops counting them as pending (a
+    # view keeps them: the engine holds them now)
+    prefix_done: frozenset[int] = frozenset()
 
     def __add__(self, other: "EngineDelta") -> "EngineDelta":
         return EngineDelta(
@@ -82,6 +85,7 @@ class EngineDelta:
             self.pending_prefill_requests + other.pending_prefill_requests,
             self.decode_tokens + other.decode_tokens,
             self.prefix | other.prefix if other.prefix else self.prefix,
+            self.prefix_done | other.prefix_done if other.prefix_done else self.prefix_done,
         )
 
 

@@ -21,35 +21,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from narwhal_serve.admission import ledger
 from narwhal_serve.admission.controller import NONE, ONE_REQUEST, Permits, Refusal
-from narwhal_serve.protocol.outcomes import Outcome
-from narwhal_serve.admission.core import Ask, EngineDelta, FleetView, Placement, charge, decide
+from narwhal_serve.admission.core import Ask, EngineDelta, FleetView, Placement, decide
+from narwhal_serve.admission.ledger import Ticket, add
 from narwhal_serve.admission.retry import Reservation, earliest
 from narwhal_serve.admission.wire import LeaseGrant, LeasePart, LocalPlacement
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.placement.picker import resume_targets
-from narwhal_serve.prediction.decode import remaining_tokens
 from narwhal_serve.tenants.amounts import request_cost
 from narwhal_serve.tenants.rules import budget_error
+from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.tenants.shares import LeaseShares
 
 
 # Refusals that only restate the scheduler's state; the scheduler gives them, from the state as it is.
 _STATE_REFUSALS = frozenset({"backend_unavailable", "router_unavailable"})
-
-
-@dataclass
-class _Local:
-    placement: Placement
-    engines: tuple[str, ...]  # where its in-flight count is charged (moves to the route served)
-    prefill_done: bool = False
-    decode_engine: str | None = None  # where its decode work is charged
-    decode_charged: float = 0.0  # that charge, corrected as its tokens arrive
-
-
-def _add(into: dict[str, EngineDelta], more: dict[str, EngineDelta]) -> None:
-    for name, d in more.items():
-        into[name] = into.get(name, EngineDelta()) + d
 
 
 @dataclass
@@ -69,7 +56,7 @@ class AdmissionLease:
     rotation: int = 0
     generation: int = 0
     epoch: int = 0  # the scheduler's record this lease's permits are reserved under (0: none yet)
-    tickets: dict[str, _Local] = field(default_factory=dict)
+    tickets: dict[str, Ticket] = field(default_factory=dict)  # its own admissions (ledger.py)
     _deltas: dict[str, EngineDelta] = field(default_factory=dict)  # since the last cut
     _placed: list[LocalPlacement] = field(default_factory=list)
     _to_return: Permits = NONE
@@ -87,8 +74,8 @@ class AdmissionLease:
             return None
         deltas: dict[str, EngineDelta] = {}
         for s in self._sent.values():
-            _add(deltas, s.deltas)
-        _add(deltas, self._deltas)
+            add(deltas, s.deltas)
+        add(deltas, self._deltas)
         view = self.view.adjusted(deltas)
         mine = [r for s in self._sent.values() for r in s.part.reserved] + self._reserved
         taken = {i for s in self._sent.values() for i in s.part.consumed} | set(self._consumed)
@@ -132,9 +119,8 @@ class AdmissionLease:
         self.in_use = self.in_use + ONE_REQUEST
         if self.shares is not None:
             self.shares.take(ticket_id, ask.tenant, cost)
-        self.tickets[ticket_id] = _Local(verdict, verdict.engines, decode_engine=verdict.decode_engine,
-                                         decode_charged=verdict.expected_out if verdict.decode_engine else 0.0)
-        _add(self._deltas, charge(verdict))
+        t = self.tickets[ticket_id] = Ticket(verdict, verdict.engines)
+        add(self._deltas, ledger.admitted(t))
         self._placed.append(LocalPlacement(ticket_id, verdict, deadline))
         if ask.retry and (r := earliest(view.reservations, now)) is not None:
             self._consumed.append(r.id)  # the retry takes the room kept for it
@@ -153,31 +139,18 @@ class AdmissionLease:
         t = self.tickets.get(ticket_id)
         if t is None:
             return
-        self._move(t, engines)
-        if t.prefill_done:
-            return
-        t.prefill_done = True
-        if t.placement.first_engine is not None:  # (its blocks were counted at admission: core.charge)
-            _add(self._deltas, {t.placement.first_engine: EngineDelta(
-                pending_prefill_tokens=-t.placement.prefill_tokens, pending_prefill_requests=-1)})
-        self._free(Permits(prefill=1))
+        was_done = t.prefill_done
+        add(self._deltas, ledger.first_token(t, engines))
+        if not was_done:
+            self._free(Permits(prefill=1))
 
     def progress(self, ticket_id: str, tokens: int) -> None:
         """Decode correction for a local ticket: its remaining decode from the tokens it generated."""
         t = self.tickets.get(ticket_id)
         if t is not None:
-            p = t.placement
-            self._recharge(t, t.decode_engine, remaining_tokens(p.expected_out, tokens, p.max_output_tokens))
+            add(self._deltas, ledger.progressed(t, tokens))
             if self.shares is not None:
                 self.shares.progress(ticket_id, tokens)
-
-    def _recharge(self, t: _Local, engine: str | None, amount: float) -> None:
-        if t.decode_engine is not None and t.decode_charged:
-            _add(self._deltas, {t.decode_engine: EngineDelta(decode_tokens=-t.decode_charged)})
-        t.decode_engine, t.decode_charged = engine, 0.0
-        if engine is not None and amount:
-            _add(self._deltas, {engine: EngineDelta(decode_tokens=amount)})
-            t.decode_charged = amount
 
     def release(self, ticket_id: str, output_tokens: int | None = None) -> None:
         """``output_tokens``: the stream's identified output tokens, charged to its tenant."""
@@ -186,21 +159,9 @@ class AdmissionLease:
             return
         if self.shares is not None:
             self.shares.release(ticket_id, output_tokens)
-        freed = Permits(retention=1, decode=1)
-        if not t.prefill_done:
-            freed = freed + Permits(prefill=1)
-            if t.placement.first_engine is not None:
-                _add(self._deltas, {t.placement.first_engine: EngineDelta(pending_prefill_tokens=-t.placement.prefill_tokens, pending_prefill_requests=-1)})
-        _add(self._deltas, {n: EngineDelta(inflight=-1) for n in t.engines})
-        self._recharge(t, None, 0.0)
+        freed = Permits(retention=1, decode=1) + (NONE if t.prefill_done else Permits(prefill=1))
+        add(self._deltas, ledger.released(t))
         self._free(freed)
-
-    def _move(self, t: _Local, engines: tuple[str, ...]) -> None:
-        if engines and engines != t.engines:
-            _add(self._deltas, {n: EngineDelta(inflight=-1) for n in t.engines})
-            _add(self._deltas, {n: EngineDelta(inflight=1) for n in engines})
-            t.engines = engines
-            self._recharge(t, engines[-1], t.decode_charged)
 
     def _free(self, p: Permits) -> None:
         self.in_use = self.in_use - p
@@ -242,7 +203,7 @@ class AdmissionLease:
         self._reserved = s.part.reserved + self._reserved
         self._consumed = s.part.consumed + self._consumed
         merged = dict(s.deltas)
-        _add(merged, self._deltas)
+        add(merged, self._deltas)
         self._deltas = merged
 
     def apply(self, grant: LeaseGrant, now: float, cut_mono: float) -> None:

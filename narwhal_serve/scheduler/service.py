@@ -17,9 +17,11 @@ from typing import Any
 
 import httpx
 
+from narwhal_serve.admission import ledger
 from narwhal_serve.admission.controller import AdmissionController, Enqueued, Grant, Refusal
 from narwhal_serve.admission.core import EngineFacts, FleetView, Placement, decide, rank
 from narwhal_serve.admission.counters import Counters
+from narwhal_serve.admission.ledger import Ticket
 from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation, earliest
 from narwhal_serve.config import EngineConfig, NarwhalConfig
@@ -29,7 +31,7 @@ from narwhal_serve.ha.state import RouterState
 from narwhal_serve.placement.engines import EngineState
 from narwhal_serve.placement.prefix import index_capacity
 from narwhal_serve.protocol.estimate import CHARS_PER_TOKEN
-from narwhal_serve.prediction.decode import OutputLengths, remaining_tokens
+from narwhal_serve.prediction.decode import OutputLengths
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.scheduler.ha import RouterHA
 from narwhal_serve.managed.slot import ReplicaReport
@@ -54,14 +56,11 @@ REAP_GRACE_S = 5.0  # a ticket past its request deadline by this much is forgott
 
 
 @dataclass
-class _Ticket:
-    placement: Placement  # what its admission was judged on
-    engines: tuple[str, ...]  # where it is charged now (moves to the route actually served)
-    deadline: float
-    lease: str | None  # the lease that admitted it, or None (admitted here)
-    prefill_done: bool = False
-    decode_engine: str | None = None  # where its decode work is charged
-    decode_charged: float = 0.0  # its share of that engine's decode ledger (corrected as it runs)
+class _Ticket(Ticket):
+    """A ticket's charges (the ledger's), and what the scheduler keeps beside them."""
+
+    deadline: float = 0.0
+    lease: str | None = None  # the lease that admitted it, or None (admitted here)
     output_charged: float = 0.0  # output tokens charged to its tenant's budget (admitted here)
 
 
@@ -273,35 +272,31 @@ class SchedulerService:
         if placement.cached_tokens:
             self.tally.prefix_hits += 1
             self.tally.prefix_cached_tokens += placement.cached_tokens
-        for name in placement.engines:
-            if name in self.engines:
-                self.engines[name].inflight += 1
-        e = self.engines.get(placement.first_engine or "")
-        if e is not None:
-            e.pending_prefill_tokens += placement.prefill_tokens
-            e.pending_prefill_requests += 1
-            e.prefix.pend(placement.prefix)  # a pending prefix (admission/core.py charge)
-        t = _Ticket(placement, placement.engines, deadline, lease)
-        self._tickets[tid] = t
-        self._charge_decode(t, placement.decode_engine, placement.expected_out)
+        t = self._tickets[tid] = _Ticket(placement, placement.engines, deadline=deadline, lease=lease)
+        self._apply(ledger.admitted(t))
 
-    def _charge_decode(self, t: _Ticket, engine: str | None, amount: float) -> None:
-        """Move the ticket's decode charge to ``amount`` on ``engine`` (the ledger stays a sum)."""
-        if t.decode_engine is not None and (old := self.engines.get(t.decode_engine)) is not None:
-            old.decode_tokens = max(0.0, old.decode_tokens - t.decode_charged)
-        t.decode_engine, t.decode_charged = engine, 0.0
-        if engine is not None and (new := self.engines.get(engine)) is not None:
-            new.decode_tokens += amount
-            t.decode_charged = amount
+    def _apply(self, deltas: ledger.Deltas) -> None:
+        """The ledger's changes applied to the engines' live counts (an engine gone: skipped)."""
+        for name, d in deltas.items():
+            e = self.engines.get(name)
+            if e is None:
+                continue
+            e.inflight += d.inflight
+            e.pending_prefill_tokens = max(0, e.pending_prefill_tokens + d.pending_prefill_tokens)
+            e.pending_prefill_requests = max(0, e.pending_prefill_requests + d.pending_prefill_requests)
+            e.decode_tokens = max(0.0, e.decode_tokens + d.decode_tokens)
+            if d.prefix:
+                e.prefix.pend(d.prefix)  # a pending prefix (admission/core.py charge)
+            if d.prefix_done:
+                e.prefix.unpend(d.prefix_done)
 
     def _progress(self, tid: str, tokens: int) -> None:
         """Decode correction: the ticket's remaining decode from the tokens it generated so far."""
         t = self._tickets.get(tid)
         if t is not None:
-            p = t.placement
-            self._charge_decode(t, t.decode_engine, remaining_tokens(p.expected_out, tokens, p.max_output_tokens))
+            self._apply(ledger.progressed(t, tokens))
             if t.lease is None and tokens > t.output_charged:  # (a lease charges its own tickets' outputs)
-                self.tenants.charge_output(p.tenant, tokens - t.output_charged, self.clock())
+                self.tenants.charge_output(t.placement.tenant, tokens - t.output_charged, self.clock())
                 t.output_charged = tokens
 
     def _placed(self, tid: str, placement: Placement, deadline: float) -> AdmitResult:
@@ -310,15 +305,6 @@ class SchedulerService:
         st = self.tenants.states.get(placement.tenant)
         return AdmitResult(candidates=placement.routes, predicted_ttft_s=placement.predicted_s, epoch=self.ha.epoch(),
                            remaining=st.remaining() if st is not None else None)
-
-    def _prefill_done(self, t: _Ticket) -> None:
-        if not t.prefill_done:
-            t.prefill_done = True
-            e = self.engines.get(t.placement.first_engine or "")
-            if e is not None:
-                e.pending_prefill_tokens = max(0, e.pending_prefill_tokens - t.placement.prefill_tokens)
-                e.pending_prefill_requests = max(0, e.pending_prefill_requests - 1)
-                e.prefix.unpend(t.placement.prefix)
 
     async def admit(self, req: AdmitRequest) -> AdmitResult:
         self.calls["admit"] += 1
@@ -462,12 +448,11 @@ class SchedulerService:
             self.admission.enter_decode(tid)
             t = self._tickets.get(tid)
             if t is not None:
-                self._move(t, engines)
                 if not t.prefill_done and engines == t.placement.engines and self.cfg.placement.prefix_aware \
                         and (e := self.engines.get(t.placement.first_engine or "")) is not None \
                         and not e.prefix_exact:  # (an engine's own KV events say what it holds)
                     e.prefix.insert(t.placement.prefix)  # its prefill is done: the engine holds its blocks now
-                self._prefill_done(t)
+                self._apply(ledger.first_token(t, engines))
         for tid, tokens in rep.progress.items():
             self._progress(tid, tokens)
         for tid, stats, completed in rep.released:
@@ -490,19 +475,6 @@ class SchedulerService:
         if rec is not None:
             rec.tickets.add(lp.ticket_id)
 
-    def _move(self, t: _Ticket, engines: tuple[str, ...]) -> None:
-        """Charge the route that actually served the request (a retry may have moved it)."""
-        if not engines or engines == t.engines:
-            return
-        for name in t.engines:
-            if name in self.engines:
-                self.engines[name].inflight -= 1
-        for name in engines:
-            if name in self.engines:
-                self.engines[name].inflight += 1
-        t.engines = engines
-        self._charge_decode(t, engines[-1], t.decode_charged)
-
     def _release(self, tid: str, stats: RelayStats | None, completed: bool = False) -> None:
         """Idempotent: permits, in-flight and pending-prefill counts of one ticket."""
         self.admission.release(tid)
@@ -511,11 +483,7 @@ class SchedulerService:
             return
         if t.lease is not None and (rec := self.leases.leases.get(t.lease)) is not None:
             rec.tickets.discard(tid)
-        self._prefill_done(t)
-        self._charge_decode(t, None, 0.0)
-        for name in t.engines:
-            if name in self.engines:
-                self.engines[name].inflight -= 1
+        self._apply(ledger.released(t))
         if stats is not None:
             learn_from(stats, t.placement, self.engines, self.histograms, self.tally, completed, self.outputs,
                        self.clock(), self.cfg.placement)

@@ -1,0 +1,109 @@
+"""The bookkeeping after an admission decision: one copy, for the scheduler and the ingress lease.
+
+A decision (:func:`narwhal_serve.admission.core.decide`) places a request; from then on the fleet's
+counts must carry it until it ends: one request in flight on each engine of the route it is
+charged to, its prompt as pending prefill (and its blocks as a pending prefix) on its first-token
+engine until its first token, and its expected remaining output on its decode engine, corrected as
+its tokens arrive. A :class:`Ticket` is one admitted request's share of those counts; each event
+below updates it and returns what changed, per engine, as :class:`EngineDelta`\\ s:
+
+- the scheduler applies them to its engines' live state at once (``scheduler/service.py``);
+- a lease adds them up into its view's adjustments until the scheduler's next grant
+  (``admission/lease.py``).
+
+Every event is idempotent where a request can meet it twice (a second first token after a resume
+moves the charge; a prefill already done stays done).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from narwhal_serve.admission.core import EngineDelta, Placement, charge
+from narwhal_serve.prediction.decode import remaining_tokens
+
+Deltas = dict[str, EngineDelta]
+
+
+@dataclass
+class Ticket:
+    """One admitted request's charges."""
+
+    placement: Placement  # what its admission was judged on
+    engines: tuple[str, ...]  # where its in-flight count is charged now (moves to the route served)
+    prefill_done: bool = False
+    decode_engine: str | None = None  # where its decode work is charged
+    decode_charged: float = 0.0  # that charge, corrected as its tokens arrive
+
+
+def add(into: Deltas, more: Mapping[str, EngineDelta]) -> None:
+    """``more`` added into ``into``, engine by engine."""
+    for name, d in more.items():
+        into[name] = into.get(name, EngineDelta()) + d
+
+
+def admitted(t: Ticket) -> Deltas:
+    """A new ticket's charges (:func:`~narwhal_serve.admission.core.charge` of its placement)."""
+    p = t.placement
+    out = charge(p)
+    t.engines, t.prefill_done = p.engines, False
+    t.decode_engine = p.decode_engine
+    t.decode_charged = p.expected_out if p.decode_engine is not None and p.decode_engine in out else 0.0
+    return out
+
+
+def _recharge(t: Ticket, engine: str | None, amount: float, out: Deltas) -> None:
+    """The ticket's decode charge becomes ``amount`` on ``engine`` (None: none)."""
+    if t.decode_engine is not None and t.decode_charged:
+        add(out, {t.decode_engine: EngineDelta(decode_tokens=-t.decode_charged)})
+    t.decode_engine, t.decode_charged = engine, 0.0
+    if engine is not None and amount:
+        add(out, {engine: EngineDelta(decode_tokens=amount)})
+        t.decode_charged = amount
+
+
+def moved(t: Ticket, engines: tuple[str, ...]) -> Deltas:
+    """The route that actually served it is ``engines`` (a retry or a resume moved it there)."""
+    out: Deltas = {}
+    if engines and engines != t.engines:
+        add(out, {n: EngineDelta(inflight=-1) for n in t.engines})
+        add(out, {n: EngineDelta(inflight=1) for n in engines})
+        t.engines = engines
+        _recharge(t, engines[-1], t.decode_charged, out)
+    return out
+
+
+def prefill_finished(t: Ticket) -> Deltas:
+    """Its prefill is done (its first token came, or it ended): the pending prefill and prefix go."""
+    if t.prefill_done:
+        return {}
+    t.prefill_done = True
+    p = t.placement
+    if p.first_engine is None:
+        return {}
+    return {p.first_engine: EngineDelta(pending_prefill_tokens=-p.prefill_tokens, pending_prefill_requests=-1,
+                                        prefix_done=frozenset(p.prefix))}
+
+
+def first_token(t: Ticket, engines: tuple[str, ...]) -> Deltas:
+    """Its first token came from ``engines`` (again later: a resume moved the answer there)."""
+    out = moved(t, engines)
+    add(out, prefill_finished(t))
+    return out
+
+
+def progressed(t: Ticket, tokens: int) -> Deltas:
+    """Decode correction: its remaining decode from the ``tokens`` it generated so far."""
+    out: Deltas = {}
+    p = t.placement
+    _recharge(t, t.decode_engine, remaining_tokens(p.expected_out, tokens, p.max_output_tokens), out)
+    return out
+
+
+def released(t: Ticket) -> Deltas:
+    """It ended: every charge it still holds goes."""
+    out = prefill_finished(t)
+    add(out, {n: EngineDelta(inflight=-1) for n in t.engines})
+    _recharge(t, None, 0.0, out)
+    return out
