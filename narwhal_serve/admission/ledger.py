@@ -7,7 +7,7 @@ engine until its first token, and its expected remaining output on its decode en
 its tokens arrive. A :class:`Ticket` is one admitted request's share of those counts; each event
 below updates it and returns what changed, per engine, as :class:`EngineDelta`\\ s:
 
-- the scheduler applies them to its engines' live state at once (``scheduler/service.py``);
+- the scheduler applies them to its engines' live state at once (``scheduler/tickets.py``);
 - a lease adds them up into its view's adjustments until the scheduler's next grant
   (``admission/lease.py``).
 

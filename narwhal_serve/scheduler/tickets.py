@@ -1,0 +1,90 @@
+"""The scheduler's tickets: each admitted request's charges on the engines (the ledger's,
+``admission/ledger.py``, applied to the engines' live counts), its tenant's budget, and what its end
+teaches the models."""
+
+from __future__ import annotations
+
+from narwhal_serve.admission import ledger
+from narwhal_serve.admission.core import Placement
+from narwhal_serve.admission.wire import LocalPlacement
+from narwhal_serve.protocol.stats import RelayStats
+from narwhal_serve.scheduler.learning import learn_from
+from narwhal_serve.scheduler.messages import AdmitResult
+from narwhal_serve.scheduler.state import SchedulerState
+from narwhal_serve.scheduler.state import SchedulerTicket
+
+
+class TicketBook(SchedulerState):
+    """Admitted requests: charged, corrected as they run, released."""
+
+    def _refund(self, tid: str) -> None:
+        """The ticket took budget here and never ran: its tenant gets it back."""
+        got = self._budgeted.pop(tid, None)
+        if got is not None:
+            self.tenants.refund(got[0], got[1], self.clock(), got[2])
+
+    def _charge(self, tid: str, placement: Placement, deadline: float, lease: str | None) -> None:
+        self.tally.admitted += 1
+        self.fair.admitted(placement.tenant, placement.prefill_tokens, self.clock())
+        if placement.cached_tokens:
+            self.tally.prefix_hits += 1
+            self.tally.prefix_cached_tokens += placement.cached_tokens
+        t = self._tickets[tid] = SchedulerTicket(placement, placement.engines, deadline=deadline, lease=lease)
+        self._apply(ledger.admitted(t))
+
+    def _apply(self, deltas: ledger.Deltas) -> None:
+        """The ledger's changes applied to the engines' live counts (an engine gone: skipped)."""
+        for name, d in deltas.items():
+            e = self.engines.get(name)
+            if e is None:
+                continue
+            e.inflight += d.inflight
+            e.pending_prefill_tokens = max(0, e.pending_prefill_tokens + d.pending_prefill_tokens)
+            e.pending_prefill_requests = max(0, e.pending_prefill_requests + d.pending_prefill_requests)
+            e.decode_tokens = max(0.0, e.decode_tokens + d.decode_tokens)
+            if d.prefix:
+                e.prefix.pend(d.prefix)  # a pending prefix (admission/core.py charge)
+            if d.prefix_done:
+                e.prefix.unpend(d.prefix_done)
+
+    def _progress(self, tid: str, tokens: int) -> None:
+        """Decode correction: the ticket's remaining decode from the tokens it generated so far."""
+        t = self._tickets.get(tid)
+        if t is not None:
+            self._apply(ledger.progressed(t, tokens))
+            if t.lease is None and tokens > t.output_charged:  # (a lease charges its own tickets' outputs)
+                self.tenants.charge_output(t.placement.tenant, tokens - t.output_charged, self.clock())
+                t.output_charged = tokens
+
+    def _placed(self, tid: str, placement: Placement, deadline: float) -> AdmitResult:
+        self._budgeted.pop(tid, None)  # its ticket holds the budget now (released with it)
+        self._charge(tid, placement, deadline, None)
+        st = self.tenants.states.get(placement.tenant)
+        return AdmitResult(candidates=placement.routes, predicted_ttft_s=placement.predicted_s, epoch=self.ha.epoch(),
+                           remaining=st.remaining() if st is not None else None)
+
+    def _local_placed(self, lp: LocalPlacement, lease_id: str) -> None:
+        self._charge(lp.ticket_id, lp.placement, lp.deadline, lease_id)
+        rec = self.leases.leases.get(lease_id)
+        if rec is not None:
+            rec.tickets.add(lp.ticket_id)
+
+    def _release(self, tid: str, stats: RelayStats | None, completed: bool = False) -> None:
+        """Idempotent: permits, in-flight and pending-prefill counts of one ticket."""
+        self.admission.release(tid)
+        t = self._tickets.pop(tid, None)
+        if t is None:
+            return
+        if t.lease is not None and (rec := self.leases.leases.get(t.lease)) is not None:
+            rec.tickets.discard(tid)
+        self._apply(ledger.released(t))
+        if stats is not None:
+            learn_from(stats, t.placement, self.engines, self.histograms, self.tally, completed, self.outputs,
+                       self.clock(), self.cfg.placement)
+        self.tenant_tally.ended(t.placement.tenant, t.placement, stats, completed)
+        if self.tenants.specs:
+            p = t.placement
+            out = stats.output_tokens if stats is not None else t.output_charged
+            duration = stats.ttft_s + stats.decode_s if stats is not None and stats.ttft_s is not None else None
+            self.tenants.ended(p.tenant, self.clock(), output_tokens=max(0.0, out - t.output_charged) if t.lease is None else 0.0,
+                               duration_s=duration, own=t.lease is None)
