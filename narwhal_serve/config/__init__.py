@@ -1,20 +1,22 @@
 """Typed application args (README, "Configuration"). Unknown keys are rejected, naming the key.
 
-Two sections live in their own modules: :mod:`.launch` (a managed engine's launch spec) and
-:mod:`.sim` (one simulated engine's timing and faults, also the simulator's own config)."""
+Some sections live in their own modules: :mod:`.launch` (a managed engine's launch spec),
+:mod:`.sim` (one simulated engine's timing and faults, also the simulator's own config),
+:mod:`.tenants` (tenants and their budgets) and :mod:`.deployment` (Ray Serve sizing)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from narwhal_serve.config.launch import LaunchSpec, slot_names
-from narwhal_serve.config.sim import SimEngineConfig
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+from narwhal_serve.config.base import Strict as _Strict
+from narwhal_serve.config.deployment import DeploymentKnobs as DeploymentKnobs
+from narwhal_serve.config.launch import LaunchSpec as LaunchSpec
+from narwhal_serve.config.launch import slot_names
+from narwhal_serve.config.sim import SimEngineConfig as SimEngineConfig
+from narwhal_serve.config.tenants import TenantSpec as TenantSpec
+from narwhal_serve.config.tenants import TenantsConfig as TenantsConfig
 
 
 class ServingConfig(_Strict):
@@ -54,74 +56,6 @@ class ServingConfig(_Strict):
         if self.first_token_timeout_s is not None:
             return self.first_token_timeout_s
         return max(2.0, 3.0 * ttft_budget_s)
-
-
-class TenantSpec(_Strict):
-    """One tenant (README, "Tenants"): its API keys, hashed, and its budgets (None: unlimited)."""
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    # SHA-256 hex digests of its keys (`printf %s "$KEY" | sha256sum`): keys are never configured in clear
-    key_sha256: tuple[str, ...] = ()
-    requests_per_minute: float | None = Field(None, gt=0)
-    input_tokens_per_minute: float | None = Field(None, gt=0)  # prompt tokens, as the router counts them
-    output_tokens_per_minute: float | None = Field(None, gt=0)  # validated output token IDs
-    max_concurrent: int | None = Field(None, gt=0)
-    # its weight in the fair share of the fleet under overload (README, "Tenants")
-    weight: float = Field(1.0, gt=0)
-    # its requests' class without X-Priority (None: admission.default_class), and the highest class
-    # it may ask for (None: any); a higher X-Priority is lowered to this ceiling
-    default_class: str | None = None
-    max_class: str | None = None
-
-    @model_validator(mode="after")
-    def _digests(self) -> "TenantSpec":
-        for d in self.key_sha256:
-            if len(d) != 64 or any(c not in "0123456789abcdef" for c in d.lower()):
-                raise ValueError(f"tenant {self.name!r}: key_sha256 entries are SHA-256 hex digests (64 hex digits)")
-        return self
-
-    def limit(self, kind: str) -> float | None:
-        """The budget of one kind (``tenants.amounts.KINDS``): per minute, or concurrent requests."""
-        if kind == "requests":
-            return self.requests_per_minute
-        if kind == "input_tokens":
-            return self.input_tokens_per_minute
-        if kind == "output_tokens":
-            return self.output_tokens_per_minute
-        return None if self.max_concurrent is None else float(self.max_concurrent)
-
-    def budgeted(self) -> bool:
-        return any(v is not None for v in (self.requests_per_minute, self.input_tokens_per_minute,
-                                           self.output_tokens_per_minute, self.max_concurrent))
-
-
-class TenantsConfig(_Strict):
-    """Who may send requests, and what each may use. Absent: one anonymous tenant, no key needed
-    (or ``serving.api_keys``, the flat set of keys of before)."""
-
-    list: tuple[TenantSpec, ...] = ()
-    # More keys, one per line: `<tenant> <sha256 hex digest>` (# comments); re-read when it changes,
-    # without a restart
-    keys_file: str | None = None
-    keys_reload_s: float = Field(1.0, gt=0)  # how often the file's modification time is checked
-    # The tenant of requests that present no key (a public tier); None: a key is required. A key
-    # that is presented and unknown is refused either way.
-    anonymous: str | None = None
-
-    @model_validator(mode="after")
-    def _unique(self) -> "TenantsConfig":
-        names = [t.name for t in self.list]
-        if len(set(names)) != len(names):
-            raise ValueError(f"tenants.list: names must be unique; repeated: {sorted({n for n in names if names.count(n) > 1})}")
-        if not names:
-            raise ValueError("tenants.list: at least one tenant (omit the tenants section for none)")
-        if self.anonymous is not None and self.anonymous not in names:
-            raise ValueError(f"tenants.anonymous {self.anonymous!r} is not in tenants.list")
-        return self
-
-    def by_name(self) -> dict[str, TenantSpec]:
-        """The configured tenants by name (callers keep it: each call builds it)."""
-        return {t.name: t for t in self.list}
 
 
 class PriorityClass(_Strict):
@@ -327,55 +261,6 @@ class SimFleetConfig(_Strict):
     # Each simulated engine publishes its KV-cache events as vLLM does, on a Unix socket named after
     # its HTTP port (ipc:///tmp/narwhal-sim-kv-PORT, -replay), and the router follows them
     kv_events: bool = True
-
-
-class DeploymentKnobs(_Strict):
-    """Ray Serve sizing of the three deployments."""
-
-    ingress_min_replicas: int = Field(1, ge=1)
-    ingress_max_replicas: int = Field(2, ge=1)
-    assembler_min_replicas: int = Field(1, ge=1)
-    assembler_max_replicas: int = Field(2, ge=1)
-    max_ongoing_requests: int = Field(1000, gt=0)
-    # the HTTP stack to engines: httpx's API over aiohttp's transport, or plain httpx
-    engine_http: Literal["aiohttp", "httpx"] = "aiohttp"
-    # where engine streams are opened and relayed: in each ingress replica (no Ray hop per stream:
-    # about half the router CPU per request, `narwhal-bench overhead`), or in the Assembler
-    # deployment, a streaming Ray hop away (scaled apart from the ingress)
-    relay: Literal["ingress", "assembler"] = "ingress"
-    # Serve autoscaling of Ingress and Assembler (Ray Serve's AutoscalingConfig, same names): each
-    # scales to keep about target_ongoing_requests requests per replica (a streaming request counts
-    # until its stream ends), averaged over look_back_period_s, after the new count has held for
-    # upscale_delay_s / downscale_delay_s; replicas report every metrics_interval_s (Serve's field)
-    ingress_target_ongoing_requests: float = Field(64.0, gt=0)
-    assembler_target_ongoing_requests: float = Field(64.0, gt=0)
-    upscale_delay_s: float = Field(30.0, ge=0)
-    downscale_delay_s: float = Field(600.0, ge=0)
-    look_back_period_s: float = Field(30.0, gt=0)
-    metrics_interval_s: float = Field(10.0, gt=0)
-
-    @model_validator(mode="after")
-    def _check_autoscaling(self) -> "DeploymentKnobs":
-        for dep in ("ingress", "assembler"):
-            lo, hi = getattr(self, f"{dep}_min_replicas"), getattr(self, f"{dep}_max_replicas")
-            if lo > hi:
-                raise ValueError(f"deployment.{dep}_min_replicas ({lo}) must not exceed "
-                                 f"deployment.{dep}_max_replicas ({hi})")
-        if self.look_back_period_s <= self.metrics_interval_s:
-            raise ValueError("deployment.look_back_period_s must exceed deployment.metrics_interval_s "
-                             "(Serve averages the reports inside that window)")
-        return self
-
-    def autoscaling(self, deployment: Literal["ingress", "assembler"]) -> dict[str, float | int]:
-        """Ray Serve's ``autoscaling_config`` for one of the two autoscaled deployments."""
-        lo, hi, target = (
-            (self.ingress_min_replicas, self.ingress_max_replicas, self.ingress_target_ongoing_requests)
-            if deployment == "ingress"
-            else (self.assembler_min_replicas, self.assembler_max_replicas, self.assembler_target_ongoing_requests)
-        )
-        return {"min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": target,
-                "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
-                "look_back_period_s": self.look_back_period_s, "metrics_interval_s": self.metrics_interval_s}
 
 
 class NarwhalConfig(_Strict):
