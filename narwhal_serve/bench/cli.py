@@ -14,7 +14,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from narwhal_serve.bench import assembly, decision, profile, ramp, soak, tenants, transport, views, vllmbench
+from narwhal_serve.bench import assembly, decision, profile, ramp, soak, tenants, transport, transport_checks, views, vllmbench
 from narwhal_serve.bench.fleet import TARGETS, Fleet, FleetSpec, SimTiming, known_target
 from narwhal_serve.bench.goodput import GoodputArgs, GoodputRun, run_goodput_suite
 from narwhal_serve.bench.overhead import OverheadArgs, run_overhead
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                                         model=ns.model, checks=not ns.skip_checks)
         res = transport.run(targs, out, ns.loop)
         if res["checks"]:
-            print(transport.checks_table([transport.Check(**c) for c in res["checks"]]) + "\n")
+            print(transport_checks.checks_table([transport_checks.Check(**c) for c in res["checks"]]) + "\n")
         print(transport.summary_table(res["summary"]))
         print(f"\nresults: {out / 'results.json'}")
         return 0

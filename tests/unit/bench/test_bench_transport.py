@@ -11,7 +11,10 @@ import httpx
 import pytest
 
 from narwhal_serve.bench import transport as tr
-from narwhal_serve.bench.transport import Check, Phase, PhaseResult, rotated, schedule, summarize
+from narwhal_serve.bench import transport_checks as trc
+from narwhal_serve.bench import transport_clients as tcl
+from narwhal_serve.bench.transport import Phase, PhaseResult, rotated, schedule, summarize
+from narwhal_serve.bench.transport_checks import Check
 from narwhal_serve.engines.errors import EngineFailure
 from narwhal_serve.sim.server import SimServer
 from tests.support.sim import sim_engine
@@ -95,7 +98,7 @@ async def test_closed_loop_counts_errors_and_short_streams() -> None:
             raise RuntimeError("boom")
         return 0.001 * i, 3 if i % 7 else 2
 
-    ttfc, errors, sample = await tr.closed_loop(one, 20, 4, 3, itertools.count(1))
+    ttfc, errors, sample = await tcl.closed_loop(one, 20, 4, 3, itertools.count(1))
     assert sorted(seen) == list(range(1, 21))
     assert errors == 4 + 2  # 5, 10, 15, 20 raise; 7, 14 are short
     assert len(ttfc) == 14 and sample is not None
@@ -108,9 +111,9 @@ def test_exc_chain_and_checks_table() -> None:
         except OSError as exc:
             raise httpx.ConnectError("x") from exc
     except httpx.HTTPError as exc:
-        chain = tr.exc_chain(exc)
+        chain = trc.exc_chain(exc)
     assert chain == ["httpx.ConnectError", "builtins.ConnectionRefusedError"]
-    text = tr.checks_table([Check("refused", "httpx", True, "EngineFailure: x", chain), Check("b", "v", False, "d")])
+    text = trc.checks_table([Check("refused", "httpx", True, "EngineFailure: x", chain), Check("b", "v", False, "d")])
     assert "ConnectError <- builtins.ConnectionRefusedError" in text and " NO " in text
 
 
@@ -133,11 +136,11 @@ async def test_short_bench_httpx_and_raw_aiohttp(engine: SimServer) -> None:
 async def test_httpx_aiohttp_variant_maps_failures(engine: SimServer) -> None:
     pytest.importorskip("httpx_aiohttp")
     url = engine.url + "/v1/chat/completions"
-    async with tr.httpx_aiohttp_client() as client:
-        chunks = await tr._drain(client, url, tr.chat_body("narwhal-sim", 5))
+    async with tcl.httpx_aiohttp_client() as client:
+        chunks = await trc._drain(client, url, tcl.chat_body("narwhal-sim", 5))
         assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")) == 5
-        body = {**tr.chat_body("narwhal-sim", 8), "sim": {"fault": "reset_mid_stream"}}
+        body = {**tcl.chat_body("narwhal-sim", 8), "sim": {"fault": "reset_mid_stream"}}
         with pytest.raises(EngineFailure, match="stream broken: ReadError"):
-            await tr._drain(client, url, body)
+            await trc._drain(client, url, body)
         with pytest.raises(EngineFailure, match="HTTP 500"):
-            await tr._drain(client, url, {**tr.chat_body("narwhal-sim", 4), "sim": {"fault": "error_500"}})
+            await trc._drain(client, url, {**tcl.chat_body("narwhal-sim", 4), "sim": {"fault": "error_500"}})
