@@ -90,7 +90,7 @@ def make_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None))
 
 
-def _parse_error(raw: bytes, headers: Any) -> str | None:
+def parse_error(raw: bytes, headers: Any) -> str | None:
     try:
         err = json.loads(raw).get("error")
         code = err.get("code") if isinstance(err, dict) else None
@@ -183,7 +183,7 @@ async def send_one(session: aiohttp.ClientSession, ep: Endpoint, shape: Shape, s
             r.status = resp.status
             r.predicted_ttft = _float_header(resp.headers, PREDICTED_TTFT_HEADER)
             if resp.status != 200:
-                r.error_code = _parse_error(await resp.read(), resp.headers)
+                r.error_code = parse_error(await resp.read(), resp.headers)
                 r.retry_after = _retry_after(resp.headers)
                 r.e2e = time.perf_counter() - t_send
                 return

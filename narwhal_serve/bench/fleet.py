@@ -168,7 +168,7 @@ def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets:
     return serve_config(port, apps)
 
 
-def _app_dir() -> Path:
+def app_dir() -> Path:
     """The repository root holding ``deployments/`` (``serve run`` imports it from there)."""
     import narwhal_serve
 
@@ -222,7 +222,7 @@ class Fleet:
         base_targets = [b for b in map(base_of, targets) if b is not None]
         started: list[tuple[procs.Managed, int, list[str], str]] = []
         if nw_targets:
-            self.narwhal, port = self._serve_run("narwhal", nw_targets, _app_dir())
+            self.narwhal, port = self._serve_run("narwhal", nw_targets, app_dir())
             started.append((self.narwhal, port, nw_targets, ""))
         if base_targets:
             if self.spec.baseline_tree is None:
@@ -259,7 +259,7 @@ class Fleet:
             tokenizer="narwhal-sim" if self.simulated else self.spec.tokenizer,
             kv_events=self.simulated), indent=1))
         env = self._ray_env()
-        if tree != _app_dir():
+        if tree != app_dir():
             env["PYTHONPATH"] = str(tree) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         serve = Path(sys.executable).parent / "serve"
         return procs.start(name, [str(serve), "run", str(cfg_path)], self.log_dir, env=env, cwd=tree), port
@@ -290,7 +290,7 @@ class Fleet:
             return True
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
-            if all(_sim_idle(u) for u in self.engine_urls):
+            if all(sim_idle(u) for u in self.engine_urls):
                 return True
             time.sleep(0.2)
         return False
@@ -324,7 +324,7 @@ class Fleet:
             p.stop()
 
 
-def _sim_idle(url: str) -> bool:
+def sim_idle(url: str) -> bool:
     import urllib.request
 
     try:

@@ -182,3 +182,20 @@ def wait_ready(url: str, timeout_s: float, proc: Managed | None = None, every_s:
         time.sleep(every_s)
     where = f"; see {proc.log}" if proc is not None else ""
     raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s{where}")
+
+
+def parse_vm_rss(status_text: str) -> int | None:
+    """``VmRSS`` in kB from a ``/proc/PID/status`` text (None for kernel threads and zombies)."""
+    for line in status_text.splitlines():
+        if line.startswith("VmRSS:"):
+            parts = line.split()
+            return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
+    return None
+
+
+def rss_kb(pid: int) -> int | None:
+    """A live process's resident memory in kB (None once it is gone)."""
+    try:
+        return parse_vm_rss(Path(f"/proc/{pid}/status").read_text())
+    except OSError:
+        return None

@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from narwhal_serve.bench import procs
 from narwhal_serve.bench.client import Endpoint, Shape, make_session, send_one
-from narwhal_serve.bench.fleet import RAY_ENV, _app_dir, narwhal_app, serve_config
+from narwhal_serve.bench.fleet import RAY_ENV, app_dir, narwhal_app, serve_config
 from narwhal_serve.bench.report import RequestLog, check, checks_table, plot_lines, table, write_json
 from narwhal_serve.bench.stats import RequestResult
 from narwhal_serve.bench.workload import Api, LengthDist, RequestSpec, Workload
@@ -370,7 +370,7 @@ def run(a: RampArgs, out: Path,
         run_async: Callable[[Coroutine[Any, Any, Any]], Any]) -> tuple[dict[str, Any], int]:
     """The whole bench; returns the results and the exit status (0 when every check passes)."""
     knobs = DeploymentKnobs.model_validate(a.knobs)  # a bad knob fails here, naming the key
-    root = _app_dir()
+    root = app_dir()
     sampler_script = root / SAMPLER
     if not sampler_script.is_file():
         raise SystemExit(f"{SAMPLER} not found under {root}: run narwhal-bench ramp from the repository checkout")

@@ -53,18 +53,17 @@ import numpy as np
 
 from narwhal_serve.protocol.outcomes import TERMINAL
 from narwhal_serve.bench import procs
-from narwhal_serve.bench.client import Endpoint, Shape, _parse_error, make_session, request_body, send_one
-from narwhal_serve.bench.fleet import _app_dir, _sim_idle, narwhal_app, serve_config
+from narwhal_serve.bench.client import Endpoint, Shape, parse_error, make_session, request_body, send_one
+from narwhal_serve.bench.fleet import app_dir, sim_idle, narwhal_app, serve_config
 from narwhal_serve.bench.ramp import serve_env
+from narwhal_serve.bench.rss import APP, group_roles, judged, mb, rss_summary, rss_table, rss_timeline, sample_processes
 from narwhal_serve.bench.report import check, checks_table, plot_lines, run_dir, table, write_json
 from narwhal_serve.bench.stats import RequestResult
 from narwhal_serve.bench.workload import Api, LengthDist, RequestSpec, make_prompt
 from narwhal_serve.config import NarwhalConfig, SimFleetConfig
 from narwhal_serve.config.sim import FAULT_NAMES, SCRIPT_NAMES
 
-APP = "narwhal"
 SUPERVISOR = Path("scripts") / "serve_run.py"
-RAY_ROLE_PREFIX = "ray "  # roles of Ray's own processes: reported, never judged
 ENGINE_ONLY_FAULTS = frozenset({"unhealthy", "stale_metrics"})  # no effect as a per-request fault
 REQUEST_FAULTS: tuple[str, ...] = tuple(sorted(FAULT_NAMES - ENGINE_ONLY_FAULTS))
 HANG_FAULTS = frozenset({"hang", "hang_mid_stream"})
@@ -214,7 +213,7 @@ async def _leave_mid_stream(session: aiohttp.ClientSession, url: str, p: Planned
                             timeout=aiohttp.ClientTimeout(total=p.shape.timeout_s)) as resp:
         r.status = resp.status
         if resp.status != 200:
-            r.error_code = _parse_error(await resp.read(), resp.headers)
+            r.error_code = parse_error(await resp.read(), resp.headers)
             return
         seen = 0
         async for line in resp.content:
@@ -248,7 +247,7 @@ async def _malformed(session: aiohttp.ClientSession, url: str, p: Planned, r: Re
         raw = await resp.read()
         r.status = resp.status  # 400 expected: the tally shows its error code (invalid_request)
         r.error_code = ("ACCEPTED" if resp.status == 200
-                        else _parse_error(raw, resp.headers) or f"HTTP {resp.status}")
+                        else parse_error(raw, resp.headers) or f"HTTP {resp.status}")
 
 
 async def _truncated_body(url: str, p: Planned, r: RequestResult) -> None:
@@ -312,130 +311,6 @@ def engine_fault_schedule(load_s: float, every_s: float, hold_s: float, engines:
         out.append(Episode(round(start, 3), round(start + hold_s, 3), engines[k % len(engines)], fault))
         k += 1
     return out
-
-
-# --- processes and their memory --------------------------------------------------------------------
-
-
-def parse_vm_rss(status_text: str) -> int | None:
-    """``VmRSS`` in kB from a ``/proc/PID/status`` text (None for kernel threads and zombies)."""
-    for line in status_text.splitlines():
-        if line.startswith("VmRSS:"):
-            parts = line.split()
-            return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
-    return None
-
-
-def role_for(label: str, app: str = APP, supervisor: bool = False) -> str:
-    """The role of a process of the run from its :func:`procs.process_label` (the Ray actor title,
-    e.g. ``ray::ServeReplica:narwhal:Ingress``, or the program). Ray's own processes get the
-    ``"ray "`` prefix: reported, not judged."""
-    if supervisor:
-        return "supervisor (serve_run.py)"
-    replica = f"ray::ServeReplica:{app}:"
-    if label.startswith(replica):
-        return "replica " + label[len(replica):]
-    named = {"ray::ServeController": "Serve controller", "ray::ProxyActor": "Serve proxy actor",
-             "ray::HAProxyManager": "Serve HAProxy manager", "haproxy": "HAProxy", "serve run": "serve run (driver)"}
-    if label in named:
-        return named[label]
-    return RAY_ROLE_PREFIX + (label[5:] if label.startswith("ray::") else label)
-
-
-def judged(role: str) -> bool:
-    return not role.startswith(RAY_ROLE_PREFIX)
-
-
-def _rss_kb(pid: int) -> int | None:
-    try:
-        return parse_vm_rss(Path(f"/proc/{pid}/status").read_text())
-    except OSError:
-        return None
-
-
-def sample_processes(root: int, app: str = APP) -> list[tuple[int, str, int]]:
-    """``(pid, role, rss kB)`` of ``root`` and its live descendants."""
-    out = []
-    for pid in [root, *procs.descendants(root)]:
-        kb = _rss_kb(pid)
-        if kb is not None:
-            out.append((pid, role_for(procs.process_label(pid), app, supervisor=pid == root), kb))
-    return out
-
-
-def group_roles(rows: Sequence[tuple[int, str, int]]) -> dict[str, dict[str, Any]]:
-    """``{role: {"rss_kb": sum, "n": processes, "pids": [...]}}``."""
-    out: dict[str, dict[str, Any]] = {}
-    for pid, role, kb in rows:
-        g = out.setdefault(role, {"rss_kb": 0, "n": 0, "pids": []})
-        g["rss_kb"] += kb
-        g["n"] += 1
-        g["pids"].append(pid)
-    return out
-
-
-def _mb(kb: float | None) -> float | None:
-    return None if kb is None else round(kb / 1024.0, 1)
-
-
-def rss_summary(samples: Sequence[dict[str, Any]], baseline_s: float, max_growth_pct: float) -> list[dict[str, Any]]:
-    """Per role: processes, PIDs seen, RSS (MB) first / baseline / last / max, growth % from the
-    baseline (the role's first sample at or after ``baseline_s``) to the last sample, verdict
-    (``ok``, ``GREW``, ``GONE``: not in the last sample; ``info`` for Ray's own; ``n/a``: no baseline)."""
-    order: list[str] = []
-    for s in samples:
-        order += [r for r in s["roles"] if r not in order]
-    order = sorted(order, key=lambda r: not judged(r))  # stable: judged roles first, each in order of appearance
-    out = []
-    for role in order:
-        pts = [(float(s["t"]), s["roles"][role]) for s in samples if role in s["roles"]]
-        base = next((g for t, g in pts if t >= baseline_s), None)
-        last = pts[-1][1]
-        growth = None
-        if base is not None and base["rss_kb"] > 0:
-            growth = round((last["rss_kb"] - base["rss_kb"]) * 100.0 / base["rss_kb"], 2)
-        pids = sorted({p for _, g in pts for p in g["pids"]})
-        present = bool(samples) and role in samples[-1]["roles"]
-        if not judged(role):
-            verdict = "info"
-        elif not present:
-            verdict = "GONE"
-        elif growth is None:
-            verdict = "n/a"
-        else:
-            verdict = "GREW" if growth >= max_growth_pct else "ok"
-        out.append({"role": role, "judged": judged(role), "procs_min": min(g["n"] for _, g in pts),
-                    "procs_max": max(g["n"] for _, g in pts), "pids_seen": len(pids), "pids": pids,
-                    "first_mb": _mb(pts[0][1]["rss_kb"]), "baseline_mb": _mb(base["rss_kb"] if base else None),
-                    "baseline_t": next((t for t, _ in pts if t >= baseline_s), None),
-                    "last_mb": _mb(last["rss_kb"]), "max_mb": _mb(max(g["rss_kb"] for _, g in pts)),
-                    "growth_pct": growth, "verdict": verdict})
-    return out
-
-
-def rss_table(rows: Sequence[dict[str, Any]]) -> str:
-    return table(["role", "procs", "pids seen", "first MB", "baseline MB", "last MB", "max MB", "growth %", "verdict"],
-                 [[r["role"], r["procs_min"] if r["procs_min"] == r["procs_max"] else f"{r['procs_min']}-{r['procs_max']}",
-                   r["pids_seen"], r["first_mb"], r["baseline_mb"], r["last_mb"], r["max_mb"], r["growth_pct"],
-                   r["verdict"]] for r in rows], nd=1)
-
-
-def rss_timeline(samples: Sequence[dict[str, Any]], roles: Sequence[str], rows: int = 12) -> str:
-    """RSS (MB) of ``roles`` and the sum of Ray's own processes at about ``rows`` evenly spread
-    samples (the first, the last and the baseline's neighbours included by the spread)."""
-    if not samples:
-        return "(no samples)"
-    step = max(1, round(len(samples) / rows))
-    picked = [s for i, s in enumerate(samples) if i % step == 0]
-    if picked[-1] is not samples[-1]:
-        picked.append(samples[-1])
-    body = []
-    for s in picked:
-        g = s["roles"]
-        ray_kb = sum(v["rss_kb"] for k, v in g.items() if not judged(k))
-        body.append([f"{s['t']:.0f}", *[_mb(g[r]["rss_kb"]) if r in g else None for r in roles], _mb(ray_kb)])
-    short = [r.replace("replica ", "").replace("Serve ", "").split(" (")[0] for r in roles]
-    return table(["t (s)", *short, "ray (sum)"], body, nd=1)
 
 
 # --- the router's books ----------------------------------------------------------------------------
@@ -618,7 +493,7 @@ class Soak:
         t_end = time.monotonic()
         deadline = t_end + self.a.quiesce_timeout_s
         while time.monotonic() < deadline:
-            idle = await asyncio.to_thread(lambda: all(_sim_idle(u) for u in self.engines.values()))
+            idle = await asyncio.to_thread(lambda: all(sim_idle(u) for u in self.engines.values()))
             snap = await self._status(session)
             if snap is not None:
                 self.final_status = snap
@@ -705,7 +580,7 @@ def report(a: SoakArgs, soak: Soak) -> tuple[dict[str, Any], str, list[dict[str,
 
 def _plot(soak: Soak, roles: Sequence[str], path: Path) -> Path | None:
     series: dict[str, list[tuple[float, float | None]]] = {
-        r: [(float(s["t"]), _mb(s["roles"][r]["rss_kb"]) if r in s["roles"] else None) for s in soak.samples]
+        r: [(float(s["t"]), mb(s["roles"][r]["rss_kb"]) if r in s["roles"] else None) for s in soak.samples]
         for r in roles}
     return plot_lines(path, "RSS of Narwhal's processes under a soak", "seconds since the load started", "MB", series)
 
@@ -713,7 +588,7 @@ def _plot(soak: Soak, roles: Sequence[str], path: Path) -> Path | None:
 def run(a: SoakArgs, out: Path, run_async: Callable[[Coroutine[Any, Any, Any]], Any]) -> tuple[dict[str, Any], int]:
     """The whole soak; returns the results and the exit status (0 when every check passes, 130 when
     interrupted)."""
-    root = _app_dir()
+    root = app_dir()
     if not (root / SUPERVISOR).is_file():
         raise SystemExit(f"{SUPERVISOR} not found under {root}: run narwhal-bench soak from the repository checkout")
     results_path, folder = output_paths(out)

@@ -11,7 +11,7 @@ from narwhal_serve.bench.client import (
     Endpoint,
     RetryPolicy,
     Shape,
-    _parse_error,
+    parse_error,
     _retry_after,
     make_session,
     run_closed_loop,
@@ -65,8 +65,8 @@ async def test_cut_at_drain(engine: SimServer) -> None:
 
 def test_error_and_retry_after_parsing() -> None:
     h = CIMultiDict({"Retry-After": "3", "X-Narwhal-Reason": "queue_full"})
-    assert _parse_error(b'{"error": {"code": "ttft_budget_exceeded"}}', h) == "ttft_budget_exceeded"
-    assert _parse_error(b"not json", h) == "queue_full"
+    assert parse_error(b'{"error": {"code": "ttft_budget_exceeded"}}', h) == "ttft_budget_exceeded"
+    assert parse_error(b"not json", h) == "queue_full"
     assert _retry_after(h) == 3.0
     assert _retry_after(CIMultiDict({"Retry-After": "soon"})) is None
 

@@ -11,7 +11,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from narwhal_serve.bench import soak
+from narwhal_serve.bench import procs, rss, soak
 from narwhal_serve.bench.cli import build_parser, soak_args
 from narwhal_serve.bench.stats import RequestResult
 from narwhal_serve.config import NarwhalConfig
@@ -21,9 +21,9 @@ STATUS_TEXT = "Name:\tpython\nVmPeak:\t  200000 kB\nVmRSS:\t  148652 kB\nRssAnon
 
 
 def test_parse_vm_rss() -> None:
-    assert soak.parse_vm_rss(STATUS_TEXT) == 148652
-    assert soak.parse_vm_rss("Name:\tkthreadd\nState:\tS (sleeping)\n") is None  # kernel threads have none
-    assert soak.parse_vm_rss("VmRSS:\n") is None
+    assert procs.parse_vm_rss(STATUS_TEXT) == 148652
+    assert procs.parse_vm_rss("Name:\tkthreadd\nState:\tS (sleeping)\n") is None  # kernel threads have none
+    assert procs.parse_vm_rss("VmRSS:\n") is None
 
 
 @pytest.mark.parametrize(("label", "supervisor", "role", "judged"), [
@@ -41,12 +41,12 @@ def test_parse_vm_rss() -> None:
     ("dashboard", False, "ray dashboard", False),
 ])
 def test_roles(label: str, supervisor: bool, role: str, judged: bool) -> None:
-    assert soak.role_for(label, "narwhal", supervisor) == role
-    assert soak.judged(role) is judged
+    assert rss.role_for(label, "narwhal", supervisor) == role
+    assert rss.judged(role) is judged
 
 
 def test_group_roles_sums_processes() -> None:
-    g = soak.group_roles([(1, "HAProxy", 10), (2, "HAProxy", 5), (3, "replica Ingress", 100)])
+    g = rss.group_roles([(1, "HAProxy", 10), (2, "HAProxy", 5), (3, "replica Ingress", 100)])
     assert g == {"HAProxy": {"rss_kb": 15, "n": 2, "pids": [1, 2]},
                  "replica Ingress": {"rss_kb": 100, "n": 1, "pids": [3]}}
 
@@ -61,17 +61,17 @@ def test_growth_from_the_baseline_sample_to_the_last() -> None:
                _sample(10, replica_Ingress=150_000, ray_gcs=60_000, HAProxy=10_000),  # warm-up
                _sample(20, replica_Ingress=160_000, ray_gcs=60_000, HAProxy=10_000),  # the baseline (t >= 15)
                _sample(30, replica_Ingress=175_000, ray_gcs=90_000)]  # HAProxy gone
-    rows = {r["role"]: r for r in soak.rss_summary(samples, baseline_s=15.0, max_growth_pct=10.0)}
+    rows = {r["role"]: r for r in rss.rss_summary(samples, baseline_s=15.0, max_growth_pct=10.0)}
     ing = rows["replica Ingress"]
     assert ing["baseline_t"] == 20 and ing["growth_pct"] == pytest.approx(9.38, abs=0.01)
     assert ing["verdict"] == "ok" and ing["first_mb"] == round(100_000 / 1024, 1)
     assert ing["max_mb"] == ing["last_mb"] == round(175_000 / 1024, 1)
     assert rows["ray gcs"]["verdict"] == "info" and rows["ray gcs"]["growth_pct"] == 50.0  # reported, not judged
     assert rows["HAProxy"]["verdict"] == "GONE"
-    assert [r["role"] for r in soak.rss_summary(samples, 15.0, 10.0)][-1] == "ray gcs"  # judged roles first
-    grew = soak.rss_summary(samples, baseline_s=15.0, max_growth_pct=9.0)
+    assert [r["role"] for r in rss.rss_summary(samples, 15.0, 10.0)][-1] == "ray gcs"  # judged roles first
+    grew = rss.rss_summary(samples, baseline_s=15.0, max_growth_pct=9.0)
     assert next(r for r in grew if r["role"] == "replica Ingress")["verdict"] == "GREW"
-    late = soak.rss_summary(samples, baseline_s=99.0, max_growth_pct=10.0)
+    late = rss.rss_summary(samples, baseline_s=99.0, max_growth_pct=10.0)
     assert next(r for r in late if r["role"] == "replica Ingress")["verdict"] == "n/a"
 
 
@@ -79,9 +79,9 @@ def test_growth_sums_the_processes_of_a_role() -> None:
     s0 = {"t": 0, "roles": {"HAProxy": {"rss_kb": 100, "n": 1, "pids": [7]}}}
     s1 = {"t": 5, "roles": {"HAProxy": {"rss_kb": 100, "n": 2, "pids": [7, 8]}}}  # a reload: old + new
     s2 = {"t": 9, "roles": {"HAProxy": {"rss_kb": 105, "n": 1, "pids": [8]}}}
-    [row] = soak.rss_summary([s0, s1, s2], 0.0, 10.0)
+    [row] = rss.rss_summary([s0, s1, s2], 0.0, 10.0)
     assert (row["procs_min"], row["procs_max"], row["pids_seen"], row["growth_pct"]) == (1, 2, 2, 5.0)
-    assert "1-2" in soak.rss_table([row])
+    assert "1-2" in rss.rss_table([row])
 
 
 SNAP: dict[str, Any] = {
