@@ -14,7 +14,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from narwhal_serve.bench import assembly, decision, profile, ramp, soak, tenants, transport, transport_checks, views, vllmbench
+from narwhal_serve.bench import assembly, decision, profile, ramp, soak, soak_mix, tenants, transport, transport_checks, views, vllmbench
 from narwhal_serve.bench.fleet import TARGETS, Fleet, FleetSpec, SimTiming, known_target
 from narwhal_serve.bench.goodput import GoodputArgs, GoodputRun, run_goodput_suite
 from narwhal_serve.bench.overhead import OverheadArgs, run_overhead
@@ -234,7 +234,7 @@ def ramp_parser(r: argparse.ArgumentParser) -> None:
 
 
 def soak_parser(s: argparse.ArgumentParser) -> None:
-    d = soak.SoakArgs()
+    d = soak_mix.SoakArgs()
     s.add_argument("--minutes", type=float, default=d.minutes, help="length of the load (default %(default)s)")
     s.add_argument("--concurrency", type=int, default=d.concurrency, help="closed-loop clients (default %(default)s)")
     s.add_argument("--think-s", type=float, default=d.think_s,
@@ -265,9 +265,9 @@ def soak_parser(s: argparse.ArgumentParser) -> None:
     s.add_argument("--narwhal-start-timeout-s", type=float, default=d.start_timeout_s)
 
 
-def soak_args(ns: argparse.Namespace) -> soak.SoakArgs:
+def soak_args(ns: argparse.Namespace) -> soak_mix.SoakArgs:
     try:
-        return soak.SoakArgs(minutes=ns.minutes, concurrency=ns.concurrency, think_s=ns.think_s,
+        return soak_mix.SoakArgs(minutes=ns.minutes, concurrency=ns.concurrency, think_s=ns.think_s,
                              sample_s=ns.sample_s, fault_rate=ns.fault_rate, disconnect_rate=ns.disconnect_rate,
                              malformed_rate=ns.malformed_rate, engine_fault_every_s=ns.engine_fault_every_s,
                              engine_fault_s=ns.engine_fault_s, baseline_s=ns.baseline_s,

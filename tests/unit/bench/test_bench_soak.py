@@ -11,7 +11,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from narwhal_serve.bench import procs, rss, soak
+from narwhal_serve.bench import procs, rss, soak, soak_mix
 from narwhal_serve.bench.cli import build_parser, soak_args
 from narwhal_serve.bench.stats import RequestResult
 from narwhal_serve.config import NarwhalConfig
@@ -123,16 +123,16 @@ def test_checks_fail_on_leaks_imbalance_and_growth() -> None:
 
 
 def test_request_faults_cover_every_per_request_fault() -> None:
-    assert set(soak.REQUEST_FAULTS) == FAULT_NAMES - {"unhealthy", "stale_metrics"}
-    assert soak.HANG_FAULTS <= set(soak.REQUEST_FAULTS)
+    assert set(soak_mix.REQUEST_FAULTS) == FAULT_NAMES - {"unhealthy", "stale_metrics"}
+    assert soak_mix.HANG_FAULTS <= set(soak_mix.REQUEST_FAULTS)
     assert set(soak.ENGINE_FAULTS) <= FAULT_NAMES
 
 
 def test_the_mix_is_seeded_and_shaped() -> None:
-    a = soak.SoakArgs(fault_rate=0.2, disconnect_rate=0.1, malformed_rate=0.1)
+    a = soak_mix.SoakArgs(fault_rate=0.2, disconnect_rate=0.1, malformed_rate=0.1)
     rng = np.random.default_rng(3)
-    plans = [soak.plan_request(rng, a, i) for i in range(3000)]
-    again = [soak.plan_request(np.random.default_rng(3), a, 0)]
+    plans = [soak_mix.plan_request(rng, a, i) for i in range(3000)]
+    again = [soak_mix.plan_request(np.random.default_rng(3), a, 0)]
     assert again[0].tag == plans[0].tag and again[0].spec.prompt == plans[0].spec.prompt
     kinds = Counter(p.kind for p in plans)
     assert kinds["fault"] == pytest.approx(600, rel=0.2) and kinds["normal"] == pytest.approx(1800, rel=0.1)
@@ -140,8 +140,8 @@ def test_the_mix_is_seeded_and_shaped() -> None:
     for p in plans:
         sim = (p.extra or {}).get("sim", {})
         if p.kind == "fault":
-            assert sim["fault"] in soak.REQUEST_FAULTS and 0 <= sim["fault_after"] < 5
-            hang = sim["fault"] in soak.HANG_FAULTS
+            assert sim["fault"] in soak_mix.REQUEST_FAULTS and 0 <= sim["fault_after"] < 5
+            hang = sim["fault"] in soak_mix.HANG_FAULTS
             timeout = dict(p.shape.extra_headers).get("X-Request-Timeout")
             assert (timeout is not None) == hang and (not hang or 2.0 <= float(timeout) <= 5.0)
         if p.kind == "leave_mid_stream":
@@ -149,7 +149,7 @@ def test_the_mix_is_seeded_and_shaped() -> None:
         if p.kind == "leave_before_headers":
             assert not p.shape.stream and 0.01 <= p.leave_after <= 0.2
         if p.kind == "malformed":
-            assert p.raw_body in soak.MALFORMED_BODIES
+            assert p.raw_body in soak_mix.MALFORMED_BODIES
         if p.kind == "truncated_body":
             assert p.raw_body is not None and json.loads(p.raw_body)["model"] == a.model
         assert 4 <= p.spec.prompt_tokens <= 2048 and 1 <= p.spec.output_tokens <= 256
@@ -159,18 +159,18 @@ def test_the_mix_is_seeded_and_shaped() -> None:
     assert {p.shape.include_usage for p in normal} == {True, False}
     assert any(p.tag.startswith("normal script=") for p in normal)
     with pytest.raises(ValueError):
-        soak.SoakArgs(fault_rate=0.6, disconnect_rate=0.3, malformed_rate=0.2)
+        soak_mix.SoakArgs(fault_rate=0.6, disconnect_rate=0.3, malformed_rate=0.2)
 
 
 def test_outcome_and_status_keys() -> None:
     r = RequestResult(idx=0, target="n", sent=0.0, prompt_tokens=1, max_tokens=1, status=200, ok=True)
-    assert (soak.outcome(r), soak.status_key(r)) == ("ok", "200")
+    assert (soak_mix.outcome(r), soak_mix.status_key(r)) == ("ok", "200")
     left = RequestResult(idx=0, target="n", sent=0.0, prompt_tokens=1, max_tokens=1, error_code="left before headers")
-    assert (soak.outcome(left), soak.status_key(left)) == ("left before headers", "left")
+    assert (soak_mix.outcome(left), soak_mix.status_key(left)) == ("left before headers", "left")
     gone = RequestResult(idx=0, target="n", sent=0.0, prompt_tokens=1, max_tokens=1, error_code="ClientOSError")
-    assert soak.status_key(gone) == "none"
+    assert soak_mix.status_key(gone) == "none"
     refused = RequestResult(idx=0, target="n", sent=0.0, prompt_tokens=1, max_tokens=1, status=429)
-    assert soak.outcome(refused) == "HTTP 429"
+    assert soak_mix.outcome(refused) == "HTTP 429"
 
 
 def test_engine_fault_schedule_rotates_and_ends_before_the_tail() -> None:
@@ -200,7 +200,7 @@ def test_serve_config_is_the_run_configs_application(tmp_path: Path) -> None:
 
 
 def test_report_text_and_json(tmp_path: Path) -> None:
-    a = soak.SoakArgs(minutes=1.0, engine_fault_s=5.0)
+    a = soak_mix.SoakArgs(minutes=1.0, engine_fault_s=5.0)
     s = soak.Soak(a, "http://127.0.0.1:1", {}, cast(Any, None), tmp_path / "samples.jsonl")
     s.samples = [{**_sample(t, replica_Ingress=100_000 + t, ray_gcs=50_000), "status": None} for t in range(0, 70, 10)]
     s.tally = Counter({("normal", "ok"): 5, ("fault error_500", "bad_engine_response"): 1})
