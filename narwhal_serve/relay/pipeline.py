@@ -29,7 +29,6 @@ from narwhal_serve.engines.legs import dialect_of, open_route, prioritized
 from narwhal_serve.errors import BadEngineResponse, InvalidRequest, TerminalExpiry
 from narwhal_serve.observability import Tracing, end_span
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
-from narwhal_serve.protocol.requests import ParsedRequest
 from narwhal_serve.relay.attempt import (
     DONE_EVENT,
     Attempt,
@@ -46,7 +45,7 @@ from narwhal_serve.relay.attempt import (
 from narwhal_serve.relay.coalesce import coalesce
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.relay.messages import EngineFault, EngineWorked, RelayMessage
-from narwhal_serve.relay.resume import Reshaper, Transcript, continuation_body, not_resumable
+from narwhal_serve.relay.resume import Reshaper, continuation_body, length_end, resume_refusal, resume_target
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -281,8 +280,9 @@ class Relay:
         if t.finish_reason is not None:  # cut after the last token: only the end was lost
             at.notes.append((reason, "finished"))
             return
-        why = self._refusal(placed, at)
-        target = None if why else self._target(placed, at)
+        why = resume_refusal(req, t, at.route.decode, at.resumes, self.max_resumes, self.clock(), placed.deadline)
+        target = None if why else resume_target(self.live_targets() if self.live_targets is not None else [],
+                                                placed.candidates, at.excluded)
         if why is None and target is None:
             why = "no_engine"
         if why is not None or target is None:
@@ -292,7 +292,7 @@ class Relay:
         body = continuation_body(req, t.prompt_ids, t.output_ids)
         if body is None:  # every token the client allowed was generated: only the end was lost
             at.notes.append((reason, "finished"))
-            yield [self._length_end(req, t)]
+            yield [length_end(req, t)]
             return
         at.resumes += 1
         at.health.append(fault_of(failure, at.route))
@@ -335,39 +335,6 @@ class Relay:
             yield exc
         finally:
             await stream.aclose()
-
-    def _target(self, placed: PlacedRequest, at: Attempt) -> EngineConfig | None:
-        """Where to continue: the least loaded engine eligible now (an engine of the fleet that was
-        no candidate at admission, or busy then, may be the best now), else a candidate route's."""
-        for pool in (self.live_targets() if self.live_targets is not None else [],
-                     [r.decode for r in placed.candidates]):
-            for e in pool:
-                if e.name not in at.excluded and dialect_of(e).supports_token_ids:
-                    return e
-        return None
-
-    def _refusal(self, placed: PlacedRequest, at: Attempt) -> str | None:
-        """Why this cut is not resumed (an outcome label), or None."""
-        req, t = placed.request, at.transcript
-        if at.resumes >= self.max_resumes:
-            return "limit"
-        if self.clock() >= placed.deadline:
-            return "deadline"
-        dialect = dialect_of(at.route.decode)
-        if (not dialect.supports_token_ids or t.prompt_ids is None or t.reasoning
-                or not_resumable(req, holds_back_stops=dialect.name == "vllm") is not None):
-            return "not_exact"
-        return None
-
-    @staticmethod
-    def _length_end(req: ParsedRequest, t: Transcript) -> dict[str, Any]:
-        """The final chunk of an answer that reached its ``max_tokens`` when the engine died."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "stop_reason": None}
-        if req.route == "chat":
-            choice.update(delta={}, logprobs=None)
-        else:
-            choice.update(text="", logprobs=None)
-        return {**t.meta, "model": None, "choices": [choice]}
 
     async def _stream(
         self, placed: PlacedRequest, at: Attempt, headers: dict[str, str], span: "Span | None"

@@ -19,9 +19,13 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import Any
 
+from narwhal_serve.config import EngineConfig
+from narwhal_serve.engines.legs import dialect_of
 from narwhal_serve.errors import BadEngineResponse
+from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.protocol.requests import ParsedRequest
 
 # The client's keys a continuation must not carry (the completions endpoint reads them differently,
@@ -260,3 +264,39 @@ class Reshaper:
             shaped["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
                                "total_tokens": self.prompt_tokens + done}
         return shaped
+
+
+def resume_refusal(req: ParsedRequest, t: Transcript, engine: EngineConfig, resumes: int, max_resumes: int,
+                   now: float, deadline: float) -> str | None:
+    """Why a cut on ``engine`` is not resumed (an outcome label: README, "Engine failures"), or None."""
+    if resumes >= max_resumes:
+        return "limit"
+    if now >= deadline:
+        return "deadline"
+    dialect = dialect_of(engine)
+    if (not dialect.supports_token_ids or t.prompt_ids is None or t.reasoning
+            or not_resumable(req, holds_back_stops=dialect.name == "vllm") is not None):
+        return "not_exact"
+    return None
+
+
+def resume_target(live: Sequence[EngineConfig], candidates: Sequence[RouteChoice],
+                  excluded: Collection[str]) -> EngineConfig | None:
+    """Where to continue: the least loaded engine eligible now (``live``, least loaded first: an
+    engine of the fleet that was no candidate at admission, or busy then, may be the best now), else
+    a candidate route's decode engine; never one that failed this request."""
+    for pool in (live, [r.decode for r in candidates]):
+        for e in pool:
+            if e.name not in excluded and dialect_of(e).supports_token_ids:
+                return e
+    return None
+
+
+def length_end(req: ParsedRequest, t: Transcript) -> dict[str, Any]:
+    """The final chunk of an answer that reached its ``max_tokens`` when the engine died."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "stop_reason": None}
+    if req.route == "chat":
+        choice.update(delta={}, logprobs=None)
+    else:
+        choice.update(text="", logprobs=None)
+    return {**t.meta, "model": None, "choices": [choice]}
