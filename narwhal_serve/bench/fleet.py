@@ -20,6 +20,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,20 @@ RAY_ENV = {
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
 }
 RAY_DEFAULT_NICENESS = 15  # Ray starts its workers at nice 15 unless RAY_worker_niceness says otherwise
+
+
+def bench_serve_env(log_dir: Path, extra: Iterable[tuple[str, str]] = (), **more: str) -> dict[str, str]:
+    """A benchmark's ``serve run`` environment: the run mode's (:data:`RAY_ENV`, direct ingress
+    with the HAProxy wrapper), this run's own HAProxy ports (away from a ``make run`` on the same
+    machine), then ``more``; ``extra`` (the command's ``--ray-env``) wins."""
+    env = {**RAY_ENV,
+           "RAY_SERVE_HAPROXY_STATS_PORT": str(procs.free_port()),
+           "RAY_SERVE_HAPROXY_METRICS_PORT": str(procs.free_port()),
+           "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(procs.free_port()),
+           **more, **dict(extra)}
+    if env["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
+        env = direct_ingress_env(env, str(log_dir / "haproxy-bin"))
+    return env
 
 
 @dataclass(frozen=True)
@@ -273,15 +288,7 @@ class Fleet:
         return self.proxy if target in ("proxy", "rr") else None
 
     def _ray_env(self) -> dict[str, str]:
-        env = {**RAY_ENV, "RAY_worker_niceness": str(self.spec.ray_niceness),
-               # HAProxy's own ports, away from a `make run` on the same machine
-               "RAY_SERVE_HAPROXY_STATS_PORT": str(procs.free_port()),
-               "RAY_SERVE_HAPROXY_METRICS_PORT": str(procs.free_port()),
-               "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(procs.free_port()),
-               **dict(self.spec.ray_env)}
-        if env["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
-            env = direct_ingress_env(env, str(self.log_dir / "haproxy-bin"))
-        return env
+        return bench_serve_env(self.log_dir, self.spec.ray_env, RAY_worker_niceness=str(self.spec.ray_niceness))
 
     def settle(self, timeout_s: float = 15.0) -> bool:
         """Wait until every simulated engine is idle (nothing running or waiting); bounded."""

@@ -36,15 +36,13 @@ from typing import Any, Literal
 
 from narwhal_serve.bench import procs
 from narwhal_serve.bench.client import Endpoint, Shape, make_session, send_one
-from narwhal_serve.bench.fleet import RAY_ENV, app_dir, narwhal_app, serve_config
-from narwhal_serve.bench.report import RequestLog, check, checks_table, plot_lines, table, write_json
+from narwhal_serve.bench.ramp_report import APP, DEPLOYMENTS, level_at, outcome, plot, read_samples, replica_cell, replicas, settled, summarize_ramp, timeline, timeline_table
+from narwhal_serve.bench.fleet import app_dir, bench_serve_env, narwhal_app, serve_config
+from narwhal_serve.bench.report import RequestLog, checks_table, write_json
 from narwhal_serve.bench.stats import RequestResult
 from narwhal_serve.bench.workload import Api, LengthDist, RequestSpec, Workload
 from narwhal_serve.config import DeploymentKnobs
-from narwhal_serve.runenv import direct_ingress_env
 
-APP = "narwhal"
-DEPLOYMENTS = ("Ingress", "Assembler")
 SAMPLER = Path("scripts") / "serve_replicas.py"
 
 
@@ -97,15 +95,6 @@ def schedule(a: RampArgs) -> list[tuple[float, int]]:
     return out
 
 
-def level_at(sched: list[tuple[float, int]], t: float) -> int:
-    level = 0
-    for start, n in sched:
-        if start > t:
-            break
-        level = n
-    return level
-
-
 def ramp_serve_config(port: int, sim_base: int, a: RampArgs) -> dict[str, Any]:
     """The ``serve run`` config: one application at ``/``, the embedded simulated fleet, the knobs."""
     engines = [{"name": f"sim-unified-{i}", "role": "unified", "tpot_base_s": a.tpot_s, "tpot_per_running_s": 0.0,
@@ -119,57 +108,7 @@ def ramp_serve_config(port: int, sim_base: int, a: RampArgs) -> dict[str, Any]:
     return serve_config(port, [narwhal_app(args, APP)])
 
 
-# --- samples of serve.status() -------------------------------------------------------------------
-
-
-def read_samples(path: Path) -> list[dict[str, Any]]:
-    """The sampler's JSON lines so far (a half-written last line is skipped)."""
-    out: list[dict[str, Any]] = []
-    try:
-        text = path.read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-def replicas(sample: dict[str, Any], deployment: str) -> dict[str, int]:
-    """``{state: count}`` of one deployment in one sample (empty when absent or failed)."""
-    dep = sample.get("apps", {}).get(APP, {}).get("deployments", {}).get(deployment, {})
-    return {str(k): int(v) for k, v in dep.get("replicas", {}).items()}
-
-
-def replica_cell(counts: dict[str, int]) -> str:
-    """``2`` running, ``2+1`` with one starting, ``2-1`` with one stopping."""
-    if not counts:
-        return "-"
-    cell = str(counts.get("RUNNING", 0))
-    starting = sum(v for k, v in counts.items() if k in ("STARTING", "UPDATING", "RECOVERING"))
-    if starting:
-        cell += f"+{starting}"
-    if counts.get("STOPPING"):
-        cell += f"-{counts['STOPPING']}"
-    return cell
-
-
-def settled(sample: dict[str, Any], mins: dict[str, int]) -> bool:
-    """Every deployment at its minimum, all running, none starting or stopping."""
-    for dep, lo in mins.items():
-        c = replicas(sample, dep)
-        if c.get("RUNNING", 0) != lo or sum(c.values()) != lo:
-            return False
-    return True
-
-
 # --- the run -------------------------------------------------------------------------------------
-
-
-def outcome(r: RequestResult) -> str:
-    return "ok" if r.ok else "refused" if r.refused else "failed"
 
 
 class Ramp:
@@ -258,101 +197,13 @@ class Ramp:
         return None
 
 
-def timeline(samples: list[dict[str, Any]], results: list[RequestResult], sched: list[tuple[float, int]],
-             t0_wall: float) -> list[dict[str, Any]]:
-    """One row per sample: seconds since the load started, clients allowed, requests in flight,
-    replicas of each deployment (by state), requests finished so far by outcome."""
-    ends = sorted((r.sent + (r.e2e or 0.0), outcome(r)) for r in results if r.e2e is not None)
-    load_end = sched[-1][0]
-    rows = []
-    for s in samples:
-        if "apps" not in s:
-            continue
-        t = float(s["t"]) - t0_wall
-        done = Counter(o for e, o in ends if e <= t)
-        row: dict[str, Any] = {
-            "t": round(t, 2),
-            "clients": level_at(sched, t) if 0 <= t < load_end else 0,
-            "in_flight": sum(1 for r in results if r.sent <= t and (r.e2e is None or t < r.sent + r.e2e)),
-            "ok": done["ok"], "failed": done["failed"], "refused": done["refused"],
-        }
-        for d in DEPLOYMENTS:
-            row[d] = replicas(s, d)
-        rows.append(row)
-    return rows
-
-
-def summarize_ramp(rows: list[dict[str, Any]], results: list[RequestResult], knobs: DeploymentKnobs,
-                   settle_s: float | None) -> dict[str, Any]:
-    mins = {"Ingress": knobs.ingress_min_replicas, "Assembler": knobs.assembler_min_replicas}
-    maxs = {"Ingress": knobs.ingress_max_replicas, "Assembler": knobs.assembler_max_replicas}
-    c = Counter(outcome(r) for r in results)
-    deps: dict[str, Any] = {}
-    for d in DEPLOYMENTS:
-        running = [(row["t"], row[d].get("RUNNING", 0)) for row in rows if row[d]]
-        peak = max((n for _, n in running), default=0)
-        first_up = next((t for t, n in running if n > mins[d]), None)
-        back = None
-        if first_up is not None:
-            back = next((t for t, n in running if t > first_up and n == mins[d]
-                         and all(n2 == mins[d] for t2, n2 in running if t2 >= t)), None)
-        deps[d] = {"min": mins[d], "max": maxs[d], "initial": running[0][1] if running else None, "peak": peak,
-                   "final": running[-1][1] if running else None, "first_scale_up_t": first_up,
-                   "back_at_min_t": back}
-    failed = [r for r in results if outcome(r) == "failed"]
-    checks = []
-    for d in DEPLOYMENTS:
-        checks.append(check(f"{d} peak replicas > min ({mins[d]})", float(deps[d]["peak"]), ">=", mins[d] + 1))
-        final = deps[d]["final"]
-        checks.append(check(f"{d} final replicas == min ({mins[d]})", None if final is None else float(final),
-                            "<=", mins[d]))
-    checks.append(check("failed requests", float(len(failed)), "<=", 0))
-    return {"requests": {"total": len(results), "ok": c["ok"], "failed": c["failed"], "refused": c["refused"],
-                         "error_codes": dict(Counter(r.error_code or f"http_{r.status}" for r in results if not r.ok))},
-            "deployments": deps, "settle_s": None if settle_s is None else round(settle_s, 1), "checks": checks}
-
-
-def timeline_table(rows: list[dict[str, Any]], every_s: float) -> str:
-    """Rows every ``every_s`` seconds, plus each row where a replica count changed."""
-    shown: list[list[Any]] = []
-    last_key: tuple[str, ...] | None = None
-    next_t = -math.inf
-    for i, row in enumerate(rows):
-        key = tuple(replica_cell(row[d]) for d in DEPLOYMENTS)
-        if key != last_key or row["t"] >= next_t or i == len(rows) - 1:
-            shown.append([f"{row['t']:.0f}", row["clients"], row["in_flight"], *key, row["ok"], row["failed"],
-                          row["refused"]])
-            if row["t"] >= next_t:
-                next_t = (math.floor(row["t"] / every_s) + 1) * every_s
-            last_key = key
-    return table(["t (s)", "clients", "in flight", "Ingress", "Assembler", "ok", "failed", "refused"], shown)
-
-
-def _plot(rows: list[dict[str, Any]], out: Path) -> Path | None:
-    series: dict[str, list[tuple[float, float | None]]] = {
-        "clients": [(r["t"], float(r["clients"])) for r in rows],
-        "in flight": [(r["t"], float(r["in_flight"])) for r in rows],
-    }
-    for d in DEPLOYMENTS:
-        series[f"{d} replicas (running)"] = [(r["t"], float(r[d].get("RUNNING", 0)) if r[d] else None) for r in rows]
-    return plot_lines(out / "ramp.png", "Serve autoscaling under a load ramp", "seconds since the load started",
-                      "count", series)
-
-
 def serve_env(log_dir: Path, gcs_port: int, extra: tuple[tuple[str, str], ...]) -> dict[str, str]:
     """``serve run``'s environment: the run mode's (direct ingress with the HAProxy wrapper), this
     run's own HAProxy ports, the GCS on ``gcs_port``, workers at nice 0; ``extra`` wins."""
-    env = {**RAY_ENV, "RAY_worker_niceness": "0",
-           # the run mode's draining window (scripts/serve_run.py), not the tests' 1 s
-           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
-           "RAY_GCS_SERVER_PORT": str(gcs_port),  # the sampler connects here
-           "RAY_SERVE_HAPROXY_STATS_PORT": str(procs.free_port()),
-           "RAY_SERVE_HAPROXY_METRICS_PORT": str(procs.free_port()),
-           "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(procs.free_port()),
-           **dict(extra)}
-    if env["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
-        env = direct_ingress_env(env, str(log_dir / "haproxy-bin"))
-    return env
+    return bench_serve_env(log_dir, extra, RAY_worker_niceness="0",
+                           # the run mode's draining window (scripts/serve_run.py), not the tests' 1 s
+                           RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="5",
+                           RAY_GCS_SERVER_PORT=str(gcs_port))  # the sampler connects here
 
 
 def _wait_first_sample(path: Path, sampler: procs.Managed, timeout_s: float) -> None:
@@ -414,12 +265,12 @@ def run(a: RampArgs, out: Path,
     rows = timeline(samples, ramp.results, ramp.sched, ramp.t0_wall)
     summary = summarize_ramp(rows, ramp.results, knobs, settle_s)
     RequestLog(out / "requests.jsonl").write({"phase": "ramp"}, ramp.results)
-    plot = _plot(rows, out)
+    plotted = plot(rows, out)
     autoscaling = {"Ingress": knobs.autoscaling("ingress"), "Assembler": knobs.autoscaling("assembler")}
     res = {"meta": {"mode": "ramp", "args": {**asdict(a), "ray_env": dict(a.ray_env)}, "schedule": ramp.sched,
                     "serve_config": cfg, "autoscaling": autoscaling,
                     "wall_s": round(time.monotonic() - t_start, 1), "t0_unix": ramp.t0_wall},
-           "summary": summary, "timeline": rows, "plots": [str(plot)] if plot else []}
+           "summary": summary, "timeline": rows, "plots": [str(plotted)] if plotted else []}
     path = write_json(out / "results.json", res)
     misses = [c for c in summary["checks"] if c["verdict"] != "PASS"]
     print("\n## replicas over time (Serve's status; running, +starting, -stopping)")
@@ -438,6 +289,6 @@ def run(a: RampArgs, out: Path,
           else f"  NOT back at the minimum within {a.settle_timeout_s:.0f} s after the load ended")
     print(checks_table(summary["checks"]))
     print(f"\nresults: {path}\nper request: {out / 'requests.jsonl'}\nServe samples: {samples_path}")
-    if plot:
-        print(f"plot: {plot}")
+    if plotted:
+        print(f"plot: {plotted}")
     return res, (1 if misses else 0)

@@ -8,7 +8,7 @@ from enum import Enum
 
 import pytest
 
-from narwhal_serve.bench import ramp
+from narwhal_serve.bench import ramp, ramp_report
 from narwhal_serve.bench.cli import build_parser, ramp_args
 from narwhal_serve.bench.stats import RequestResult
 from narwhal_serve.config import DeploymentKnobs, NarwhalConfig
@@ -24,7 +24,7 @@ def test_schedule_rises_holds_and_falls_to_zero() -> None:
     assert levels[: top + 1] == sorted(levels[: top + 1])  # only up to the peak
     assert levels[top:] == sorted(levels[top:], reverse=True)  # only down after it
     assert sched[-1] == (110.0, 0)  # the load ends at ramp_up + hold + ramp_down
-    assert ramp.level_at(sched, -1) == 0 and ramp.level_at(sched, 70) == 12 and ramp.level_at(sched, 200) == 0
+    assert ramp_report.level_at(sched, -1) == 0 and ramp_report.level_at(sched, 70) == 12 and ramp_report.level_at(sched, 200) == 0
     assert all(t2 > t1 for (t1, _), (t2, _) in zip(sched, sched[1:]))
 
 
@@ -82,17 +82,17 @@ def test_timeline_and_summary_of_a_scale_up_and_down() -> None:
     sched = [(0.0, 2), (6.0, 0)]
     results = [_result(0, 0.0, 1.0), _result(1, 0.5, 3.0), _result(2, 1.5, 0.1, status=429, ok=False),
                _result(3, 2.5, 0.5, status=200, ok=False)]
-    rows = ramp.timeline(samples, results, sched, t0)
+    rows = ramp_report.timeline(samples, results, sched, t0)
     assert [r["t"] for r in rows] == [-1.0, 2.0, 4.0, 8.0, 9.0]
     assert [r["clients"] for r in rows] == [0, 2, 2, 0, 0]
     assert rows[1]["in_flight"] == 1 and rows[1]["ok"] == 1 and rows[1]["refused"] == 1
     assert rows[-1]["failed"] == 1 and rows[-1]["ok"] == 2
-    assert ramp.replica_cell(rows[1]["Ingress"]) == "1+1" and ramp.replica_cell(rows[3]["Ingress"]) == "1-1"
-    assert ramp.settled(samples[-1], {"Ingress": 1, "Assembler": 1})
-    assert not ramp.settled(samples[4], {"Ingress": 1, "Assembler": 1})
+    assert ramp_report.replica_cell(rows[1]["Ingress"]) == "1+1" and ramp_report.replica_cell(rows[3]["Ingress"]) == "1-1"
+    assert ramp_report.settled(samples[-1], {"Ingress": 1, "Assembler": 1})
+    assert not ramp_report.settled(samples[4], {"Ingress": 1, "Assembler": 1})
 
     knobs = DeploymentKnobs(ingress_max_replicas=3, assembler_max_replicas=3)
-    s = ramp.summarize_ramp(rows, results, knobs, settle_s=3.0)
+    s = ramp_report.summarize_ramp(rows, results, knobs, settle_s=3.0)
     assert s["requests"] == {"total": 4, "ok": 2, "failed": 1, "refused": 1,
                              "error_codes": {"http_429": 1, "http_200": 1}}
     assert s["deployments"]["Ingress"] == {"min": 1, "max": 3, "initial": 1, "peak": 2, "final": 1,
@@ -102,7 +102,7 @@ def test_timeline_and_summary_of_a_scale_up_and_down() -> None:
     assert verdicts == {"Ingress peak replicas > min (1)": "PASS", "Ingress final replicas == min (1)": "PASS",
                         "Assembler peak replicas > min (1)": "PASS", "Assembler final replicas == min (1)": "PASS",
                         "failed requests": "MISS"}
-    text = ramp.timeline_table(rows, 5.0)
+    text = ramp_report.timeline_table(rows, 5.0)
     assert "1+1" in text and "Assembler" in text
 
 
