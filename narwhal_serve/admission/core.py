@@ -386,19 +386,3 @@ def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | 
             assert ask.tpot_budget_s is not None
             return judge_tpot(best.tpot_s, ask.tpot_budget_s, min((s.shed_s for s in scored if s.shed_s > 0), default=None))
     return placement
-
-
-def charge(placement: Placement) -> dict[str, EngineDelta]:
-    """What admitting ``placement`` adds to each engine's counts.  Its prompt's blocks count as held
-    by its first-token engine from now on (a *pending prefix*): a request with the same prefix is
-    placed behind it there and finds the blocks cached when its own prefill starts, instead of
-    spilling cold onto another engine while the first prefill runs."""
-    out = {name: EngineDelta(inflight=1) for name in placement.engines}
-    if placement.first_engine is not None:
-        out[placement.first_engine] = out.get(placement.first_engine, EngineDelta()) + EngineDelta(
-            pending_prefill_tokens=placement.prefill_tokens, pending_prefill_requests=1,
-            prefix=frozenset(placement.prefix),
-        )
-    if placement.decode_engine is not None and placement.decode_engine in out:
-        out[placement.decode_engine] = out[placement.decode_engine] + EngineDelta(decode_tokens=placement.expected_out)
-    return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from narwhal_serve.admission.core import EngineDelta, Placement, charge
+from narwhal_serve.admission.core import EngineDelta, Placement
 from narwhal_serve.prediction.decode import remaining_tokens
 
 Deltas = dict[str, EngineDelta]
@@ -43,8 +43,24 @@ def add(into: Deltas, more: Mapping[str, EngineDelta]) -> None:
         into[name] = into.get(name, EngineDelta()) + d
 
 
+def charge(placement: Placement) -> dict[str, EngineDelta]:
+    """What admitting ``placement`` adds to each engine's counts.  Its prompt's blocks count as held
+    by its first-token engine from now on (a *pending prefix*): a request with the same prefix is
+    placed behind it there and finds the blocks cached when its own prefill starts, instead of
+    spilling cold onto another engine while the first prefill runs."""
+    out = {name: EngineDelta(inflight=1) for name in placement.engines}
+    if placement.first_engine is not None:
+        out[placement.first_engine] = out.get(placement.first_engine, EngineDelta()) + EngineDelta(
+            pending_prefill_tokens=placement.prefill_tokens, pending_prefill_requests=1,
+            prefix=frozenset(placement.prefix),
+        )
+    if placement.decode_engine is not None and placement.decode_engine in out:
+        out[placement.decode_engine] = out[placement.decode_engine] + EngineDelta(decode_tokens=placement.expected_out)
+    return out
+
+
 def admitted(t: Ticket) -> Deltas:
-    """A new ticket's charges (:func:`~narwhal_serve.admission.core.charge` of its placement)."""
+    """A new ticket's charges (:func:`charge` of its placement)."""
     p = t.placement
     out = charge(p)
     t.engines, t.prefill_done = p.engines, False

@@ -43,7 +43,7 @@ class TicketBook(SchedulerState):
             e.pending_prefill_requests = max(0, e.pending_prefill_requests + d.pending_prefill_requests)
             e.decode_tokens = max(0.0, e.decode_tokens + d.decode_tokens)
             if d.prefix:
-                e.prefix.pend(d.prefix)  # a pending prefix (admission/core.py charge)
+                e.prefix.pend(d.prefix)  # a pending prefix (admission/ledger.py charge)
             if d.prefix_done:
                 e.prefix.unpend(d.prefix_done)
 

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from narwhal_serve.admission.controller import Refusal
-from narwhal_serve.admission.core import Ask, EngineFacts, FleetView, Placement, charge, decide
+from narwhal_serve.admission.core import Ask, EngineFacts, FleetView, Placement, decide
+from narwhal_serve.admission.ledger import charge
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
 from narwhal_serve.placement.prefix import text_block_hashes
