@@ -7,20 +7,26 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from narwhal_serve.assembly.tokens import check_token_ids
 from narwhal_serve.assembly.usage import computed_usage
 from narwhal_serve.engines.errors import EngineFailure
 from narwhal_serve.engines.legs import LegCursor
 from narwhal_serve.errors import BadEngineResponse, ErrorInfo, TerminalExpiry, Unavailable
-from narwhal_serve.protocol.placement import RouteChoice
+from narwhal_serve.observability import Tracing
+from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
 from narwhal_serve.protocol.requests import ParsedRequest, Route
+from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.engines.errors import FaultKind
 from narwhal_serve.relay.messages import EngineFault, HealthEvent
 from narwhal_serve.relay.resume import Transcript
 
 DONE_EVENT = b"data: [DONE]\n\n"
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 
 def sse_event(obj: dict[str, Any]) -> bytes:
@@ -150,6 +156,34 @@ class Attempt:
         self.turnarounds: list[float] = []  # each failure noticed → its continuation's request
         self.cut_at = 0.0  # when the last failure was noticed
 
+    def stats(self) -> RelayStats:
+        """What this attempt did, for the scheduler's models and the request log."""
+        meter = self.meter
+        ttft = None if meter.first is None else meter.first - meter.start
+        decode = 0.0 if meter.first is None or meter.last is None else meter.last - meter.first
+        return RelayStats(self.route.kind, self.route.engines, ttft, meter.tokens, decode, self.attempt,
+                          tuple(self.resumed_from), tuple(self.gaps), tuple(self.prefills), tuple(self.turnarounds))
+
+    def checked(
+        self, batch: list[dict[str, Any]], now: float,
+        shape: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+    ) -> tuple[list[dict[str, Any]], BadEngineResponse | None]:
+        """The batch's chunks as the client will get them (``shape``d; None drops one), each one's
+        token IDs checked and counted, then noted, up to the first bad one; and that one's error.
+        What came before a bad chunk still goes out, so that a resume continues after exactly
+        what the client got."""
+        good: list[dict[str, Any]] = []
+        try:
+            for chunk in batch:
+                shaped = chunk if shape is None else shape(chunk)
+                if shaped is not None:
+                    self.meter.observe(shaped, now)  # raises BadEngineResponse on bad token IDs
+                    self.transcript.observe(shaped)
+                    good.append(shaped)
+        except BadEngineResponse as exc:
+            return good, exc
+        return good, None
+
     def news(self) -> dict[str, Any]:
         """What a first token or a resume changed since the last message, as :class:`RelayMessage` fields."""
         out: dict[str, Any] = {}
@@ -160,6 +194,16 @@ class Attempt:
         if self.health:
             out["health"], self.health = tuple(self.health), []
         return out
+
+
+def attempt_span(tracing: Tracing | None, placed: PlacedRequest, route: RouteChoice, attempt: int) -> "Span | None":
+    """The trace span of one attempt at a placed request (None without tracing)."""
+    if tracing is None:
+        return None
+    return tracing.start("narwhal.attempt", parent=placed.traceparent, attributes={
+        "narwhal.request_id": placed.request_id, "narwhal.attempt": attempt,
+        "narwhal.route_kind": route.kind, "narwhal.engines": route.engines,
+    })
 
 
 def cut_reason(exc: Exception) -> str:

@@ -35,6 +35,7 @@ from narwhal_serve.relay.attempt import (
     DeadlinePassed,
     Meter,
     UsageWatch,
+    attempt_span,
     backpressure_refusal,
     cut_reason,
     deadline_info,
@@ -43,7 +44,6 @@ from narwhal_serve.relay.attempt import (
     sse_event,
 )
 from narwhal_serve.relay.coalesce import coalesce
-from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.relay.messages import EngineFault, EngineWorked, RelayMessage
 from narwhal_serve.relay.resume import Reshaper, continuation_body, length_end, resume_refusal, resume_target
 
@@ -134,7 +134,7 @@ class Relay:
                 placed.first_token_s if attempt < last else None,  # the last route waits to the deadline
                 req, excluded,
             )
-            span = self._attempt_span(placed, route, attempt)
+            span = attempt_span(self.tracing, placed, route, attempt)
             failed: str | None = None
             try:
                 work = self._stream if req.stream else self._assemble
@@ -184,48 +184,12 @@ class Relay:
             ).info()
         yield RelayMessage(error=err, final=True, stats=None, health=tuple(faults))
 
-    def _attempt_span(self, placed: PlacedRequest, route: RouteChoice, attempt: int) -> "Span | None":
-        if self.tracing is None:
-            return None
-        return self.tracing.start("narwhal.attempt", parent=placed.traceparent, attributes={
-            "narwhal.request_id": placed.request_id, "narwhal.attempt": attempt,
-            "narwhal.route_kind": route.kind, "narwhal.engines": route.engines,
-        })
-
-    def _stats(self, at: Attempt) -> RelayStats:
-        meter = at.meter
-        ttft = None if meter.first is None else meter.first - meter.start
-        decode = 0.0 if meter.first is None or meter.last is None else meter.last - meter.first
-        return RelayStats(at.route.kind, at.route.engines, ttft, meter.tokens, decode, at.attempt,
-                          tuple(at.resumed_from), tuple(at.gaps), tuple(at.prefills), tuple(at.turnarounds))
-
-    @staticmethod
-    def _checked(
-        at: Attempt, batch: list[dict[str, Any]], now: float,
-        shape: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
-    ) -> tuple[list[dict[str, Any]], BadEngineResponse | None]:
-        """The batch's chunks as the client will get them (``shape``d; None drops one), each one's
-        token IDs checked and counted, then noted, up to the first bad one; and that one's error.
-        What came before a bad chunk still goes out, so that a resume continues after exactly
-        what the client got."""
-        good: list[dict[str, Any]] = []
-        try:
-            for chunk in batch:
-                shaped = chunk if shape is None else shape(chunk)
-                if shaped is not None:
-                    at.meter.observe(shaped, now)  # raises BadEngineResponse on bad token IDs
-                    at.transcript.observe(shaped)
-                    good.append(shaped)
-        except BadEngineResponse as exc:
-            return good, exc
-        return good, None
-
     async def _validated(
         self, stream: AsyncIterator[list[dict[str, Any]]], placed: PlacedRequest, at: Attempt
     ) -> AsyncIterator[list[dict[str, Any]]]:
-        """``stream``'s batches, checked (:meth:`_checked`); a bad chunk ends the batch."""
+        """``stream``'s batches, checked (:meth:`Attempt.checked`); a bad chunk ends the batch."""
         async for batch in self._batches(stream, placed, at):
-            good, bad = self._checked(at, batch, self.clock())
+            good, bad = at.checked(batch, self.clock())
             if at.meter.first is not None and at.wait_from is not None:
                 at.wait_from = None
                 at.health.append(EngineWorked(at.route.engines))  # the route produced a first token
@@ -310,7 +274,7 @@ class Relay:
             async for batch in self._batches(stream, placed, at):
                 now = self.clock()
                 # (reshape raises BadEngineResponse on a continuation that ran another prompt)
-                out, bad = self._checked(at, batch, now, shaper.reshape)
+                out, bad = at.checked(batch, now, shaper.reshape)
                 if at.wait_from is not None and at.meter.last is not None and at.meter.last > opened:
                     at.wait_from = None
                     at.notes.append((reason, "resumed"))
@@ -375,7 +339,7 @@ class Relay:
                 faults = (fault_of(exc, at.route),)
             news = at.news()
             news["health"] = (*news.get("health", ()), *faults)
-            yield RelayMessage(data=b"".join(held) + error_events(err), error=err, final=True, stats=self._stats(at),
+            yield RelayMessage(data=b"".join(held) + error_events(err), error=err, final=True, stats=at.stats(),
                                **news)
             return
         finally:
@@ -386,7 +350,7 @@ class Relay:
             data=b"".join(held) + DONE_EVENT,
             first_token=not committed,
             final=True,
-            stats=self._stats(at),
+            stats=at.stats(),
             **{"engines": at.route.engines, **at.news()},
         )
 
@@ -418,7 +382,7 @@ class Relay:
         result = asm.result(prompt_tokens=len(engine_prompt) if engine_prompt else req.prompt_tokens)
         result["model"] = placed.model
         body = json.dumps(result, separators=(",", ":"), ensure_ascii=False).encode()
-        yield RelayMessage(data=body, final=True, stats=self._stats(at), **at.news())
+        yield RelayMessage(data=body, final=True, stats=at.stats(), **at.news())
 
 
 def relay_of(engine_http: Literal["aiohttp", "httpx"], serving: ServingConfig, observability: ObservabilityConfig,
