@@ -11,7 +11,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from narwhal_serve.bench import procs, rss, soak, soak_mix
+from narwhal_serve.bench import procs, rss, soak, soak_mix, soak_report
 from narwhal_serve.bench.cli import build_parser, soak_args
 from narwhal_serve.bench.stats import RequestResult
 from narwhal_serve.config import NarwhalConfig
@@ -95,30 +95,30 @@ SNAP: dict[str, Any] = {
 
 
 def test_books_balance_and_leaks() -> None:
-    b = soak.books(SNAP)
+    b = soak_report.books(SNAP)
     assert (b["offered"], b["terminal"], b["unbalanced"], b["leaked_permits"], b["balanced"]) == (10, 10, 0, 0, True)
     leaky = {**SNAP, "gauges": {**SNAP["gauges"], "retained": 1, "decode_inflight": 2},
              "counters": {**SNAP["counters"], "offered": 11}}
-    b = soak.books(leaky)
+    b = soak_report.books(leaky)
     assert (b["unbalanced"], b["leaked_permits"], b["balanced"]) == (1, 3, False)
-    queued = soak.books({**SNAP, "gauges": {**SNAP["gauges"], "queued": 1}})
+    queued = soak_report.books({**SNAP, "gauges": {**SNAP["gauges"], "queued": 1}})
     assert queued["leaked_permits"] == 0 and not queued["balanced"]  # a queued request is not a permit
-    assert soak.router_outcomes(SNAP)[1] == ("cancelled", "client_disconnected", 1)
+    assert soak_report.router_outcomes(SNAP)[1] == ("cancelled", "client_disconnected", 1)
 
 
 def test_checks_fail_on_leaks_imbalance_and_growth() -> None:
     rss = [{"role": "replica Ingress", "judged": True, "verdict": "ok", "growth_pct": 3.0},
            {"role": "ray gcs", "judged": False, "verdict": "info", "growth_pct": 50.0}]
-    ok = soak.soak_checks(rss, soak.books(SNAP), completed=5, max_growth_pct=10.0)
+    ok = soak_report.soak_checks(rss, soak_report.books(SNAP), completed=5, max_growth_pct=10.0)
     assert all(c["verdict"] == "PASS" for c in ok) and not any("ray gcs" in c["check"] for c in ok)
-    grew = soak.soak_checks([{**rss[0], "growth_pct": 10.0}], soak.books(SNAP), 5, 10.0)  # >= 10 % fails
+    grew = soak_report.soak_checks([{**rss[0], "growth_pct": 10.0}], soak_report.books(SNAP), 5, 10.0)  # >= 10 % fails
     assert [c["verdict"] for c in grew if "RSS" in c["check"]] == ["MISS"]
-    leaky = soak.books({**SNAP, "gauges": {**SNAP["gauges"], "prefill_inflight": 1}})
+    leaky = soak_report.books({**SNAP, "gauges": {**SNAP["gauges"], "prefill_inflight": 1}})
     assert any(c["verdict"] == "MISS" and c["check"] == "leaked permits"
-               for c in soak.soak_checks(rss, leaky, 5, 10.0))
-    unread = soak.soak_checks(rss, None, 5, 10.0)
+               for c in soak_report.soak_checks(rss, leaky, 5, 10.0))
+    unread = soak_report.soak_checks(rss, None, 5, 10.0)
     assert any(c["verdict"] == "n/a" for c in unread)
-    gone = soak.soak_checks([{**rss[0], "verdict": "GONE"}], soak.books(SNAP), 5, 10.0)
+    gone = soak_report.soak_checks([{**rss[0], "verdict": "GONE"}], soak_report.books(SNAP), 5, 10.0)
     assert [c["verdict"] for c in gone if "running at the end" in c["check"]] == ["MISS"]
 
 
@@ -209,7 +209,7 @@ def test_report_text_and_json(tmp_path: Path) -> None:
     s.final_status, s.quiesce_s = SNAP, 1.5
     s.episodes = [{"start_s": 45.0, "end_s": 50.0, "engine": "u", "fault": "unhealthy", "on_status": 200,
                    "off_status": 200}]
-    res, text, checks = soak.report(a, s)
+    res, text, checks = soak_report.report(a, s)
     assert all(c["verdict"] == "PASS" for c in checks)
     assert "first sample at or after 6 s = 10 % of the load, here t = 10" in text
     assert "unhealthy on u" in text and "balanced" in text and "client_disconnected" in text
