@@ -9,7 +9,8 @@ from enum import Enum
 import pytest
 
 from narwhal_serve.bench import ramp, ramp_report
-from narwhal_serve.bench.cli import build_parser, ramp_args
+from narwhal_serve.bench.cli import build_parser
+from narwhal_serve.bench.cli_runs import ramp_args
 from narwhal_serve.bench.stats import RequestResult
 from narwhal_serve.config import DeploymentKnobs, NarwhalConfig
 from scripts.serve_replicas import running, snapshot

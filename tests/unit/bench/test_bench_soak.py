@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from narwhal_serve.bench import procs, rss, soak, soak_mix, soak_report
-from narwhal_serve.bench.cli import build_parser, soak_args
+from narwhal_serve.bench.cli import build_parser
+from narwhal_serve.bench.cli_runs import soak_args
 from narwhal_serve.bench.stats import RequestResult
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.config.sim import FAULT_NAMES
