@@ -119,7 +119,7 @@ class AdmissionLease:
         self.in_use = self.in_use + ONE_REQUEST
         if self.shares is not None:
             self.shares.take(ticket_id, ask.tenant, cost)
-        t = self.tickets[ticket_id] = Ticket(verdict, verdict.engines)
+        t = self.tickets[ticket_id] = Ticket(verdict)
         add(self._deltas, ledger.admitted(t))
         self._placed.append(LocalPlacement(ticket_id, verdict, deadline))
         if ask.retry and (r := earliest(view.reservations, now)) is not None:

@@ -31,7 +31,7 @@ class Ticket:
     """One admitted request's charges."""
 
     placement: Placement  # what its admission was judged on
-    engines: tuple[str, ...]  # where its in-flight count is charged now (moves to the route served)
+    engines: tuple[str, ...] = ()  # where its in-flight count is charged (set by admitted; moves to the route served)
     prefill_done: bool = False
     decode_engine: str | None = None  # where its decode work is charged
     decode_charged: float = 0.0  # that charge, corrected as its tokens arrive

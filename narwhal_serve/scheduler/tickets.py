@@ -29,7 +29,7 @@ class TicketBook(SchedulerState):
         if placement.cached_tokens:
             self.tally.prefix_hits += 1
             self.tally.prefix_cached_tokens += placement.cached_tokens
-        t = self._tickets[tid] = SchedulerTicket(placement, placement.engines, deadline=deadline, lease=lease)
+        t = self._tickets[tid] = SchedulerTicket(placement, deadline=deadline, lease=lease)
         self._apply(ledger.admitted(t))
 
     def _apply(self, deltas: ledger.Deltas) -> None:

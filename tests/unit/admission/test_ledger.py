@@ -33,7 +33,7 @@ def total(*ds: Deltas) -> Deltas:
 
 
 def test_admission_charges_in_flight_pending_prefill_prefix_and_decode() -> None:
-    t = Ticket(placement(PD), ())
+    t = Ticket(placement(PD))
     got = ledger.admitted(t)
     assert got["p"] == EngineDelta(inflight=1, pending_prefill_tokens=80, pending_prefill_requests=1,
                                    prefix=frozenset({11, 12}))
@@ -42,7 +42,7 @@ def test_admission_charges_in_flight_pending_prefill_prefix_and_decode() -> None
 
 
 def test_first_token_ends_the_prefill_once_and_a_resume_moves_the_charges() -> None:
-    t = Ticket(placement(SINGLE), ())
+    t = Ticket(placement(SINGLE))
     ledger.admitted(t)
     first = ledger.first_token(t, ("a",))
     assert first == {"a": EngineDelta(pending_prefill_tokens=-80, pending_prefill_requests=-1,
@@ -58,7 +58,7 @@ def test_a_tickets_whole_life_leaves_every_count_at_zero() -> None:
     rng = random.Random(7)
     for _ in range(200):
         t = Ticket(placement(rng.choice([SINGLE, PD]), prompt=rng.randrange(1, 500), cached=0,
-                             out=rng.uniform(0, 300)), ())
+                             out=rng.uniform(0, 300)))
         events = [ledger.admitted(t)]
         for _ in range(rng.randrange(0, 6)):
             kind = rng.randrange(3)
@@ -85,7 +85,7 @@ def test_the_scheduler_applying_each_event_and_a_lease_summing_them_agree() -> N
     for step in range(300):
         if not tickets or rng.random() < 0.4:
             t = Ticket(placement(rng.choice([SINGLE, PD]), prompt=rng.randrange(1, 300), cached=0,
-                                 out=rng.uniform(0, 100)), ())
+                                 out=rng.uniform(0, 100)))
             tickets.append(t)
             d = ledger.admitted(t)
         else:
