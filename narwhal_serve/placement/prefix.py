@@ -55,15 +55,16 @@ def _chain(blocks: Iterable[bytes]) -> tuple[int, ...]:
     return tuple(out)
 
 
+_ID_WIDTH = array("Q").itemsize
+_BIG_ENDIAN = sys.byteorder != "little"
+
+
 def _id_bytes(ids: Sequence[int]) -> bytes:
     """Token IDs as little-endian unsigned 64-bit integers (hashes are compared across processes)."""
     a = array("Q", ids)
-    if sys.byteorder != "little":
+    if _BIG_ENDIAN:
         a.byteswap()
     return a.tobytes()
-
-
-_ID_WIDTH = array("Q").itemsize
 
 
 def _id_block(ids: Sequence[int]) -> bytes:
