@@ -1,6 +1,7 @@
 """Draining a run on SIGTERM (``scripts/serve_run.py``; README, "Stopping"): every application of
 the run's config is told ``POST /admin/drain``, then polled until it holds no request, or its grace
-period and a short flush have passed.  Plain HTTP to the run's own router; no Ray."""
+period and a short flush have passed.  Plain HTTP to the run's own router; no Ray.  The same reading
+of the config gives the limits HAProxy enforces for the run (:func:`ingress_limits`)."""
 
 from __future__ import annotations
 
@@ -14,17 +15,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from narwhal_serve.config import ServingConfig
+from narwhal_serve.runenv import IngressLimits
+
 DRAIN_POLL_S = 0.2
 DRAIN_FLUSH_S = 2.0  # after the grace: the ingress ends the streams still open and flushes their events
 
 
 @dataclass
 class DrainTarget:
-    """One application of the run: where its admin routes are, its token, its grace period."""
+    """One application of the run: where its admin routes are, its token, its ``serving`` section
+    (its grace period, and the limits HAProxy enforces for it: :class:`IngressLimits`)."""
 
     base: str  # http://host:port/prefix
     token_env: str
-    grace_s: float
+    serving: ServingConfig
+
+    @property
+    def grace_s(self) -> float:
+        return self.serving.drain_grace_s
+
+
+def ingress_limits(targets: list[DrainTarget]) -> IngressLimits:
+    """HAProxy's limits for the run's applications (the defaults' when the config named none)."""
+    return IngressLimits.of([t.serving for t in targets] or [ServingConfig()])
 
 
 def drain_targets(args: list[str], log: Callable[[str], None] = print) -> list[DrainTarget]:
@@ -36,20 +50,21 @@ def drain_targets(args: list[str], log: Callable[[str], None] = print) -> list[D
         import yaml  # type: ignore[import-untyped]
 
         cfg = yaml.safe_load(Path(path).read_text()) or {}
-    except Exception as exc:  # a config serve run reads its own way: drain nothing, stop as before
-        log(f"cannot read {path} for draining ({type(exc).__name__}); SIGTERM stops without draining")
+        http = cfg.get("http_options") or {}
+        host = str(http.get("host") or "127.0.0.1")
+        host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        port = int(http.get("port") or 8000)
+        out = []
+        for app in cfg.get("applications") or []:
+            args_ = app.get("args") or {}
+            prefix = str(app.get("route_prefix") or "/").rstrip("/")
+            token_env = str((args_.get("admin") or {}).get("token_env") or "NARWHAL_ADMIN_TOKEN")
+            out.append(DrainTarget(f"http://{host}:{port}{prefix}", token_env,
+                                   ServingConfig.model_validate(args_.get("serving") or {})))
+    except Exception as exc:  # a config serve run reads its own way (or will refuse): stop as before
+        log(f"cannot read {path} ({type(exc).__name__}): SIGTERM stops without draining, HAProxy takes the "
+            "default serving limits")
         return []
-    http = cfg.get("http_options") or {}
-    host = str(http.get("host") or "127.0.0.1")
-    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    port = int(http.get("port") or 8000)
-    out = []
-    for app in cfg.get("applications") or []:
-        args_ = app.get("args") or {}
-        prefix = str(app.get("route_prefix") or "/").rstrip("/")
-        out.append(DrainTarget(f"http://{host}:{port}{prefix}", str((args_.get("admin") or {}).get("token_env")
-                                                                  or "NARWHAL_ADMIN_TOKEN"),
-                               float((args_.get("serving") or {}).get("drain_grace_s", 30.0))))
     return out
 
 

@@ -120,12 +120,22 @@ class RequestTooLarge(InvalidRequest):
     status = 413
     code = "request_too_large"
 
+    @classmethod
+    def over(cls, limit: int) -> RequestTooLarge:
+        """The router's answer, and HAProxy's for an ``Expect`` (:mod:`narwhal_serve.runenv`)."""
+        return cls(f"The request body exceeds the limit of {limit} bytes.", param=None)
+
 
 class BodyTimeout(InvalidRequest):
     """The body did not arrive within ``serving.body_timeout_s`` (a slow or stalled client)."""
 
     status = 408
     code = "request_timeout"
+
+    @classmethod
+    def after(cls, timeout_s: float) -> BodyTimeout:
+        """The router's answer, and HAProxy's for an ``Expect`` (:mod:`narwhal_serve.runenv`)."""
+        return cls(f"The request body did not arrive within {timeout_s:g} s.", param=None)
 
 
 class InvalidApiKey(NarwhalError):

@@ -29,6 +29,11 @@ ingress with an error event and `[DONE]`. Once no application holds a request (t
 gauges), or the grace period and a short flush have passed, the SIGINT above follows.
 NARWHAL_DRAIN=0 skips the drain; a second signal ends it at once; SIGINT and SIGHUP do not drain.
 
+In direct ingress, HAProxy refuses an `Expect: 100-continue` over `serving.max_request_bytes`,
+waits `serving.body_timeout_s` for such a body, and drops a client it waits on longer than the
+router's own body and slow-reader limits: the run reads those from every application of its config
+(the most permissive; `narwhal_serve.runenv.IngressLimits`).
+
 Several Ray sessions on one machine in this mode need distinct ports (the router's http port, the
 sim's base_port, RAY_SERVE_HAPROXY_STATS_PORT (8404), RAY_SERVE_HAPROXY_METRICS_PORT (9101),
 RAY_SERVE_FALLBACK_PROXY_HTTP_PORT (8500, bound with SO_REUSEPORT: a clash is silent, not an error));
@@ -54,8 +59,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import FrameType
 
-from narwhal_serve.drain import drain, drain_targets
-from narwhal_serve.runenv import RUN_ENV, direct_ingress_env
+from narwhal_serve.drain import drain, drain_targets, ingress_limits
+from narwhal_serve.runenv import RUN_ENV, IngressLimits, direct_ingress_env
 
 RUN_ID_ENV = "NARWHAL_SERVE_RUN_ID"
 
@@ -225,8 +230,9 @@ def _serve_command(args: list[str]) -> list[str]:
     return [exe, "run", *(args or ["serve_config.yaml"])]
 
 
-def build_env(base: dict[str, str]) -> tuple[dict[str, str], str | None]:
-    """The child's environment and, when this run made one, its own HAProxy folder."""
+def build_env(base: dict[str, str], limits: IngressLimits) -> tuple[dict[str, str], str | None]:
+    """The child's environment and, when this run made one, its own HAProxy folder (``limits``:
+    what HAProxy enforces for the config's applications)."""
     env = dict(base)
     for k, v in ENV_DEFAULTS.items():
         env.setdefault(k, v)
@@ -239,7 +245,7 @@ def build_env(base: dict[str, str]) -> tuple[dict[str, str], str | None]:
             env[k] = os.path.join(haproxy_dir, leaf) if leaf else haproxy_dir
     if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         # HAProxy without kernel splicing, or client disconnects go unseen (narwhal_serve.runenv)
-        env = direct_ingress_env(env, os.path.join(haproxy_dir, "bin") if haproxy_dir else None)
+        env = direct_ingress_env(env, limits, os.path.join(haproxy_dir, "bin") if haproxy_dir else None)
     return env, haproxy_dir
 
 
@@ -285,8 +291,8 @@ def sweep(run_id: str, haproxy_dir: str | None, pgid: int | None, settle_s: floa
 
 
 def main(argv: list[str]) -> int:
-    env, haproxy_dir = build_env(dict(os.environ))
     targets = drain_targets(argv, log)
+    env, haproxy_dir = build_env(dict(os.environ), ingress_limits(targets))
     for t in targets:  # the run's own admin token where the operator set none: draining needs one
         env.setdefault(t.token_env, secrets.token_hex(16))
     run_id = env[RUN_ID_ENV]

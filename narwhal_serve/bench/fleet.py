@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from narwhal_serve.bench import procs
-from narwhal_serve.runenv import RUN_ENV, direct_ingress_env
+from narwhal_serve.config import ServingConfig
+from narwhal_serve.runenv import RUN_ENV, IngressLimits, direct_ingress_env
 from narwhal_serve.bench.client import Endpoint
 
 BASE = "@base"
@@ -75,7 +76,8 @@ def bench_serve_env(log_dir: Path, extra: Iterable[tuple[str, str]] = (), **more
            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(procs.free_port()),
            **more, **dict(extra)}
     if env["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
-        env = direct_ingress_env(env, str(log_dir / "haproxy-bin"))
+        # the benchmark's applications keep the serving defaults
+        env = direct_ingress_env(env, IngressLimits.of([ServingConfig()]), str(log_dir / "haproxy-bin"))
     return env
 
 

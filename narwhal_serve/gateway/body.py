@@ -13,10 +13,6 @@ class BodyIncomplete(Exception):
     """The client closed or sent less than it announced before the body was complete."""
 
 
-def too_large(limit: int) -> RequestTooLarge:
-    return RequestTooLarge(f"The request body exceeds the limit of {limit} bytes.", param=None)
-
-
 async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
     """Decide from Content-Length when present, else count while reading (chunked); the whole
     body must arrive within ``timeout_s`` (:class:`BodyTimeout`)."""
@@ -24,7 +20,8 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
         async with asyncio.timeout(timeout_s):
             return await _read(request, limit)
     except TimeoutError:
-        raise BodyTimeout(f"The request body did not arrive within {timeout_s:g} s.", param=None) from None
+        assert timeout_s is not None  # asyncio.timeout(None) never expires
+        raise BodyTimeout.after(timeout_s) from None
 
 
 async def _read(request: Request, limit: int) -> bytes:
@@ -36,14 +33,14 @@ async def _read(request: Request, limit: int) -> bytes:
         except ValueError:
             raise InvalidRequest("Content-Length is not an integer", param=None) from None
         if expected > limit:
-            raise too_large(limit)
+            raise RequestTooLarge.over(limit)
     parts: list[bytes] = []
     size = 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise too_large(limit)
+                raise RequestTooLarge.over(limit)
             parts.append(chunk)
     except ClientDisconnect:
         raise BodyIncomplete() from None

@@ -1,4 +1,4 @@
-"""Client faults on the ``tight`` application (one fast engine, one prefill permit, body timeout 1 s,
+"""Client faults, mostly on the ``tight`` application (one fast engine, one prefill permit, body timeout 1 s,
 slow-reader limits 64 KiB / 2 s): clients that leave at every stage, read too slowly, or misbehave
 on the wire. Each one ends in exactly one terminal outcome, in bounded time, with nothing leaked."""
 
@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from narwhal_serve.config import ServingConfig
 from tests.fault.conftest import BODY_TIMEOUT_S, KEEPALIVE_S, SLOW_READER_TIMEOUT_S, STREAM_BUFFER_BYTES, Fleet
 from tests.fault.helpers import (
     CHAT,
@@ -27,6 +28,7 @@ from tests.fault.helpers import (
     timed_post,
 )
 from tests.support.graph import Held, chat_body, counter, status, wait_engine_idle, wait_status
+from tests.support.ray_env import CLIENT_IDLE_S
 
 BODY = json.dumps(chat_body(max_tokens=50, ignore_eos=True)).encode()
 # What the kernel buffers between the ingress and a client that never reads (a few MB on loopback)
@@ -183,7 +185,8 @@ async def test_slowloris_headers_get_a_408_and_a_closed_connection(fleet: Fleet)
 async def test_body_that_never_completes_gets_a_408_envelope(fleet: Fleet, trickled: bool) -> None:
     """A body trickled a byte at a time, or one shorter than its Content-Length from a client that
     keeps the connection open: 408 in the envelope once serving.body_timeout_s has passed, with
-    ``Connection: close``."""
+    ``Connection: close``; a client that then sends nothing more is disconnected by HAProxy once its
+    client timeout passes (the announced body never completes)."""
     app = fleet.tight
     before = await status(app.url)
     conn = await Raw.open(app)
@@ -198,19 +201,69 @@ async def test_body_that_never_completes_gets_a_408_envelope(fleet: Fleet, trick
     dripping = asyncio.get_running_loop().create_task(trickle())
     try:
         code, headers, payload = await conn.response(timeout=BODY_TIMEOUT_S + 5)
+        answered_after = time.monotonic() - t0
+        dripping.cancel()
+        await asyncio.gather(dripping, return_exceptions=True)
+        quiet = time.monotonic()
+        after = await conn.rest(timeout=CLIENT_IDLE_S + 5)  # until HAProxy closes the connection
+        closed_after = time.monotonic() - quiet
     finally:
         dripping.cancel()
         await asyncio.gather(dripping, return_exceptions=True)
         conn.close()
+    assert after == b"" and closed_after < CLIENT_IDLE_S + 3, (after[:200], closed_after)
     assert code == 408, payload[:200]
     # the client is told the connection ends (the rest of that body cannot be told from a next request)
     assert headers.get("connection", "").lower() == "close", headers
     err = json.loads(payload)["error"]
     assert (err["code"], err["type"]) == ("request_timeout", "invalid_request_error") and "param" in err
-    assert time.monotonic() - t0 < BODY_TIMEOUT_S + 3
+    assert answered_after < BODY_TIMEOUT_S + 3
     snap = await assert_quiescent(app)
     assert delta(before, snap) == {"offered": 1, "unsized_offered": 1, "invalid_requests": 1,
                                    "invalid_requests/request_timeout": 1}
+
+
+async def test_expect_over_the_body_limit_is_refused_before_the_body_is_invited(fleet: Fleet) -> None:
+    """``Expect: 100-continue`` with a Content-Length over ``serving.max_request_bytes``: the 413
+    envelope is the first answer (no ``100 Continue`` first), from the ingress (HAProxy): the router
+    never sees the request, so nothing is counted."""
+    app = fleet.pair
+    before = await status(app.url)
+    conn = await Raw.open(app)
+    try:
+        await conn.send(Raw.head(app, CHAT, ServingConfig().max_request_bytes + 1, "Expect: 100-continue\r\n"))
+        code, headers, payload = await conn.response(timeout=5)
+    finally:
+        conn.close()
+    assert code == 413, payload[:200]
+    err = json.loads(payload)["error"]
+    assert (err["code"], err["type"]) == ("request_too_large", "invalid_request_error"), err
+    assert headers.get("connection", "").lower() == "close", headers
+    snap = await assert_quiescent(app)
+    assert delta(before, snap) == {}
+
+
+async def test_expect_with_a_slow_upload_is_answered_whole(fleet: Fleet) -> None:
+    """``Expect: 100-continue``, then the body in three parts 0.6 s apart: the answer is the
+    router's 200 (HAProxy once waited only 1 s for the whole body after its 100 Continue)."""
+    app = fleet.pair
+    before = await status(app.url)
+    payload = json.dumps(chat_body(max_tokens=2)).encode()
+    conn = await Raw.open(app)
+    try:
+        await conn.send(Raw.head(app, CHAT, len(payload), "Expect: 100-continue\r\n"))
+        assert await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        third = len(payload) // 3
+        for part in (payload[:third], payload[third:2 * third], payload[2 * third:]):
+            await conn.send(part)
+            await asyncio.sleep(0.6)
+        code, _, answer = await conn.response(timeout=10)
+    finally:
+        conn.close()
+    assert code == 200, answer[:300]
+    assert json.loads(answer)["usage"]["completion_tokens"] == 2
+    snap = await assert_quiescent(app)
+    assert delta(before, snap) == {"offered": 1, "completed": 1}
 
 
 async def test_content_length_longer_than_the_body_then_half_close_ends_the_request(fleet: Fleet) -> None:

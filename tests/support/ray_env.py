@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 import tempfile
 
-from narwhal_serve.runenv import RUN_ENV, direct_ingress_env
+from narwhal_serve.config import ServingConfig
+from narwhal_serve.runenv import RUN_ENV, IngressLimits, direct_ingress_env
 from tests.support.net import free_port
 
 ADMIN_TOKEN = "test-admin-token"
+CLIENT_IDLE_S = 5
 RAY_TEST_ENV = {
     **RUN_ENV,
     # Ray's own controller loop (0.1 s): a test session deploys and tears down applications again
@@ -24,6 +26,10 @@ RAY_TEST_ENV = {
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
     "NARWHAL_ADMIN_TOKEN": ADMIN_TOKEN,
     "NARWHAL_HTTP_HEADER_TIMEOUT_S": "2",  # HAProxy's limit on slow request headers (default 10)
+    # HAProxy's client timeout (a run derives it from its config: IngressLimits). Every wait on a
+    # slow client in the suites is bounded by an app's limits of at most 2 s, so 5 s cuts nothing a
+    # test expects the router to see, and a test can watch HAProxy close a connection in time.
+    "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(CLIENT_IDLE_S),
 }
 
 
@@ -45,4 +51,5 @@ def apply() -> None:
     for k, v in {**RAY_TEST_ENV, **haproxy_env()}.items():
         os.environ.setdefault(k, v)
     if os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
-        os.environ.update(direct_ingress_env(dict(os.environ)))
+        # the test applications' limits are no looser than the serving defaults
+        os.environ.update(direct_ingress_env(dict(os.environ), IngressLimits.of([ServingConfig()])))
