@@ -20,7 +20,7 @@ install: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(PY) scripts/serve_run.py serve_config.yaml
 
-# Prometheus for the dashboard test (tests/integration/test_dashboard.py, README "Dashboard"): the
+# Prometheus for the dashboard test (tests/integration/test_dashboard.py, docs/operations.md, "Dashboard"): the
 # `prometheus` on PATH, else Debian's package (apt-get, as root; its service is kept from starting).
 prometheus: $(VENV)/.installed
 	$(PY) scripts/prometheus_server.py install
@@ -43,16 +43,16 @@ test-e2e: $(VENV)/.installed
 	$(PY) -m pytest -q tests/e2e --timeout 1200
 
 # The run mode is direct ingress (HA-proxy mode); the integration suite also runs behind Serve's
-# proxy actor, the other supported mode (README, "Run modes").
+# proxy actor, the other supported mode (docs/operations.md, "Run modes").
 test-proxy-actor: $(VENV)/.installed prometheus
 	RAY_SERVE_ENABLE_HA_PROXY=0 $(PY) -m pytest -q tests/integration
 
-# Managed engines (README, "Managed engines") on a multi-node Ray cluster on this one machine
+# Managed engines (docs/operations.md, "Managed engines") on a multi-node Ray cluster on this one machine
 # (ray.cluster_utils: a head and three worker nodes with custom resources): its own Ray session.
 test-managed: $(VENV)/.installed
 	$(PY) -m pytest -q tests/managed
 
-# The fault suite (README, "Fault suite"): 79 fault scenarios through the real Ray graph, each
+# The fault suite (docs/testing.md, "Fault suite"): 79 fault scenarios through the real Ray graph, each
 # ending quiescent (no leaked permit, balanced counters, idle engines); its own Ray session.
 test-fault: $(VENV)/.installed
 	$(PY) -m pytest -q tests/fault

@@ -56,7 +56,7 @@ def build_app(args: dict[str, Any]) -> Application:
     if not cfg.engines:
         fleet = serve.deployment(SimFleet, name="SimFleet", num_replicas=1, max_ongoing_requests=100,
                                  ray_actor_options=free).bind(conf)
-    # Managed engines (README, "Managed engines"): one deployment each, bound into the scheduler so
+    # Managed engines (docs/operations.md, "Managed engines"): one deployment each, bound into the scheduler so
     # that Serve deploys them; their replicas find the scheduler by name and report to it.
     managed = [e for e in cfg.engines if e.launch is not None]
     engines = [

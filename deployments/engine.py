@@ -1,4 +1,4 @@
-"""ManagedEngine deployment: each replica supervises one engine process (README, "Managed engines").
+"""ManagedEngine deployment: each replica supervises one engine process (docs/operations.md, "Managed engines").
 
 The replica starts the engine on a free port of its node, is ready only once the engine's /health
 answers, reports it to the scheduler (and keeps reporting: a heartbeat), tells the scheduler at once

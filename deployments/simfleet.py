@@ -1,4 +1,4 @@
-"""The embedded simulated fleet (README, "Simulator"): one HTTP server per simulated engine, in one replica."""
+"""The embedded simulated fleet (docs/testing.md, "Simulator"): one HTTP server per simulated engine, in one replica."""
 
 from __future__ import annotations
 

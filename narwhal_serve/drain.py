@@ -1,4 +1,4 @@
-"""Draining a run on SIGTERM (``scripts/serve_run.py``; README, "Stopping"): every application of
+"""Draining a run on SIGTERM (``scripts/serve_run.py``; docs/operations.md, "Stopping"): every application of
 the run's config is told ``POST /admin/drain``, then polled until it holds no request, or its grace
 period and a short flush have passed.  Plain HTTP to the run's own router; no Ray.  The same reading
 of the config gives the limits HAProxy enforces for the run (:func:`ingress_limits`)."""

@@ -1,4 +1,4 @@
-"""One error tree for every refusal Narwhal sends (README, "Errors").
+"""One error tree for every refusal Narwhal sends (docs/contract.md, "Errors").
 
     NarwhalError                      status  type                        code
     ├── InvalidRequest                400     invalid_request_error       invalid_request
@@ -163,7 +163,7 @@ class Unavailable(NarwhalError):
 
 
 def router_unavailable(reason: str) -> ErrorInfo:
-    """The router refuses everything now (README, "Routes": the /ready reasons)."""
+    """The router refuses everything now (docs/contract.md, "Routes": the /ready reasons)."""
     return Unavailable(
         f"The router is not serving ({reason}); retry after the Retry-After delay.",
         code="router_unavailable",

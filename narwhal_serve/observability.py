@@ -3,7 +3,7 @@ OpenTelemetry spans that follow it from the ingress into the engines.
 
 * **Log line** — one per finished request, on the ``narwhal.requests`` logger, whatever the path:
   invalid, refused, admitted and completed, failed, cancelled.  Fields: ``request_id``, ``route``,
-  ``stream``, ``outcome`` and ``reason`` (README, "Admission"), ``status``, ``engines``, ``ttft_s``,
+  ``stream``, ``outcome`` and ``reason`` (docs/contract.md, "Admission"), ``status``, ``engines``, ``ttft_s``,
   ``output_tokens``, ``attempts``, ``prompt_tokens`` (with ``prompt_sizing``: ``tokenizer``,
   ``client_ids`` or ``estimate``), ``admission`` (``lease`` | ``scheduler``),
   ``admission_wait_s``, ``predicted_ttft_s``, ``duration_s``, ``trace_id``.  Never prompt or output

@@ -110,7 +110,7 @@ RAY_BASE_ENV: dict[str, str] = {
 # The run mode: Serve's throughput-optimized settings (3-4x the requests per core of its defaults)
 # and direct ingress (HAProxy in front of the ingress replicas, no proxy-actor hop). The controller
 # reconciles every 0.5 s instead of Ray's 0.1 s: its loop is most of an idle router's CPU (idle
-# controller 3.7 -> 1.5 % of a core, the whole router 17.1 -> 13.9 %: README, "Cost per request"),
+# controller 3.7 -> 1.5 % of a core, the whole router 17.1 -> 13.9 %: docs/performance.md, "Cost per request"),
 # and nothing on a request's path waits for it; scaling and replica changes act up to 0.4 s later.
 RUN_ENV: dict[str, str] = {
     **RAY_BASE_ENV,
@@ -119,8 +119,8 @@ RUN_ENV: dict[str, str] = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
 
-HEADER_TIMEOUT_ENV = "NARWHAL_HTTP_HEADER_TIMEOUT_S"  # default 10 (README, "Run modes")
-# Request headers past these get a 431 in the envelope from HAProxy (README, "Errors"): what HAProxy's
+HEADER_TIMEOUT_ENV = "NARWHAL_HTTP_HEADER_TIMEOUT_S"  # default 10 (docs/operations.md, "Run modes")
+# Request headers past these get a 431 in the envelope from HAProxy (docs/contract.md, "Errors"): what HAProxy's
 # default 16 KB buffer let through before (the whole head up to 16 KB less its 1 KB rewrite reserve).
 MAX_HEADER_BYTES = 15360
 MAX_HEADERS = 100

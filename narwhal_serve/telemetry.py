@@ -1,4 +1,4 @@
-"""Prometheus text for the scheduler's global view (README, "Metrics"): counters, gauges, histograms."""
+"""Prometheus text for the scheduler's global view (docs/operations.md, "Metrics"): counters, gauges, histograms."""
 
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ def _resumes(rows: list[dict[str, Any]]) -> list[str]:
     counts = {(r, o): 0 for r in RESUME_REASONS for o in RESUME_OUTCOMES}
     for row in rows:
         counts[(row["reason"], row["outcome"])] = row["count"]
-    out = ["# HELP narwhal_resumes_total Answers cut after their first token (README, \"Engine failures\"): "
+    out = ["# HELP narwhal_resumes_total Answers cut after their first token (docs/contract.md, \"Engine failures (passive health)\"): "
            "reason is what cut them, outcome how each ended (resumed on another engine, or why not).",
            "# TYPE narwhal_resumes_total counter"]
     for (r, o), n in sorted(counts.items()):

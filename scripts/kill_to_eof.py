@@ -1,5 +1,5 @@
 """How long after SIGKILL a process's TCP peer sees the connection close, by the size of the killed
-process's memory (README, "Mid-stream resume").
+process's memory (docs/contract.md, "Mid-stream resume").
 
 Linux frees a dying process's memory before it closes its files, so a router learns that a killed
 engine died only once the engine's address space is gone.  Each trial starts a child that touches

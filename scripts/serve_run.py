@@ -65,7 +65,7 @@ from narwhal_serve.runenv import RUN_ENV, IngressLimits, direct_ingress_env
 RUN_ID_ENV = "NARWHAL_SERVE_RUN_ID"
 
 # The environment `make run` documents, direct ingress (HA-proxy mode) included; a caller's values
-# win (RAY_SERVE_ENABLE_HA_PROXY=0: Serve's proxy actor instead, README "Run modes").
+# win (RAY_SERVE_ENABLE_HA_PROXY=0: Serve's proxy actor instead, docs/operations.md, "Run modes").
 ENV_DEFAULTS: dict[str, str] = {
     **RUN_ENV,
     # Ray's default (30 s) keeps every ingress replica reachable for 30 s after it is told to stop,
@@ -336,7 +336,7 @@ def main(argv: list[str]) -> int:
                     t_stop = time.monotonic()
                     handled = 1
                     if received[0] == signal.SIGTERM and targets and os.environ.get("NARWHAL_DRAIN", "1") != "0":
-                        # a rolling restart: requests in flight finish (README, "Operations")
+                        # a rolling restart: requests in flight finish (docs/operations.md)
                         log("SIGTERM: draining first")
                         drainer = threading.Thread(target=drain, args=(targets, env, forced, log), daemon=True)
                         drainer.start()

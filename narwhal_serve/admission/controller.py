@@ -1,4 +1,4 @@
-"""The seed's admission table as one pure state machine.
+"""The contract's admission table as one pure state machine.
 
 Every method takes ``now`` and does no I/O; the scheduler deployment wraps it with futures.
 

@@ -1,7 +1,7 @@
 """The admission decision, one pure function that both holders run: the scheduler (for its queue)
 and every ingress replica (under its :class:`~narwhal_serve.admission.lease.AdmissionLease`).
 
-``decide(view, ask, now, rotation)`` walks the seed's rows that do not depend on permits — router
+``decide(view, ask, now, rotation)`` walks the contract's rows that do not depend on permits — router
 unavailable (503), no eligible engine (503), prompt alone over the TTFT budget and projected TTFT
 over the budget (429) — and, when the request may go on, returns the ranked candidate routes with
 the placement record it was judged on (what the TTFT model later learns from).  Permits (retention,
@@ -359,7 +359,7 @@ def rank(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[Placemen
 
 
 def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | Refusal:
-    """The seed's non-permit rows, in order; a :class:`Placement` when the request may go on."""
+    """The contract's non-permit rows, in order; a :class:`Placement` when the request may go on."""
     if view.unavailable is not None:
         return Refusal(router_unavailable(view.unavailable), Outcome.REJECTED)
     placement, best, scored = _rank(view, ask, now, rotation)

@@ -41,8 +41,8 @@ class Counters:
     def terminal_sum(self) -> int:
         return sum(self.total(o) for o in TERMINAL)
 
-    def seed_view(self) -> dict[str, int]:
-        """The five seed counters under their seed names, plus the other terminal classes."""
+    def contract_view(self) -> dict[str, int]:
+        """The five contract counters under their contract names, plus the other terminal classes."""
         out = {"offered": self.offered, "unsized_offered": self.unsized_offered}
         for o in TERMINAL:
             out[o.value] = self.total(o)

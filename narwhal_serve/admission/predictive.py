@@ -1,4 +1,4 @@
-"""The seed's two predictive rows: prompt alone over budget, projected TTFT over budget."""
+"""The contract's two predictive rows: prompt alone over budget, projected TTFT over budget."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What of an engine chunk the client may see (README, "Engine dialects and token identity").
+"""What of an engine chunk the client may see (docs/contract.md, "Engine dialects and token identity").
 
 :func:`expose` runs per chunk on the streaming hot path, so it mutates the chunk in place and returns
 it: no copies.  ``kv_transfer_params`` / ``ec_transfer_params`` (disaggregated-serving internals) are

@@ -1,4 +1,4 @@
-"""Non-streaming assembly: fold an engine's SSE chunks into one final response (the seed's non-streaming
+"""Non-streaming assembly: fold an engine's SSE chunks into one final response (the contract's non-streaming
 assembly; Metadata and usage; Token identity).
 
 Feed every parsed ``data:`` chunk (raw, before :func:`~narwhal_serve.assembly.exposure.expose`) in

@@ -1,4 +1,4 @@
-"""Token identity checks on parsed engine SSE chunks (README, "Engine dialects and token identity").
+"""Token identity checks on parsed engine SSE chunks (docs/contract.md, "Engine dialects and token identity").
 
 Narwhal asks token-ID-capable engines for ``{"return_token_ids": true, "stream_interval": 1}`` on the
 decode stream.  :func:`check_token_ids` then checks each chunk: every choice that carries generated

@@ -1,4 +1,4 @@
-"""Usage: keep the engine's non-null usage, else compute it (the seed's metadata and usage rows)."""
+"""Usage: keep the engine's non-null usage, else compute it (the contract's metadata and usage rows)."""
 
 from __future__ import annotations
 

@@ -193,7 +193,7 @@ def _add_deltas(rows: dict[str, dict[str, Any]]) -> None:
             row[f"{k}_vs_proxy"] = ratio(row[k], p[k]) if p else None
 
 
-# the hot path's targets (README, "Performance"): added TTFT by concurrency (p50, p99; None: not
+# the hot path's targets (docs/performance.md): added TTFT by concurrency (p50, p99; None: not
 # judged), added ITL p99, router CPU per request at c=8, the refusal path against the success path
 ADDED_TTFT_MS = {1: (4.0, 8.0), 8: (12.0, None)}
 ADDED_ITL_P99_MS = 1.0

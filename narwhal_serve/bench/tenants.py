@@ -1,4 +1,4 @@
-"""``narwhal-bench goodput --tenants``: the tenant scenarios (README, "Tenants"), each run on
+"""``narwhal-bench goodput --tenants``: the tenant scenarios (docs/contract.md, "Tenants"), each run on
 ``narwhal-predictive`` (no tenants: two clients sharing the fleet first come, first served, no
 ``X-Priority``) and ``narwhal-tenants`` (tenants ``a`` and ``b`` with keys, equal weights, priority
 classes), side by side, with their rounds rotated.  Rates are fractions of the calibrated SLO

@@ -1,4 +1,4 @@
-"""Typed application args (README, "Configuration"). Unknown keys are rejected, naming the key.
+"""Typed application args (docs/configuration.md, "Configuration"). Unknown keys are rejected, naming the key.
 
 Some sections live in their own modules: :mod:`.launch` (a managed engine's launch spec),
 :mod:`.sim` (one simulated engine's timing and faults, also the simulator's own config),
@@ -25,7 +25,7 @@ class ServingConfig(_Strict):
     request_timeout_s: float = Field(600.0, gt=0)
     api_keys: tuple[str, ...] = ()
     # SSE comment written while a stream is silent: behind Serve's HAProxy a client that left is
-    # noticed only when a write to it fails (README, "Run modes")
+    # noticed only when a write to it fails (docs/operations.md, "Run modes")
     stream_keepalive_s: float = Field(5.0, gt=0)
     # an engine silent this long fails the attempt: another route before response headers, an
     # error event and [DONE] after
@@ -47,7 +47,7 @@ class ServingConfig(_Strict):
     # take to finish before the streams still open are ended with an error event
     drain_grace_s: float = Field(30.0, ge=0)
     # an answer cut after its first token continues on another engine where that can be exact
-    # (README, "Engine failures"): at most this many times per request (0: never), each
+    # (docs/contract.md, "Engine failures"): at most this many times per request (0: never), each
     # continuation's first token within resume_first_token_s
     max_resumes: int = Field(1, ge=0)
     resume_first_token_s: float = Field(10.0, gt=0)
@@ -93,7 +93,7 @@ class AdmissionConfig(_Strict):
     # Each ingress replica admits under a lease of permits from the scheduler, with no scheduler
     # call per request; off: every request asks the scheduler (the pre-lease path, for comparison)
     ingress_leases: bool = True
-    # Priority classes, highest first (README, "Priority classes"): queued requests leave in class
+    # Priority classes, highest first (docs/contract.md, "Priority classes"): queued requests leave in class
     # order, lower classes keep headroom for higher ones, and engines that schedule by priority get it
     classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES
     default_class: str = "standard"  # a request without X-Priority (a tenant may set its own)
@@ -123,7 +123,7 @@ class KVEventsEndpoint(_Strict):
 
 class EngineConfig(_Strict):
     name: str
-    # an engine you run; or, instead, `launch`: Narwhal starts it (README, "Managed engines"), and the
+    # an engine you run; or, instead, `launch`: Narwhal starts it (docs/operations.md, "Managed engines"), and the
     # scheduler fills in the URL its replica reports ("" until then)
     url: str = ""
     launch: LaunchSpec | None = None
@@ -138,7 +138,7 @@ class EngineConfig(_Strict):
     # arrive): fixed cost and seconds per prompt token. Unset: 0.02 s + 0.0002 s/token.
     ttft_prior_a_s: float | None = Field(None, ge=0)
     ttft_prior_b_s_per_token: float | None = Field(None, gt=0)
-    # The engine's KV-cache events: the router's index of what it caches is then exact (README,
+    # The engine's KV-cache events: the router's index of what it caches is then exact (docs/operations.md,
     # "KV events"), not learned from where requests went
     kv_events: KVEventsEndpoint | None = None
     # The engine schedules by request priority (vLLM --scheduling-policy priority, SGLang
@@ -165,7 +165,7 @@ class EngineConfig(_Strict):
 
 
 class PlacementConfig(_Strict):
-    """How admitted requests are placed (README, "Placement")."""
+    """How admitted requests are placed (docs/configuration.md)."""
 
     # Prefer the engine that holds a request's prompt prefix (its KV blocks), weighed against load
     # and projected TTFT; the TTFT projection credits the cached tokens
@@ -211,7 +211,7 @@ class MonitoringConfig(_Strict):
 
 
 class LeaseConfig(_Strict):
-    """The router lease (README, "Running two routers"): ``none`` (one router) or ``redis``."""
+    """The router lease (docs/operations.md, "Running two routers"): ``none`` (one router) or ``redis``."""
 
     backend: Literal["none", "redis"] = "none"
     url: str | None = None  # redis://host:port/db (redis backend)
@@ -238,7 +238,7 @@ class AdminConfig(_Strict):
 
 
 class ObservabilityConfig(_Strict):
-    # One JSON line per finished request on the "narwhal.requests" logger (README, "Logs").
+    # One JSON line per finished request on the "narwhal.requests" logger (docs/operations.md, "Logs and traces").
     request_log: bool = True
     log_prompt_text: bool = False  # off: the line never carries prompt or output text
     # OpenTelemetry spans (optional dependency, `pip install narwhal-serve[tracing]`): a request
@@ -249,7 +249,7 @@ class ObservabilityConfig(_Strict):
 
 
 class SimFleetConfig(_Strict):
-    """The embedded simulated fleet used when ``engines`` is empty (README, "Simulator")."""
+    """The embedded simulated fleet used when ``engines`` is empty (docs/testing.md, "Simulator")."""
 
     host: str = "127.0.0.1"
     base_port: int = Field(8100, gt=0, lt=65536)

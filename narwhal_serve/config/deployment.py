@@ -1,4 +1,4 @@
-"""Ray Serve sizing of Narwhal's deployments (README, "Autoscaling")."""
+"""Ray Serve sizing of Narwhal's deployments (docs/operations.md, "Autoscaling")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The launch spec of a managed engine (``engines[i].launch``, README "Managed engines").
+"""The launch spec of a managed engine (``engines[i].launch``, docs/operations.md, "Managed engines").
 
 An engine entry carries either ``url`` (an engine you run) or ``launch`` (Narwhal starts it as a Ray
 Serve deployment whose replicas each supervise one engine process).  Every rule here fails at
@@ -62,7 +62,7 @@ class LaunchSpec(_Strict):
     stop_grace_s: float = Field(10.0, ge=0)  # SIGTERM, then SIGKILL of the engine's process group
     log_dir: str | None = None  # engine logs (default: <tmp>/narwhal-engines)
     # vllm and sim engines publish their KV-cache events (vLLM: --kv-events-config, on two ports of
-    # the node) and the scheduler follows them (README, "KV events")
+    # the node) and the scheduler follows them (docs/operations.md, "KV events")
     kv_events: bool = True
 
     @model_validator(mode="after")

@@ -1,4 +1,4 @@
-"""Tenants (README, "Tenants"): API keys, hashed, and budgets per tenant."""
+"""Tenants (docs/contract.md, "Tenants"): API keys, hashed, and budgets per tenant."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from narwhal_serve.config.base import Strict as _Strict
 
 
 class TenantSpec(_Strict):
-    """One tenant (README, "Tenants"): its API keys, hashed, and its budgets (None: unlimited)."""
+    """One tenant (docs/contract.md, "Tenants"): its API keys, hashed, and its budgets (None: unlimited)."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     # SHA-256 hex digests of its keys (`printf %s "$KEY" | sha256sum`): keys are never configured in clear
@@ -17,7 +17,7 @@ class TenantSpec(_Strict):
     input_tokens_per_minute: float | None = Field(None, gt=0)  # prompt tokens, as the router counts them
     output_tokens_per_minute: float | None = Field(None, gt=0)  # validated output token IDs
     max_concurrent: int | None = Field(None, gt=0)
-    # its weight in the fair share of the fleet under overload (README, "Tenants")
+    # its weight in the fair share of the fleet under overload (docs/contract.md, "Tenants")
     weight: float = Field(1.0, gt=0)
     # its requests' class without X-Priority (None: admission.default_class), and the highest class
     # it may ask for (None: any); a higher X-Priority is lowered to this ceiling

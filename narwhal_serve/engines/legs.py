@@ -1,4 +1,4 @@
-"""Opening the client-facing stream of one route: a single leg, or a P/D pair (README, "Engine dialects and token identity")."""
+"""Opening the client-facing stream of one route: a single leg, or a P/D pair (docs/contract.md, "Engine dialects and token identity")."""
 
 from __future__ import annotations
 

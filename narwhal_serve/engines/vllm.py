@@ -1,4 +1,4 @@
-"""vLLM dialect (README, "Engine dialects and token identity"): token IDs on every chunk, P/D by the two-step kv_transfer_params protocol."""
+"""vLLM dialect (docs/contract.md, "Engine dialects and token identity"): token IDs on every chunk, P/D by the two-step kv_transfer_params protocol."""
 
 from __future__ import annotations
 

@@ -1,0 +1,19 @@
+"""The HTTP gateway: the FastAPI app of an ingress replica, from request body to released permits.
+
+* :mod:`.app` — The HTTP surface (docs/contract.md, "Routes"): completion routes, models, health,
+  readiness, status, metrics, admin.
+* :mod:`.backend` — What the HTTP gateway needs from the rest of the router, as one small interface.
+* :mod:`.body` — Reading a request body without ever buffering past ``serving.max_request_bytes``.
+* :mod:`.completion` — One completion request, arrival to last byte: validate, admit, relay,
+  account, release.
+* :mod:`.reporter` — Batches an ingress replica's reports to the scheduler ("gated": send now if no
+  call is in flight, else as soon as it returns), from a task with a ...
+* :mod:`.responses` — Rendering refusals: the OpenAI envelope, Retry-After, X-Narwhal-Reason,
+  X-Request-Id.
+* :mod:`.streaming` — The SSE response of an admitted streaming request: it owns the request's
+  release.
+* :mod:`.tenancy` — What the gateway reads from a request about its tenant (docs/contract.md,
+  "Tenants", "Priority classes"): who sent it (the API key), its class ...
+* :mod:`.tokenize` — ``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes, from the router's
+  own tokenizer.
+"""

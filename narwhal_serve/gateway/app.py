@@ -1,4 +1,4 @@
-"""The HTTP surface (README, "Routes"): completion routes, models, health, readiness, status, metrics, admin.
+"""The HTTP surface (docs/contract.md, "Routes"): completion routes, models, health, readiness, status, metrics, admin.
 
 ``build_api`` takes a :class:`Backend`, so the same app runs inside the Ray ingress and in-process.
 """
@@ -207,7 +207,7 @@ def build_api(
     )
     app.add_api_route("/admin/state", admin_route("set_mode", "set_mode", _mode_arg), methods=["POST"])
     # draining (the run command sends it on SIGTERM): no new admissions, the streams still open
-    # after grace_s ended with an error event (README, "Operations")
+    # after grace_s ended with an error event (docs/operations.md)
     app.add_api_route("/admin/drain", admin_route("drain", "drain", lambda b: _drain_arg(b, cfg.serving.drain_grace_s)),
                       methods=["POST"])
     return app

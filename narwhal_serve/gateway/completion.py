@@ -1,6 +1,6 @@
 """One completion request, arrival to last byte: validate, admit, relay, account, release.
 
-Every path ends in exactly one terminal class (README, "Admission") and gives back everything it held:
+Every path ends in exactly one terminal class (docs/contract.md, "Admission") and gives back everything it held:
 the admission call runs in a task with a fresh context (Ray Serve cancels a cancelled request's
 children), a placement that arrives after its client left is released, and the release itself goes
 through the :class:`Reporter`, never through a child call of the request.

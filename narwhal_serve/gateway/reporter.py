@@ -26,7 +26,7 @@ from narwhal_serve.scheduler.messages import Report
 log = logging.getLogger(__name__)
 
 # how long a report gathers events before it goes (10 ms measured no better: the gated loop's
-# round trip already batches under load, README "Performance").  Releases go at once while requests
+# round trip already batches under load, docs/performance.md).  Releases go at once while requests
 # wait in the scheduler's queue (a freed permit admits the next one there).
 LINGER_S = 0.005
 
@@ -92,7 +92,7 @@ class Reporter:
             self.lease.progress(ticket_id, tokens)
 
     def resumes(self, cuts: tuple[tuple[str, str], ...]) -> None:
-        """Answers cut mid-stream: (reason, outcome) each (README, "Engine failures")."""
+        """Answers cut mid-stream: (reason, outcome) each (docs/contract.md, "Engine failures")."""
         for key in cuts:
             self._pending.counters.resumes[key] += 1
         self._queue()

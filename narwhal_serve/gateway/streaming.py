@@ -9,7 +9,7 @@ cancelled the request because the client went away.
 Keep-alive: while the relay is silent (a stalled engine), an SSE comment is written every
 ``keepalive_s`` seconds.  Behind Ray Serve's HAProxy (direct-ingress mode) the replica learns of a
 client that left only when a *write* to it fails, so a silent stream must keep writing
-(README, "Run modes"); clients, the ``openai`` SDK included, ignore comment lines.
+(docs/operations.md, "Run modes"); clients, the ``openai`` SDK included, ignore comment lines.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the gateway reads from a request about its tenant (README, "Tenants", "Priority classes"):
+"""What the gateway reads from a request about its tenant (docs/contract.md, "Tenants", "Priority classes"):
 who sent it (the API key), its class (``X-Priority``, within the tenant's default and ceiling), how a
 retry of it is recognised, and the rate-limit headers of its answer."""
 

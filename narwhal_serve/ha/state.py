@@ -1,4 +1,4 @@
-"""Router state: active, or one of the unavailable states the seed names (README, "Routes": the /ready reasons)."""
+"""Router state: active, or one of the unavailable states the contract names (docs/contract.md, "Routes": the /ready reasons)."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ def candidate_routes(eligible: Sequence[E], rotation: int, limit: int | None = M
 
 
 def resume_targets(eligible: Sequence[E]) -> list[EngineConfig]:
-    """The engines an answer cut mid-stream may continue on (README, "Mid-stream resume"): every
+    """The engines an answer cut mid-stream may continue on (docs/contract.md, "Mid-stream resume"): every
     route's client-facing engine, least loaded first, each once."""
     out: dict[str, EngineConfig] = {}
     for r in candidate_routes(eligible, 0, limit=None):

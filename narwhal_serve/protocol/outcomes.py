@@ -1,4 +1,4 @@
-"""Terminal classes of an offered request (README, "Admission"); the values are the metric names' stems."""
+"""Terminal classes of an offered request (docs/contract.md, "Admission"); the values are the metric names' stems."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class Outcome(str, Enum):
 
 TERMINAL = tuple(Outcome)
 
-# The reasons each terminal class is counted under (README, "Errors": the codes; "Admission"): a
+# The reasons each terminal class is counted under (docs/contract.md, "Errors": the codes; "Admission"): a
 # fresh router exports every one of them at zero, so dashboards chart them and rate() sees the first
 # increment.  A reason not listed here is still counted when it happens (an engine's own code).
 KNOWN_REASONS: dict[Outcome, tuple[str, ...]] = {

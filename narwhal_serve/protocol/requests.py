@@ -1,4 +1,4 @@
-"""Validation and sizing of client requests (the seed's validation rows, README "Errors").
+"""Validation and sizing of client requests (the contract's validation rows, docs/contract.md, "Errors").
 
 Only the fields the router interprets are checked; every other field is forwarded to the engine
 verbatim.  Errors carry ``param`` as a dotted path (``messages.0.content``).

@@ -119,7 +119,7 @@ def content_events(chunk: dict[str, Any]) -> int:
 
 def backpressure_refusal(retry_after_s: list[float | None], failures: list[str]) -> ErrorInfo:
     """Every route tried answered 429/503: the engines are busy, not broken.  The client gets the
-    seed's retryable capacity answer (503 ``backend_unavailable``, counted ``rejected`` with reason
+    contract's retryable capacity answer (503 ``backend_unavailable``, counted ``rejected`` with reason
     ``engine_backpressure``) and a ``Retry-After`` from the engines' own: the soonest any of them
     said it would take work (1 s when none said)."""
     known = [s for s in retry_after_s if s is not None and s > 0]

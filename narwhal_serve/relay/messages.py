@@ -64,5 +64,5 @@ class RelayMessage:
     engines: tuple[str, ...] = ()  # with ``first_token``: the route that produced it
     health: tuple[HealthEvent, ...] = ()  # attempts that failed, and first tokens, since the last message (in order)
     tokens: int = 0  # identified output tokens so far (streams: decode correction at the scheduler)
-    moved: bool = False  # with ``engines``: a resume moved the answer to that route (README, "Engine failures")
+    moved: bool = False  # with ``engines``: a resume moved the answer to that route (docs/contract.md, "Engine failures")
     resumes: tuple[tuple[str, str], ...] = ()  # (reason, outcome) of each cut since the last message

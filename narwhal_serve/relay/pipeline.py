@@ -3,8 +3,8 @@ its stream (streaming clients) or fold it into one response (non-streaming clien
 
 Before response headers a failed attempt (engine error, broken stream, bad token IDs) moves on to
 the next candidate while the deadline allows.  After the first token a failure is resumed on another
-engine where that can be exact (``relay/resume.py``, README "Engine failures"); otherwise the stream
-ends with one error event and ``[DONE]`` (README, "Errors") — never a silent truncation.
+engine where that can be exact (``relay/resume.py``, docs/contract.md, "Engine failures"); otherwise the stream
+ends with one error event and ``[DONE]`` (docs/contract.md, "Errors") — never a silent truncation.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Relay:
     Every read from an engine is bounded: by ``idle_timeout_s`` (an engine silent that long fails
     the attempt — another route before headers, an error event after), before the first token by
     the request's first-token limit when another route is left to try, and by the request's
-    deadline, which holds for the whole request (README, "Configuration"): past it, 504 before headers, an error
+    deadline, which holds for the whole request (docs/configuration.md, "Configuration"): past it, 504 before headers, an error
     event ``deadline_expired`` and ``[DONE]`` after.  Failed attempts and each attempt's first token
     travel to the scheduler in order, as ``EngineFault`` and ``EngineWorked`` health events on the
     next message (passive health)."""
@@ -121,7 +121,7 @@ class Relay:
         req = placed.request
         headers = {"X-Request-Id": placed.request_id}
         if placed.epoch:
-            headers["X-Narwhal-Epoch"] = str(placed.epoch)  # the fencing token (README, "Running two routers")
+            headers["X-Narwhal-Epoch"] = str(placed.epoch)  # the fencing token (docs/operations.md, "Running two routers")
         last = len(placed.candidates)
         excluded: set[str] = set()  # engines that failed this request
         for attempt, route in enumerate(placed.candidates, start=1):
@@ -202,8 +202,8 @@ class Relay:
         self, placed: PlacedRequest, at: Attempt, headers: dict[str, str], span: "Span | None"
     ) -> AsyncGenerator[list[dict[str, Any]], None]:
         """The answer's checked chunk batches in the client's route: the route's stream, then,
-        when it fails after the first token, continuations on other engines (README, "Engine
-        failures").  Raises what ended it when it cannot go on."""
+        when it fails after the first token, continuations on other engines (docs/contract.md,
+        "Engine failures (passive health)").  Raises what ended it when it cannot go on."""
         req = placed.request
         stream = open_route(self.client, at.route, req, headers, self.tracing, span, at.cursor, placed.priority)
         if self.coalesce_reads:

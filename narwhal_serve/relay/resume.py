@@ -1,4 +1,4 @@
-"""Mid-stream resume (README, "Engine failures"): what an answer cut after its first token needs to
+"""Mid-stream resume (docs/contract.md, "Engine failures"): what an answer cut after its first token needs to
 continue on another engine exactly where the dead one stopped.
 
 The continuation is a completions request whose prompt is the request's prompt token IDs followed by
@@ -268,7 +268,7 @@ class Reshaper:
 
 def resume_refusal(req: ParsedRequest, t: Transcript, engine: EngineConfig, resumes: int, max_resumes: int,
                    now: float, deadline: float) -> str | None:
-    """Why a cut on ``engine`` is not resumed (an outcome label: README, "Engine failures"), or None."""
+    """Why a cut on ``engine`` is not resumed (an outcome label: docs/contract.md, "Engine failures"), or None."""
     if resumes >= max_resumes:
         return "limit"
     if now >= deadline:

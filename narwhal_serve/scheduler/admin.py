@@ -1,4 +1,4 @@
-"""The scheduler's admin operations (README, "Operations"): router mode, drain, maintenance waves,
+"""The scheduler's admin operations (docs/operations.md): router mode, drain, maintenance waves,
 engines registered at run time and managed engines' replicas, readiness."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``/status``: the scheduler's whole state as plain JSON (README, "Routes")."""
+"""``/status``: the scheduler's whole state as plain JSON (docs/contract.md, "Routes")."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def snapshot(svc: "SchedulerService") -> dict[str, Any]:
         "ha": svc.ha.view(),
         "maintenance_waves": sorted(maint),
         "admission_mode": svc.cfg.admission.mode,
-        "counters": svc.counters.seed_view(),
+        "counters": svc.counters.contract_view(),
         "counters_by_reason": [
             {"outcome": o, "reason": r, "count": n} for (o, r), n in sorted(svc.counters.by_outcome.items())
         ],

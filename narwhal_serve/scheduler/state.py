@@ -63,7 +63,7 @@ class SchedulerState(ABC):
             e.ttft_errors.quantile = cfg.admission.ttft_confidence
         self.kv_events = KVEventFeeds(cfg.placement)  # engines whose KV events feed their prefix index
         self.outputs = OutputLengths()  # identified output lengths per route kind and max_tokens bucket
-        self.managed = ManagedFleet(cfg, self.engines)  # Ray-managed engines' slots (README, "Managed engines")
+        self.managed = ManagedFleet(cfg, self.engines)  # Ray-managed engines' slots (docs/operations.md, "Managed engines")
         # ha.role is the mode of a lone router; with a lease backend the lease decides (role: a hint)
         lone_standby = cfg.ha.role == "standby" and cfg.ha.lease.backend == "none"
         self.router = RouterState(mode="standby" if lone_standby else "active")
@@ -156,7 +156,7 @@ class SchedulerState(ABC):
             self.reservations.popitem(last=False)
 
     def unavailable(self, now: float) -> str | None:
-        """Why the router refuses everything now (README, "Routes": the /ready reasons), or None: its lease
+        """Why the router refuses everything now (docs/contract.md, "Routes": the /ready reasons), or None: its lease
         (standby, fenced), its admin mode, whole-wave maintenance, then its own monitoring."""
         lease_mode = self.ha.lease_mode()
         if lease_mode is not None and lease_mode != "active":

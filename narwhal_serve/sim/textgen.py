@@ -8,7 +8,7 @@
 * Greedy requests (``temperature: 0``) are a function of their context alone, as a model's are: each
   token is drawn from a hash of every token before it (prompt and output), on any engine.  So a
   continuation whose prompt is the prompt plus the first k output tokens generates exactly the
-  tokens after them (README, "Engine failures").
+  tokens after them (docs/contract.md, "Engine failures").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The scheduler's side of per-tenant budgets that hold for the whole router (README, "Tenants").
+"""The scheduler's side of per-tenant budgets that hold for the whole router (docs/contract.md, "Tenants").
 Pure: ``now`` passed in.
 
 Each budgeted tenant has, per minute, a request, an input-token and an output-token budget, and a

@@ -1,4 +1,4 @@
-"""Fair share between tenants under overload (README, "Tenants").  Pure: ``now`` passed in.
+"""Fair share between tenants under overload (docs/contract.md, "Tenants").  Pure: ``now`` passed in.
 
 Each tenant has a weight (``tenants.list[].weight``, 1 by default).  The scheduler measures the
 prefill work each tenant was admitted lately: prompt tokens, decayed with a time constant of

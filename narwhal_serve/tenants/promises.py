@@ -1,4 +1,4 @@
-"""Promises: the room kept for refused clients that retry (README, "Tenants", "Retry-After a
+"""Promises: the room kept for refused clients that retry (docs/contract.md, "Tenants", "Retry-After a
 client can trust").  A refusal says when the bucket will hold the request *after every request
 promised before it*; a client that says it retries (``X-Stainless-Retry-Count``) is promised that
 room until ``PROMISE_GRACE_S`` after its Retry-After.  Kept per tenant by the scheduler (:mod:`.book`)."""

@@ -1,5 +1,5 @@
 """The budget rules, pure: what a tenant lacks for a request, how long until it fits, the 429 and
-OpenAI's rate-limit headers, a bucket's refill (README, "Tenants").  Both sides of a lease use them:
+OpenAI's rate-limit headers, a bucket's refill (docs/contract.md, "Tenants").  Both sides of a lease use them:
 the scheduler's buckets (:mod:`.book`) and an ingress lease's shares (:mod:`.shares`)."""
 
 from __future__ import annotations

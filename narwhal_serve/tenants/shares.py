@@ -1,4 +1,4 @@
-"""An ingress lease's side of per-tenant budgets (README, "Tenants"): its shares of the tenants'
+"""An ingress lease's side of per-tenant budgets (docs/contract.md, "Tenants"): its shares of the tenants'
 buckets, carved out by the scheduler (:mod:`.book`) and spent locally, with no scheduler call per
 request; what it spent and gives back rides with its reports."""
 

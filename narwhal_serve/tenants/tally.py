@@ -1,4 +1,4 @@
-"""Per-tenant counts for ``/metrics`` and ``/status`` (README, "Tenants"): admitted, goodput, tokens,
+"""Per-tenant counts for ``/metrics`` and ``/status`` (docs/contract.md, "Tenants"): admitted, goodput, tokens,
 terminal classes, budget left.  Labels are the configured tenants only (anything else is ``other``),
 so the series are bounded by the config; without a tenants section there are none."""
 

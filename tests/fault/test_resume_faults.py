@@ -1,4 +1,4 @@
-"""Mid-stream resume on the ``pair`` application (README, "Engine failures"): an engine that fails
+"""Mid-stream resume on the ``pair`` application (docs/contract.md, "Engine failures"): an engine that fails
 after the first token — reset, stall, an in-stream 5xx, a malformed chunk, bad token IDs, a restart
 — is replaced by the other engine, and the client gets one complete answer: ``[DONE]``, no error
 event, and exactly the token IDs of an uninterrupted greedy run, no gap and no repeat.  Each
@@ -80,7 +80,7 @@ async def test_an_engine_failing_mid_stream_is_replaced_token_exactly(fleet: Fle
     sent = 0
     async with fleet_set(app, tpot_base_s=0.01), engine_set(app, "pair-0", faults=[fault]):
         for i in range(40):  # until pair-0 served two (placement alternates the idle pair; each answer's first
-            # token precedes its fault, so pair-0's breaker, 2 in a row, stays closed: README "Engine failures")
+            # token precedes its fault, so pair-0's breaker, 2 in a row, stays closed: docs/contract.md, "Engine failures")
             stream = i % 2 == 0
             r, took = await timed_post(app, greedy(stream))
             sent += 1

@@ -139,7 +139,7 @@ def assert_strict_json(value: Any) -> bytes:
 
 
 def assert_envelope(body: Any) -> None:
-    """The OpenAI error envelope, exactly (README, "Errors")."""
+    """The OpenAI error envelope, exactly (docs/contract.md, "Errors")."""
     assert isinstance(body, dict) and set(body) == {"error"}, body
     err = body["error"]
     assert isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}, err

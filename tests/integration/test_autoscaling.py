@@ -1,4 +1,4 @@
-"""Serve autoscaling of Ingress and Assembler under load (README "Autoscaling"): load makes Serve add
+"""Serve autoscaling of Ingress and Assembler under load (docs/operations.md, "Autoscaling"): load makes Serve add
 replicas of both, and less load makes it remove them again — while a client keeps streaming — with
 no failed request in either direction.
 

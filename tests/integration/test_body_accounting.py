@@ -1,4 +1,4 @@
-"""The seed's unsized_offered: a body that ends before sizing counts as offered and unsized_offered,
+"""The contract's unsized_offered: a body that ends before sizing counts as offered and unsized_offered,
 and ends as cancelled.  In direct-ingress mode (the run mode) it reaches the ingress every time;
 behind Serve's proxy actor (the other mode) a body that never completes never reaches it."""
 

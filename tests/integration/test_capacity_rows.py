@@ -1,4 +1,4 @@
-"""The seed's capacity rows on the tight app (open admission, prefill 1 / decode 2, queue 1,
+"""The contract's capacity rows on the tight app (open admission, prefill 1 / decode 2, queue 1,
 retention 3, max_wait 5 s), created with the simulator's hang faults — no sleeps."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Grafana dashboard (``deploy/grafana/narwhal.json``) against a real Prometheus (README, "Dashboard").
+"""The Grafana dashboard (``deploy/grafana/narwhal.json``) against a real Prometheus (docs/operations.md, "Dashboard").
 
 A private Prometheus (``scripts/prometheus_server.py``: Debian's 2.42 package, installed by ``make
 test``) scrapes the running graph's /metrics every 500 ms while a mixed load runs (completions and

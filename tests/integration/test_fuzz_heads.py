@@ -1,4 +1,4 @@
-"""Fuzz: raw request heads through HAProxy and the Ray graph in direct ingress (README, "Run modes"
+"""Fuzz: raw request heads through HAProxy and the Ray graph in direct ingress (docs/operations.md, "Run modes"
 and "Errors"; issue 24).
 
 Hypothesis builds HTTP/1.1 request heads from the parts a hostile client plays with — the method,
@@ -15,7 +15,7 @@ on a connection of its own.  The answer must be exactly the one the head calls f
 * anything else reaches the router: a 2xx, or a 4xx in the envelope (never a 5xx, never HTML or
   plain text).
 
-Interim ``100 Continue`` answers are skipped (HAProxy invites the body at once, README); a final
+Interim ``100 Continue`` answers are skipped (HAProxy invites the body at once, docs/operations.md, "Run modes"); a final
 answer must arrive whole (its ``Content-Length`` read to the end).
 At the end the router's counters balance and no gauge is held.
 """

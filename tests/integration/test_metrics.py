@@ -1,4 +1,4 @@
-"""GET /metrics: Prometheus text with the names README "Metrics" lists, global counters."""
+"""GET /metrics: Prometheus text with the names docs/operations.md, "Metrics" lists, global counters."""
 
 from __future__ import annotations
 

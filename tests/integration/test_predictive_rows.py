@@ -1,4 +1,4 @@
-"""The seed's predictive rows on the main app (admission: predictive), budgets set per request with
+"""The contract's predictive rows on the main app (admission: predictive), budgets set per request with
 X-TTFT-Target against the fitted model that /status exposes."""
 
 from __future__ import annotations

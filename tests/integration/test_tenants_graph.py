@@ -1,4 +1,4 @@
-"""Tenants through the Ray graph (README, "Tenants"): an application with three Ingress replicas,
+"""Tenants through the Ray graph (docs/contract.md, "Tenants"): an application with three Ingress replicas,
 keys inline and in a keys file re-read while it runs, 401 for missing and unknown keys, a tenant's
 per-minute budget that holds across the three replicas under a flood, the official ``openai``
 client reading the rate-limit headers and honouring Retry-After, and priority classes reaching an
@@ -149,7 +149,7 @@ async def test_the_openai_client_reads_the_limits_and_honours_retry_after(tenant
         assert int(raw.headers["x-ratelimit-remaining-requests"]) >= 0
         # every refusal it met was retried after the retry-after-ms it was told.  (It may meet none:
         # another ingress replica can still hold a share of the tenant's budget when the one that
-        # refused the drain had none left; README "Tenants" says so.)
+        # refused the drain had none left; docs/contract.md, "Tenants" says so.)
         assert len(refusals) == raw.retries_taken, (raw.retries_taken, refusals)
         if refusals:
             when, told = refusals[-1]

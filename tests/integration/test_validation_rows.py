@@ -1,4 +1,4 @@
-"""The seed's validation rows through the real graph: status, envelope, param, counter."""
+"""The contract's validation rows through the real graph: status, envelope, param, counter."""
 
 from __future__ import annotations
 

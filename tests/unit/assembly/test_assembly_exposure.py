@@ -1,4 +1,4 @@
-"""What of an engine chunk reaches the client (README, "Engine dialects and token identity")."""
+"""What of an engine chunk reaches the client (docs/contract.md, "Engine dialects and token identity")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Table-driven checks of the non-streaming assembly rules (one case per row of the seed's table / 502 rule)."""
+"""Table-driven checks of the non-streaming assembly rules (one case per row of the contract's table / 502 rule)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Token identity checks (README, "Engine dialects and token identity")."""
+"""Token identity checks (docs/contract.md, "Engine dialects and token identity")."""
 
 from __future__ import annotations
 

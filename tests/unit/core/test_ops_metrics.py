@@ -1,4 +1,4 @@
-"""The operators' metrics (README "Metrics", "Dashboard"): admissions, goodput, predicted vs measured
+"""The operators' metrics (docs/operations.md, "Metrics", "Dashboard"): admissions, goodput, predicted vs measured
 TTFT per engine and per-engine load gauges, from a SchedulerService without HTTP, checked through
 ``prometheus_client``'s own parser (the text must be valid exposition format)."""
 

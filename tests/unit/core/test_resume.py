@@ -1,4 +1,4 @@
-"""Mid-stream resume over httpx.MockTransport engines (README, "Engine failures"): an answer cut after
+"""Mid-stream resume over httpx.MockTransport engines (docs/contract.md, "Engine failures"): an answer cut after
 its first token continues on the other engine from the prompt and output token IDs, re-shaped into
 the client's route, with no token lost or repeated; what cannot be exact ends as before."""
 

@@ -83,7 +83,7 @@ async def test_predictive_learns_and_refuses_with_pending_work() -> None:
     refused = await svc.admit(req("late", prompt=10, budget=0.5))
     assert refused.error is not None and refused.error.code == "ttft_budget_exceeded"
     assert refused.error.retry_after is not None and refused.error.retry_after >= 1
-    assert svc.counters.seed_view()["refused"] == 1
+    assert svc.counters.contract_view()["refused"] == 1
 
 
 async def test_predictive_sees_requests_queueing_for_slots() -> None:
@@ -101,7 +101,7 @@ async def test_predictive_sees_requests_queueing_for_slots() -> None:
             assert r.error.code == "ttft_budget_exceeded"
     # two routes with two slots each, then a wait under 1 s for at most one more per route
     assert 4 <= admitted <= 8
-    assert svc.counters.seed_view()["refused"] == 12 - admitted
+    assert svc.counters.contract_view()["refused"] == 12 - admitted
 
 
 async def test_failed_attempts_open_a_breaker_a_probe_closes_it() -> None:

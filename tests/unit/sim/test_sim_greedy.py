@@ -1,6 +1,6 @@
 """The simulator's greedy decoding is a function of the context alone, as a model's is: a
 continuation whose prompt is the prompt plus the first k output tokens generates exactly the rest
-(what a token-exact resume relies on, README "Engine failures")."""
+(what a token-exact resume relies on, docs/contract.md, "Engine failures")."""
 
 from __future__ import annotations
 

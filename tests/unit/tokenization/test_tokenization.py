@@ -1,5 +1,5 @@
 """Router-side tokenization: vLLM's conversation rules, content formats, the estimate fallback,
-sizing off the event loop, and the seed's prompt-alone row for a CJK prompt."""
+sizing off the event loop, and the contract's prompt-alone row for a CJK prompt."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ async def routers(tok_dir: Path) -> AsyncIterator[tuple[LocalRouter, LocalRouter
 
 async def test_cjk_prompt_alone_over_budget_is_refused_only_with_exact_tokens(
         routers: tuple[LocalRouter, LocalRouter], tok: HfTokenizer) -> None:
-    """The seed's prompt-alone row: a CJK prompt whose character estimate fits the TTFT budget and
+    """The contract's prompt-alone row: a CJK prompt whose character estimate fits the TTFT budget and
     whose real token count does not is refused up front (and was admitted on the estimate)."""
     exact, blind = routers
     text = CJK * 60
