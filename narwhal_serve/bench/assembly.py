@@ -17,7 +17,7 @@ from typing import Any
 from narwhal_serve.assembly.exposure import expose
 from narwhal_serve.assembly.fold import Assembler
 from narwhal_serve.assembly.tokens import check_token_ids
-from narwhal_serve.relay.attempt import sse_event
+from narwhal_serve.protocol.sse import sse_event
 
 _ROLE: dict[str, Any] = {
     "id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1, "model": "m",

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import json
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -27,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.errors import ErrorInfo, NarwhalError, Unavailable
+from narwhal_serve.protocol.sse import error_events
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.relay.messages import HealthEvent, RelayMessage
 
@@ -54,10 +54,6 @@ def outcome_of(err: ErrorInfo) -> Outcome:
     if 400 <= err.status < 500:
         return Outcome.INVALID  # the engine rejected the request itself
     return Outcome.FAILED
-
-
-def error_event(err: ErrorInfo) -> bytes:
-    return b"data: " + json.dumps(err.body(), separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 class Flow:
@@ -191,7 +187,7 @@ class RelayStreamResponse(Response):
         buffered: the router is stopping.  The relay is closed as the stream ends."""
         if not self._cut:
             self._cut = True
-            self._buf.append(RelayMessage(data=error_event(err), error=err, final=True))
+            self._buf.append(RelayMessage(data=error_events(err), error=err, final=True))
             self._more.set()
 
     def _take(self, msg: RelayMessage) -> bool:
@@ -247,7 +243,7 @@ class RelayStreamResponse(Response):
             err = NarwhalError("the client did not read the stream fast enough; it was cut", code="slow_reader")
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 async with asyncio.timeout(1.0):  # best effort: the client is not reading
-                    await send({"type": "http.response.body", "body": error_event(err.info()), "more_body": False})
+                    await send({"type": "http.response.body", "body": error_events(err.info()), "more_body": False})
         except OSError:
             pass  # the client went away (ASGI 2.4 servers raise on a failed write): counted as cancelled
         finally:
@@ -259,4 +255,4 @@ class RelayStreamResponse(Response):
 
 def _failure(message: str) -> RelayMessage:
     err = internal_error(message)
-    return RelayMessage(data=error_event(err), error=err, final=True)
+    return RelayMessage(data=error_events(err), error=err, final=True)

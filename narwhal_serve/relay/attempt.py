@@ -5,7 +5,6 @@ the last message), the usage watch, and the SSE and error events (``relay/pipeli
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -23,18 +22,8 @@ from narwhal_serve.engines.errors import FaultKind
 from narwhal_serve.relay.messages import EngineFault, HealthEvent
 from narwhal_serve.relay.resume import Transcript
 
-DONE_EVENT = b"data: [DONE]\n\n"
-
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
-
-
-def sse_event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
-def error_events(err: ErrorInfo) -> bytes:
-    return sse_event(err.body()) + DONE_EVENT
 
 
 class DeadlinePassed(Exception):

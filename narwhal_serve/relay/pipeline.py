@@ -29,8 +29,8 @@ from narwhal_serve.engines.legs import dialect_of, open_route, prioritized
 from narwhal_serve.errors import BadEngineResponse, InvalidRequest, TerminalExpiry
 from narwhal_serve.observability import Tracing, end_span
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
+from narwhal_serve.protocol.sse import DONE_EVENT, error_events, sse_event
 from narwhal_serve.relay.attempt import (
-    DONE_EVENT,
     Attempt,
     DeadlinePassed,
     Meter,
@@ -39,9 +39,7 @@ from narwhal_serve.relay.attempt import (
     backpressure_refusal,
     cut_reason,
     deadline_info,
-    error_events,
     fault_of,
-    sse_event,
 )
 from narwhal_serve.relay.coalesce import coalesce
 from narwhal_serve.relay.messages import EngineFault, EngineWorked, RelayMessage

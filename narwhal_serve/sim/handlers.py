@@ -24,6 +24,7 @@ from narwhal_serve.sim.chunks import (
     completion_step_chunk,
     usage_chunk,
 )
+from narwhal_serve.protocol.sse import DONE_EVENT, sse_event
 from narwhal_serve.sim.engine import Engine, Job
 from narwhal_serve.sim.faults import ERROR_EVENT, MALFORMED_EVENT, FaultPlan, SimulatedReset, corrupt_body, corrupt_stream_choice
 from narwhal_serve.sim.reqparse import (
@@ -47,10 +48,6 @@ BUSY_FAULTS = ((429, "error_429", "RateLimitError"), (503, "error_503", "Service
 
 def fingerprint(name: str) -> str:
     return f"vllm-0.32.0-{stable_hash('fingerprint', name) & 0xFFFFFFFF:08x}"
-
-
-def encode_event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
 async def read_json(request: Request) -> Any:
@@ -283,11 +280,11 @@ async def _sse(engine: Engine, prep: Prepared, job: Job) -> AsyncIterator[bytes]
             if pre:
                 yield pre
                 if pre is ERROR_EVENT:
-                    yield b"data: [DONE]\n\n"
+                    yield DONE_EVENT
                     return
-            yield encode_event(obj)
+            yield sse_event(obj)
             sent += 1
     pre = await gate.before(sent, at_end=True)
     if pre:
         yield pre
-    yield b"data: [DONE]\n\n"
+    yield DONE_EVENT
