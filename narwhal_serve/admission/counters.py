@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from narwhal_serve.protocol.outcomes import TERMINAL, Outcome
 
@@ -38,15 +40,18 @@ class Counters:
     def total(self, outcome: Outcome) -> int:
         return sum(n for (o, _), n in self.by_outcome.items() if o == outcome.value)
 
-    def terminal_sum(self) -> int:
-        return sum(self.total(o) for o in TERMINAL)
-
     def contract_view(self) -> dict[str, int]:
         """The five contract counters under their contract names, plus the other terminal classes."""
         out = {"offered": self.offered, "unsized_offered": self.unsized_offered}
         for o in TERMINAL:
             out[o.value] = self.total(o)
         return out
+
+
+def unbalanced(counters: Mapping[str, Any]) -> int:
+    """``offered`` less the terminal classes, from a contract view (``/status`` ``counters``): 0 once
+    every offered request has ended exactly once (the one "counters balance" check)."""
+    return int(counters.get("offered", 0)) - sum(int(counters.get(o.value, 0)) for o in TERMINAL)
 
 
 @dataclass

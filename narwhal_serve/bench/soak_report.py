@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
-from narwhal_serve.protocol.outcomes import TERMINAL
+from narwhal_serve.admission.counters import unbalanced
 from narwhal_serve.bench.rss import mb, rss_summary, rss_table, rss_timeline
 from narwhal_serve.bench.report import check, checks_table, plot_lines, table
 from narwhal_serve.bench.soak_mix import SoakArgs
@@ -21,15 +21,14 @@ if TYPE_CHECKING:
 def books(snap: dict[str, Any]) -> dict[str, Any]:
     """From a ``/status`` snapshot: offered against the terminal classes, permits still held."""
     c = snap.get("counters", {})
-    terminal = sum(int(c.get(o.value, 0)) for o in TERMINAL)
+    off = unbalanced(c)
     gauges = {k: int(v) for k, v in snap.get("gauges", {}).items()}
     leases_in_use = sum(sum(int(x) for x in lease.get("in_use", {}).values())
                         for lease in snap.get("admission_leases", []))
     leaked = gauges.get("retained", 0) + gauges.get("prefill_inflight", 0) + gauges.get("decode_inflight", 0)
-    return {"offered": int(c.get("offered", 0)), "terminal": terminal,
-            "unbalanced": int(c.get("offered", 0)) - terminal, "gauges": gauges, "leaked_permits": leaked,
-            "lease_permits_in_use": leases_in_use, "balanced": int(c.get("offered", 0)) == terminal
-            and not any(gauges.values())}
+    return {"offered": int(c.get("offered", 0)), "terminal": int(c.get("offered", 0)) - off,
+            "unbalanced": off, "gauges": gauges, "leaked_permits": leaked,
+            "lease_permits_in_use": leases_in_use, "balanced": off == 0 and not any(gauges.values())}
 
 
 def router_outcomes(snap: dict[str, Any]) -> list[tuple[str, str, int]]:

@@ -10,11 +10,11 @@ from typing import Any
 
 import httpx
 
+from narwhal_serve.admission.counters import unbalanced
 from tests.support.ray_env import ADMIN_TOKEN
 
 MODEL = "narwhal-sim"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-TERMINAL = ("completed", "failed", "rejected", "refused", "invalid_requests", "expired", "cancelled")
 
 
 async def status(base: str) -> dict[str, Any]:
@@ -120,10 +120,7 @@ def counter(snap: dict[str, Any], outcome: str, reason: str) -> int:
 
 
 def balanced(snap: dict[str, Any]) -> bool:
-    c = snap["counters"]
-    terminal = sum(c[k] for k in TERMINAL)
-    g = snap["gauges"]
-    return c["offered"] == terminal and not any(g.values())
+    return unbalanced(snap["counters"]) == 0 and not any(snap["gauges"].values())
 
 
 @asynccontextmanager
