@@ -23,7 +23,6 @@ minimum, back at the minimum at the end, no failed request), ``results.json``, `
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import signal
 import sys
@@ -38,6 +37,7 @@ from narwhal_serve.bench import procs
 from narwhal_serve.bench.client import Endpoint, Shape, make_session, send_one
 from narwhal_serve.bench.ramp_report import APP, DEPLOYMENTS, level_at, outcome, plot, read_samples, replica_cell, replicas, settled, summarize_ramp, timeline, timeline_table
 from narwhal_serve.bench.fleet import app_dir, bench_serve_env, narwhal_app, serve_config
+from narwhal_serve.bench.harness import SERVE_RUN, Stop, narwhal_run, stop_uninterrupted, terminate_as_interrupt
 from narwhal_serve.bench.report import RequestLog, checks_table, write_json
 from narwhal_serve.bench.stats import RequestResult
 from narwhal_serve.bench.workload import Api, LengthDist, RequestSpec, Workload
@@ -228,39 +228,31 @@ def run(a: RampArgs, out: Path,
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     port, gcs_port, sim_base = procs.free_port(), procs.free_port(), procs.free_port_run(a.engines, 21000)
-    cfg_path = log_dir / "narwhal-serve-config.yaml"  # JSON is YAML
     cfg = ramp_serve_config(port, sim_base, a)
-    cfg_path.write_text(json.dumps(cfg, indent=1))
     samples_path = out / "samples.jsonl"
-    base = f"http://127.0.0.1:{port}"
     serve_bin = Path(sys.executable).parent / "serve"
-    narwhal: procs.Managed | None = None
-    sampler: procs.Managed | None = None
+    base = f"http://127.0.0.1:{port}"
     ramp = Ramp(a, base, samples_path)
     settle_s: float | None = None
     t_start = time.monotonic()
-    try:
-        print(f"narwhal-bench ramp: starting serve run on {base} (logs in {log_dir})", file=sys.stderr, flush=True)
-        narwhal = procs.start("narwhal", [str(serve_bin), "run", str(cfg_path)], log_dir,
-                              env=serve_env(log_dir, gcs_port, a.ray_env), cwd=root)
-        startup_s = procs.wait_ready(base + "/ready", a.start_timeout_s, narwhal)
-        narwhal.remember_tree()
+    print(f"narwhal-bench ramp: starting serve run on {base} (logs in {log_dir})", file=sys.stderr, flush=True)
+    with terminate_as_interrupt(), narwhal_run([str(serve_bin), "run"], cfg, port, log_dir,
+                                               env=serve_env(log_dir, gcs_port, a.ray_env), cwd=root,
+                                               start_timeout_s=a.start_timeout_s, stop=SERVE_RUN) as run_:
         sampler = procs.start("sampler", [sys.executable, str(sampler_script), "--address", f"127.0.0.1:{gcs_port}",
                                           "--app", APP, "--interval-s", str(a.sample_interval_s),
                                           "--out", str(samples_path)], log_dir)
-        _wait_first_sample(samples_path, sampler, 60.0)
-        print(f"ready in {startup_s:.1f} s; baseline {a.baseline_s:.0f} s, then the ramp: "
-              + ", ".join(f"{t:.0f}s→{n}" for t, n in ramp.sched), file=sys.stderr, flush=True)
-        time.sleep(a.baseline_s)
-        run_async(ramp.run())
-        mins = {"Ingress": knobs.ingress_min_replicas, "Assembler": knobs.assembler_min_replicas}
-        settle_s = run_async(ramp.settle(mins))
-        time.sleep(2 * a.sample_interval_s)  # a last sample or two at rest
-    finally:
-        if sampler is not None:
-            sampler.stop(first=signal.SIGINT, grace_s=15.0, term_s=5.0)
-        if narwhal is not None:
-            narwhal.stop(first=signal.SIGINT, grace_s=30.0, term_s=10.0)  # SIGINT: serve run shuts Ray down
+        try:
+            _wait_first_sample(samples_path, sampler, 60.0)
+            print(f"ready in {run_.startup_s:.1f} s; baseline {a.baseline_s:.0f} s, then the ramp: "
+                  + ", ".join(f"{t:.0f}s→{n}" for t, n in ramp.sched), file=sys.stderr, flush=True)
+            time.sleep(a.baseline_s)
+            run_async(ramp.run())
+            mins = {"Ingress": knobs.ingress_min_replicas, "Assembler": knobs.assembler_min_replicas}
+            settle_s = run_async(ramp.settle(mins))
+            time.sleep(2 * a.sample_interval_s)  # a last sample or two at rest
+        finally:
+            stop_uninterrupted(sampler, Stop(signal.SIGINT, 15.0, 5.0))
     samples = read_samples(samples_path)
     rows = timeline(samples, ramp.results, ramp.sched, ramp.t0_wall)
     summary = summarize_ramp(rows, ramp.results, knobs, settle_s)

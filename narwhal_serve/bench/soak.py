@@ -37,14 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import aiohttp
@@ -53,6 +51,7 @@ import numpy as np
 from narwhal_serve.bench import procs
 from narwhal_serve.bench.client import Endpoint, make_session
 from narwhal_serve.bench.fleet import app_dir, sim_idle, narwhal_app, serve_config
+from narwhal_serve.bench.harness import SUPERVISED, narwhal_run, terminate_as_interrupt
 from narwhal_serve.bench.ramp import serve_env
 from narwhal_serve.bench.rss import APP, group_roles, judged, sample_processes
 from narwhal_serve.bench.report import run_dir, write_json
@@ -269,12 +268,6 @@ class Soak:
             await self.sample(session, "after")
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM as Ctrl-C: the run is stopped and what was measured is reported. Raised here, not
-    re-sent as SIGINT: a shell starts a background job with SIGINT ignored."""
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def run(a: SoakArgs, out: Path, run_async: Callable[[Coroutine[Any, Any, Any]], Any]) -> tuple[dict[str, Any], int]:
     """The whole soak; returns the results and the exit status (0 when every check passes, 130 when
     interrupted)."""
@@ -287,41 +280,24 @@ def run(a: SoakArgs, out: Path, run_async: Callable[[Coroutine[Any, Any, Any]], 
     port, gcs_port = procs.free_port(), procs.free_port()
     cfg = soak_serve_config(port, procs.free_port_run(len(SimFleetConfig().engines), 21000), a.model)
     engines = sim_engines(cfg)
-    cfg_path = log_dir / "narwhal-serve-config.yaml"  # JSON is YAML
-    cfg_path.write_text(json.dumps(cfg, indent=1))
-    base = f"http://127.0.0.1:{port}"
-    supervisor: procs.Managed | None = None
     soak: Soak | None = None
     startup_s: float | None = None
     interrupted = False
     t_start = time.monotonic()
-    old_term = signal.signal(signal.SIGTERM, _interrupt)
+    print(f"narwhal-bench soak: {a.minutes:g} min, {a.concurrency} clients; starting {SUPERVISOR} on port {port} "
+          f"(logs in {log_dir})", file=sys.stderr, flush=True)
     try:
-        print(f"narwhal-bench soak: {a.minutes:g} min, {a.concurrency} clients; starting {SUPERVISOR} on {base} "
-              f"(logs in {log_dir})", file=sys.stderr, flush=True)
-        supervisor = procs.start("narwhal", [sys.executable, str(root / SUPERVISOR), str(cfg_path)], log_dir,
-                                 env=serve_env(log_dir, gcs_port, a.ray_env), cwd=root)
-        startup_s = procs.wait_ready(base + "/ready", a.start_timeout_s, supervisor)
-        print(f"ready in {startup_s:.1f} s; engines {engines}", file=sys.stderr, flush=True)
-        soak = Soak(a, base, engines, supervisor, folder / "samples.jsonl")
-        run_async(soak.run())
+        with terminate_as_interrupt(), narwhal_run(
+                [sys.executable, str(root / SUPERVISOR)], cfg, port, log_dir, env=serve_env(log_dir, gcs_port, a.ray_env),
+                cwd=root, start_timeout_s=a.start_timeout_s, stop=SUPERVISED,
+                on_stop="[soak] stopping the run (Serve's clean shutdown, ~15 s; interrupts are ignored meanwhile)") as run_:
+            startup_s = run_.startup_s
+            print(f"ready in {startup_s:.1f} s; engines {engines}", file=sys.stderr, flush=True)
+            soak = Soak(a, run_.base, engines, run_.proc, folder / "samples.jsonl")
+            run_async(soak.run())
     except KeyboardInterrupt:
         interrupted = True
-        print("\n[soak] interrupted: stopping the run", file=sys.stderr, flush=True)
-    finally:
-        # no second interrupt while the run stops: an interrupted stop would leave Ray running
-        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        try:
-            if supervisor is not None:
-                print("[soak] stopping the run (Serve's clean shutdown, ~15 s; interrupts are ignored "
-                      "meanwhile)", file=sys.stderr, flush=True)
-                # serve_run.py: SIGINT to `serve run` (Serve's clean shutdown), then its sweep of the
-                # run's leftovers; then Managed.stop kills what is left of the tree it last saw, by PID
-                supervisor.stop(first=signal.SIGTERM, grace_s=90.0, term_s=15.0)
-        finally:
-            signal.signal(signal.SIGINT, old_int)
-            signal.signal(signal.SIGTERM, old_term)
+        print("\n[soak] interrupted: the run was stopped", file=sys.stderr, flush=True)
     if soak is None:
         return {}, 130 if interrupted else 1
     res, text, checks = report(a, soak)
