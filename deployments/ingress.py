@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
+import ray
 from ray.serve.handle import DeploymentHandle
 
 from narwhal_serve.config import NarwhalConfig
@@ -80,4 +81,5 @@ class Ingress:
         self.backend = HandleBackend(scheduler, relay)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_api(self.cfg, self.backend, echo_request_id=False)  # Serve's proxy echoes it
+        # Serve's proxy echoes X-Request-Id; this replica's node: placement prefers engines there
+        return build_api(self.cfg, self.backend, echo_request_id=False, node=ray.get_runtime_context().get_node_id())

@@ -58,6 +58,7 @@ class EngineFacts:
     ttft_margin: float = 0.0  # a projection here is judged with this relative margin (prediction/ttft.py)
     prefix_credit: float = 1.0  # share of a prefix match credited as cached (measured hit rate)
     cache_block_tokens: int = 0  # the engine reuses its cache in blocks of this many tokens (0: unknown)
+    node: str | None = None  # the Ray node a managed engine runs on (None: unknown, an engine by URL)
 
     def eligible(self, now: float) -> bool:
         return now <= self.eligible_until
@@ -144,6 +145,7 @@ class Ask:
     # admitted only while its projected TTFT is within this (a lower class's headroom for the ones
     # above: admission.classes ttft_share × the top class's target); None: its own target
     admit_within_s: float | None = None
+    node: str | None = None  # the Ray node of the ingress it arrived at: engines there win near-ties
 
 
 @dataclass(frozen=True)
@@ -307,6 +309,20 @@ def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[
     return routes, scored, expected_out
 
 
+TIE_S = 0.001  # expected completion times this close are a tie: the ingress's own node breaks it
+
+
+def _near(s: _Scored, node: str | None, facts: Mapping[str, EngineFacts]) -> tuple[float, ...]:
+    """The cost part of the ranking: the cost itself; with the ingress's node known, first the cost
+    to the millisecond and whether the route's engines are off that node (a request whose engines
+    share the ingress's node skips a network hop each way, for every token).  On one node, or with
+    no managed engine, every route is as near as another and the order is the cost's alone."""
+    if node is None:
+        return (s.cost,)
+    off = any((f := facts.get(n)) is None or f.node != node for n in s.route.engines)
+    return (round(s.cost / TIE_S), off, s.cost)
+
+
 SPILL_SHARE = 0.5  # a spill that loses the cached prefix of at least this share of the prompt is guarded
 
 
@@ -339,7 +355,8 @@ def _rank(view: FleetView, ask: Ask, now: float, rotation: int
         # the targets hold), then cost
         held = max(s.cached for s in scored)
         scored.sort(key=lambda s: (_guarded_spill(s, held, ask, facts), not _tpot_ok(s, ask.tpot_budget_s),
-                                   s.projection.projected_s > ask.ttft_budget_s, -s.matched, s.cost, s.index))
+                                   s.projection.projected_s > ask.ttft_budget_s, -s.matched,
+                                   *_near(s, ask.node, facts), s.index))
         best = scored[0]
         # a route over the TPOT target takes no new work (admitted streams keep their speed)
         ordered = tuple(s.route for s in scored if _tpot_ok(s, ask.tpot_budget_s))[:MAX_CANDIDATES] or (best.route,)

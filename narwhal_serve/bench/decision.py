@@ -61,7 +61,8 @@ def measure(engines: int, requests: int, tenants: int = 0) -> dict[str, object]:
         if grant is not None:
             lease.apply(grant, 1000.0, 0.0)
 
-    asks = [Ask(prompt_tokens=200, ttft_budget_s=60.0, tenant=f"t{k}") for k in range(max(1, tenants))]
+    # as in an ingress replica, which knows its Ray node (the engines here are by URL: none is near)
+    asks = [Ask(prompt_tokens=200, ttft_budget_s=60.0, tenant=f"t{k}", node="bench-node") for k in range(max(1, tenants))]
     if lease.shares is not None:
         for ask in asks:  # every tenant seen at the lease and its bucket started: the next grants carry shares
             lease.shares.check(ask.tenant, request_cost(200), 1000.0, retry=False, reserves=False)

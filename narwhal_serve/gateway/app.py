@@ -92,8 +92,10 @@ def build_api(
     clock: Callable[[], float] = time.time,
     echo_request_id: bool = True,
     sizer: PromptSizer | None = None,
+    node: str | None = None,
 ) -> GatewayApp:
-    """``echo_request_id=False`` where a proxy in front (Ray Serve's) already returns X-Request-Id."""
+    """``echo_request_id=False`` where a proxy in front (Ray Serve's) already returns X-Request-Id;
+    ``node``: the Ray node this replica runs on (engines there win near-ties in placement)."""
     lease = AdmissionLease(f"ingress-{secrets.token_hex(6)}") if cfg.admission.ingress_leases else None
     if lease is not None and cfg.tenants is not None and any(t.budgeted() for t in cfg.tenants.list):
         lease.shares = LeaseShares(cfg.tenants.by_name())
@@ -118,7 +120,7 @@ def build_api(
         msg = f"{request.method} {request.url.path}: {exc.detail}"
         return error_response(ErrorInfo(exc.status_code, "invalid_request_error", code, msg), None)
     sizer = sizer if sizer is not None else PromptSizer.from_config(cfg)
-    handler = CompletionHandler(cfg, backend, reporter, clock, echo_request_id=echo_request_id, sizer=sizer)
+    handler = CompletionHandler(cfg, backend, reporter, clock, echo_request_id=echo_request_id, sizer=sizer, node=node)
     reporter.on_view = handler.on_view
     app.state.reporter = reporter
     created = int(clock())

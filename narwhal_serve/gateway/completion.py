@@ -85,8 +85,10 @@ class CompletionHandler:
         echo_request_id: bool = True,
         mono: Callable[[], float] = time.monotonic,
         sizer: PromptSizer | None = None,
+        node: str | None = None,
     ) -> None:
         self.cfg = cfg
+        self.node = node  # the Ray node this ingress replica runs on (placement prefers engines there)
         self.sizer = sizer if sizer is not None else PromptSizer(None)
         self.mono = mono
         self.echo_request_id = echo_request_id  # Ray Serve's proxy already echoes X-Request-Id
@@ -150,7 +152,7 @@ class CompletionHandler:
         return Ask(parsed.prompt_tokens, ttft_budget, tpot_budget, parsed.route, parsed.max_output_tokens,
                    prefix, block_tokens, retry=bool(retries), reserves=retries is not None, tenant=tenant,
                    fingerprint=self.tenancy.fingerprint(tenant, raw, retries),
-                   rank=priority[0], admit_within_s=priority[1])
+                   rank=priority[0], admit_within_s=priority[1], node=self.node)
 
     async def handle(self, request: Request, route: Route) -> Response:
         arrived = self.clock()

@@ -130,6 +130,7 @@ class SchedulerState(ABC):
                 decode_tokens=e.decode_tokens, penalty=e.drift.penalty(pl) if predictive else 0.0,
                 ttft_margin=e.ttft_errors.margin,
                 prefix_credit=e.prefix_credit, cache_block_tokens=e.cache_block_tokens,
+                node=e.managed.report.node_id if e.managed is not None and e.managed.report is not None else None,
                 prefix=(e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),
             ))
         return FleetView(
