@@ -3,7 +3,8 @@ the memory of every process of the run and, at the end, the router's books.
 
 Starts ``scripts/serve_run.py`` (the run command: ``serve run`` under its supervisor, direct ingress
 behind Serve's HAProxy with Narwhal's wrapper, predictive admission, the embedded simulated fleet —
-a prefill/decode pair and a unified engine, as in ``serve_config.yaml``) on free ports. Then, for
+a prefill/decode pair and a unified engine, the shape of ``serve_config.yaml``'s managed fleet, on
+fixed ports the soak reads directly) on free ports. Then, for
 ``minutes``:
 
 * ``concurrency`` closed-loop clients send a mix (:func:`plan_request`): chat and completions,
@@ -95,9 +96,9 @@ def engine_fault_schedule(load_s: float, every_s: float, hold_s: float, engines:
 
 
 def soak_serve_config(port: int, sim_base: int, model: str) -> dict[str, Any]:
-    """``serve_config.yaml``'s application (predictive admission, the default embedded fleet: a
-    prefill/decode pair and a unified engine, every other setting at its default, which that file
-    repeats) on ``port``, the fleet from ``sim_base``."""
+    """``serve_config.yaml``'s application (predictive admission, every other setting at its default,
+    which that file repeats) on ``port``, with the embedded fleet of the same shape (a prefill/decode
+    pair and a unified engine) from ``sim_base``: its engines' URLs are known before the run starts."""
     args = {"model": model, "admission": {"mode": "predictive"}, "engines": [], "sim": {"base_port": sim_base}}
     return serve_config(port, [narwhal_app(args, APP)])
 

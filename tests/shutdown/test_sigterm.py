@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -28,7 +27,7 @@ import pytest
 import yaml
 
 from scripts import serve_run
-from tests.support.net import free_port, free_port_run
+from tests.support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 90.0
@@ -76,21 +75,19 @@ def _http(url: str, body: dict[str, object] | None = None, timeout: float = 10.0
 @pytest.fixture
 def run(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Run]:
     cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    engines = cfg["applications"][0]["args"]["engines"]
+    assert engines and all(e["launch"]["kind"] == "sim" for e in engines)  # make run's managed simulated fleet
     slow = request.node.get_closest_marker("slow_engines")
-    if slow is not None:  # the embedded fleet at 20 ms a token, no early end: answers that take seconds
-        cfg["applications"][0]["args"]["sim"]["engines"] = [
-            {"name": f"slow-{role}", "role": role, "tpot_base_s": 0.02, "tpot_per_running_s": 0.0, "eos_prob": 0.0}
-            for role in ("prefill", "decode", "unified")]
+    if slow is not None:  # at 20 ms a token, no early end: answers that take seconds
+        for e in engines:
+            e["launch"]["args"] = ["--tpot-base-s", "0.02", "--tpot-per-running-s", "0", "--eos-prob", "0"]
     port = free_port()
-    # Below Linux's ephemeral range and away from the replicas' 30000-31000 and the default 20000 that
-    # the integration suite starts from.
-    sim_base = free_port_run(3, start=random.randrange(21000, 29000, 3))
     cfg["http_options"]["port"] = port
-    cfg["applications"][0]["args"]["sim"]["base_port"] = sim_base
     cfg_path = tmp_path / "serve_config.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
-    fixed = {"router": port, "sim0": sim_base, "sim1": sim_base + 1, "sim2": sim_base + 2}
+    # the engines' own ports are free ones their replicas pick: found among the run's listeners
+    fixed = {"router": port}
     for name in ("haproxy_stats", "haproxy_metrics", "fallback_proxy"):
         fixed[name] = free_port()
     # Short: Ray appends /<56-char node id>/ and unix socket paths are limited to 107 bytes.
@@ -186,6 +183,10 @@ def test_signal_stops_everything(run: Run, sig: signal.Signals) -> None:
         time.sleep(0.5)
     assert haproxy, f"no HAProxy of this run found (HA-proxy mode off?):\n{run.log_tail()}"
     assert unbound == {}, f"not bound by the run: {unbound}\n{run.log_tail()}"
+    # the managed simulated engines are the run's too: three engine processes, each listening
+    engines = [p for p in run.session if "narwhal_serve.sim.cli" in " ".join(serve_run.cmdline(p))]
+    assert len(engines) == 3 and all(any(o == p for owners in ports.values() for _, o in owners) for p in engines), (
+        engines, ports)
     used = set(ports) | set(run.fixed_ports.values())
 
     t0 = time.monotonic()

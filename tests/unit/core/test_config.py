@@ -5,12 +5,21 @@ from pydantic import ValidationError
 from narwhal_serve.config import NarwhalConfig, format_validation_error
 
 
-def test_serve_config_args_validate_and_resolve_the_sim_fleet() -> None:
+def test_serve_config_runs_a_managed_simulated_fleet_on_loopback() -> None:
     doc = yaml.safe_load(open("serve_config.yaml"))
     app = doc["applications"][0]
     assert app["import_path"] == "deployments.app:build_app"
     assert doc["http_options"]["host"] == "127.0.0.1"
     cfg = NarwhalConfig.model_validate(app["args"])
+    engines = cfg.resolved_engines()
+    assert sorted(e.role for e in engines) == ["decode", "prefill", "unified"]
+    for e in engines:  # launched and supervised by Narwhal, reachable on loopback only, no CPU reserved
+        assert e.launch is not None and not e.url
+        assert (e.launch.kind, e.launch.host, e.launch.resources.num_cpus) == ("sim", "127.0.0.1", 0)
+
+
+def test_no_engines_is_the_embedded_fleet() -> None:
+    cfg = NarwhalConfig.model_validate({})
     roles = [e.role for e in cfg.resolved_engines()]
     assert sorted(roles) == ["decode", "prefill", "unified"]
     assert all(e.url.startswith("http://127.0.0.1:") for e in cfg.resolved_engines())
