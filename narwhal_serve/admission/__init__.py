@@ -13,6 +13,8 @@ leases run, and the one ticket ledger after it (pure: no Ray, no I/O).
 * :mod:`.predictive` — The contract's two predictive rows: prompt alone over budget, projected TTFT
   over budget.
 * :mod:`.retry` — Retry-After a client can trust: room kept for the clients told to come back.
+* :mod:`.view` — What an admission decision is made on and what it returns: one engine's facts, a
+  holder's own changes, the fleet view, the request's ask and the placement.
 * :mod:`.wire` — What a lease and the scheduler tell each other across the Ray hop: the ingress's
   part of a report (its placements, permits in use and given back) and ...
 """
