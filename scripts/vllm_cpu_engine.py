@@ -13,7 +13,7 @@ Subcommands (each phase prints its wall time):
     record [--url URL]           record golden responses into tests/fixtures/vllm-recorded/ (starts and
                                  stops its own server when no URL is given)
 
-Only the standard library is used here; the model builder runs inside the vLLM venv
+Only the standard library and the router's own package are used here; the model builder runs inside the vLLM venv
 (``scripts/tiny_llama_builder.py``).  The vLLM venv is separate from the router's venv on purpose:
 vLLM pins its own torch, fastapi, pydantic and openai.  The tests in ``tests/e2e`` import this
 module and call :func:`install`, :func:`build_model`, :func:`start_server` and :func:`stop_server`.

@@ -1,5 +1,5 @@
 """What every job of the vLLM-CPU tooling shares: the cache paths, phase timing and logging,
-logged subprocesses and one HTTP helper (standard library only)."""
+logged subprocesses and one HTTP helper (the standard library, and the router's own log tail)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
-
 from pathlib import Path
 from typing import Any
+
+from narwhal_serve.managed.process import log_tail
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("NARWHAL_CACHE_DIR") or REPO / ".cache")
@@ -48,11 +49,7 @@ def phase(name: str) -> Iterator[None]:
 
 
 def tail(path: Path, lines: int = 60) -> str:
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        return f"(no log at {path}: {exc})"
-    return "\n".join(text.splitlines()[-lines:])
+    return log_tail(path, lines)
 
 
 def venv_python() -> Path:
