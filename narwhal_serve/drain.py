@@ -54,17 +54,23 @@ def drain_targets(args: list[str], log: Callable[[str], None] = print) -> list[D
         host = str(http.get("host") or "127.0.0.1")
         host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         port = int(http.get("port") or 8000)
-        out = []
-        for app in cfg.get("applications") or []:
-            args_ = app.get("args") or {}
-            prefix = str(app.get("route_prefix") or "/").rstrip("/")
-            token_env = str((args_.get("admin") or {}).get("token_env") or "NARWHAL_ADMIN_TOKEN")
-            out.append(DrainTarget(f"http://{host}:{port}{prefix}", token_env,
-                                   ServingConfig.model_validate(args_.get("serving") or {})))
+        apps = list(cfg.get("applications") or [])
     except Exception as exc:  # a config serve run reads its own way (or will refuse): stop as before
         log(f"cannot read {path} ({type(exc).__name__}): SIGTERM stops without draining, HAProxy takes the "
             "default serving limits")
         return []
+    out = []
+    for app in apps:
+        try:
+            args_ = app.get("args") or {}
+            prefix = str(app.get("route_prefix") or "/").rstrip("/")
+            token_env = str((args_.get("admin") or {}).get("token_env") or "NARWHAL_ADMIN_TOKEN")
+            serving = ServingConfig.model_validate(args_.get("serving") or {})
+        except Exception as exc:  # this application only (it will refuse to start, or is not Narwhal's)
+            log(f"{path}: application {app.get('name')!r} skipped for draining and HAProxy's limits "
+                f"({type(exc).__name__})")
+            continue
+        out.append(DrainTarget(f"http://{host}:{port}{prefix}", token_env, serving))
     return out
 
 

@@ -23,9 +23,10 @@ did not arrive within ``serving.body_timeout_s``) goes out with ``Connection: cl
 stops sending on that connection; HAProxy itself keeps the connection while it still waits for the
 announced body, until the client closes it or HAProxy's client timeout (inactivity while it waits
 on the client) passes, so that timeout (``RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S``, Ray's default one
-hour) is set from the run's config: 1 s past the longer of ``serving.body_timeout_s`` and
-``serving.slow_reader_timeout_s`` (:class:`IngressLimits`), by which time the router has answered
-or cut the request anyway.  HAProxy does not apply it while a request waits for its answer or a
+hour) is set from the run's config: 1 s past the longest of ``serving.request_timeout_s`` (every
+request has ended by then), ``serving.body_timeout_s`` and ``serving.slow_reader_timeout_s``
+(:class:`IngressLimits`; 601 s by default), so that HAProxy never cuts what the router still
+handles.  HAProxy does not apply it while a request waits for its answer or a
 stream is written (measured: a 4 s wait and a 4.5 s silent stream under a 2 s client timeout both
 complete).  Ray reads the variable in its HAProxy manager actor, which inherits
 the environment of the process that starts Ray: ``scripts/serve_run.py`` (``make run``), the tests
@@ -149,6 +150,8 @@ class ServingLimits(Protocol):
     def body_timeout_s(self) -> float: ...
     @property
     def slow_reader_timeout_s(self) -> float: ...
+    @property
+    def request_timeout_s(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,7 @@ class IngressLimits:
 
     max_request_bytes: int  # an Expect over it: 413 before 100 Continue
     body_timeout_s: float  # an Expect with no body byte this long: 408
-    client_idle_s: int  # HAProxy's client timeout (waiting on the client): the router's limits, plus 1 s
+    client_idle_s: int  # HAProxy's client timeout (waiting on the client): past every limit of the router, plus 1 s
 
     @staticmethod
     def of(servings: Iterable[ServingLimits]) -> IngressLimits:
@@ -166,7 +169,10 @@ class IngressLimits:
         if not servings:
             raise ValueError("no serving section: pass the defaults")
         body = max(s.body_timeout_s for s in servings)
-        idle = max(max(s.body_timeout_s, s.slow_reader_timeout_s) for s in servings)
+        # a request ends by its deadline (request_timeout_s caps it), a slow body by body_timeout_s:
+        # HAProxy never cuts what the router still handles (a slow reader's stall is seen by the
+        # router only once the buffers between them are full, which can take minutes of tokens)
+        idle = max(max(s.body_timeout_s, s.slow_reader_timeout_s, s.request_timeout_s) for s in servings)
         return IngressLimits(max(s.max_request_bytes for s in servings), body, math.ceil(idle) + 1)
 
 

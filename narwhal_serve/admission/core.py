@@ -14,6 +14,7 @@ since (:meth:`FleetView.adjusted`).  The types it decides on are in :mod:`.view`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -162,18 +163,19 @@ def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[
     return routes, scored, expected_out
 
 
-TIE_S = 0.001  # expected completion times this close are a tie: the ingress's own node breaks it
+TIE_S = 0.001  # expected completion times in the same millisecond are a tie: the ingress's own node breaks it
 
 
 def _near(s: _Scored, node: str | None, facts: Mapping[str, EngineFacts]) -> tuple[float, ...]:
-    """The cost part of the ranking: the cost itself; with the ingress's node known, first the cost
-    to the millisecond and whether the route's engines are off that node (a request whose engines
+    """The cost part of the ranking: the cost itself; with the ingress's node known, first the cost's
+    millisecond and whether the route's engines are off that node (a request whose engines
     share the ingress's node skips a network hop each way, for every token).  On one node, or with
     no managed engine, every route is as near as another and the order is the cost's alone."""
     if node is None:
         return (s.cost,)
     off = any((f := facts.get(n)) is None or f.node != node for n in s.route.engines)
-    return (round(s.cost / TIE_S), off, s.cost)
+    bucket = math.floor(s.cost / TIE_S) if math.isfinite(s.cost) else s.cost
+    return (bucket, off, s.cost)
 
 
 SPILL_SHARE = 0.5  # a spill that loses the cached prefix of at least this share of the prompt is guarded

@@ -59,10 +59,13 @@ def terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
-def stop_uninterrupted(proc: procs.Managed, how: Stop) -> None:
+def stop_uninterrupted(proc: procs.Managed, how: Stop, say: str | None = None) -> None:
+    """Stop ``proc`` with interrupts ignored (``say``: a line for stderr, once they are)."""
     old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
     old_term = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
+        if say:
+            print(say, file=sys.stderr, flush=True)
         proc.stop(first=how.first, grace_s=how.grace_s, term_s=how.term_s)
     finally:
         signal.signal(signal.SIGINT, old_int)
@@ -86,6 +89,4 @@ def narwhal_run(argv: Sequence[str], cfg: dict[str, Any], port: int, log_dir: Pa
         yield Run(proc, base, startup_s, cfg_path)
     finally:
         if proc is not None:
-            if on_stop:
-                print(on_stop, file=sys.stderr, flush=True)
-            stop_uninterrupted(proc, stop)
+            stop_uninterrupted(proc, stop, on_stop)

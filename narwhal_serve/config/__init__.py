@@ -22,7 +22,7 @@ from narwhal_serve.config.tenants import TenantsConfig as TenantsConfig
 class ServingConfig(_Strict):
     max_request_bytes: int = Field(1_048_576, gt=0)
     http_retention_limit: int = Field(4096, gt=0)
-    request_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0, le=86400)  # (HAProxy's client timeout derives from it)
     api_keys: tuple[str, ...] = ()
     # SSE comment written while a stream is silent: behind Serve's HAProxy a client that left is
     # noticed only when a write to it fails (docs/operations.md, "Run modes")
@@ -30,7 +30,7 @@ class ServingConfig(_Strict):
     # an engine silent this long fails the attempt: another route before response headers, an
     # error event and [DONE] after
     engine_idle_timeout_s: float = Field(60.0, gt=0)
-    body_timeout_s: float = Field(30.0, gt=0)  # the whole request body must arrive within this → 408
+    body_timeout_s: float = Field(30.0, gt=0, le=86400)  # the whole request body must arrive within this → 408
     # Before response headers, an attempt with no first token this long moves to the next
     # candidate route (when there is one) and counts against the engine it waited on.
     # None: max(2 s, 3 × the request's TTFT budget).
@@ -39,7 +39,7 @@ class ServingConfig(_Strict):
     # stream_buffer_bytes, or one write that blocks longer than slow_reader_timeout_s, is cut
     # (engine request aborted, outcome failed/slow_reader) instead of being buffered.
     stream_buffer_bytes: int = Field(1_048_576, gt=0)
-    slow_reader_timeout_s: float = Field(30.0, gt=0)
+    slow_reader_timeout_s: float = Field(30.0, gt=0, le=86400)
     # the engines' --max-logprobs (vLLM's default 20): top_logprobs / logprobs above it are refused
     # by the router with a clear 400 (the engine's own answer is a validation dump)
     max_logprobs: int = Field(20, ge=0)

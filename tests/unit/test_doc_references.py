@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTION_REF = re.compile(r'(README|docs/[\w-]+\.md)(?:\.md)?(?:,\s*|\s+)(?:#\s*)?\\?"([^"\\\n]+)\\?"')
+SECTION_REF = re.compile(r"""(README|docs/[\w-]+\.md)(?:\.md)?(?:,\s*|\s+)(?:#\s*)?\\?["']([^"'\\\n]+)\\?["']""")
 MD_LINK = re.compile(r"\]\(([^)\s]*)\)")
 OUTSIDE = re.compile(r"SPEC §|SPEC\.md|ARCHITECTURE\.md|\.\./shared/|shared/seed")
 
@@ -22,11 +22,11 @@ OUTSIDE = re.compile(r"SPEC §|SPEC\.md|ARCHITECTURE\.md|\.\./shared/|shared/see
 def _files() -> list[Path]:
     listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                             capture_output=True, text=True, check=True).stdout.split()
-    keep = ("narwhal_serve/", "deployments/", "scripts/", "tests/", "docs/", ".ci/")
+    keep = ("narwhal_serve/", "deployments/", "scripts/", "tests/", "docs/", ".ci/", "deploy/")
     out = [ROOT / f for f in listed
            if (f.startswith(keep) or f in ("README.md", "Makefile", "serve_config.yaml", "pyproject.toml"))
            and not f.startswith("tests/fixtures/") and (ROOT / f).is_file()]
-    return [p for p in out if p.suffix in (".py", ".md", ".yaml", ".toml", "") and p.name != Path(__file__).name]
+    return [p for p in out if p.suffix in (".py", ".md", ".yaml", ".toml", ".json", "") and p.name != Path(__file__).name]
 
 
 def _anchor(heading: str) -> str:

@@ -170,9 +170,9 @@ async def test_a_client_that_leaves_its_body_unfinished_after_a_408_is_disconnec
 
 
 def test_limits_are_the_most_permissive_application_s() -> None:
-    tight = ServingConfig(max_request_bytes=4096, body_timeout_s=1.0, slow_reader_timeout_s=2.0)
+    tight = ServingConfig(max_request_bytes=4096, body_timeout_s=1.0, slow_reader_timeout_s=2.0, request_timeout_s=1.5)
     loose = ServingConfig(max_request_bytes=2 << 20, body_timeout_s=12.5, slow_reader_timeout_s=40.0)
-    assert IngressLimits.of([tight, loose]) == IngressLimits(2 << 20, 12.5, 41)
+    assert IngressLimits.of([tight, loose]) == IngressLimits(2 << 20, 12.5, 601)  # loose's deadline cap, 600 s
     assert IngressLimits.of([tight]) == IngressLimits(4096, 1.0, 3)
     with pytest.raises(ValueError):
         IngressLimits.of([])
@@ -198,9 +198,17 @@ def test_the_run_reads_its_limits_from_its_config(tmp_path: Path) -> None:
     assert [t.grace_s for t in targets] == [7.0, ServingConfig().drain_grace_s]
     default = ServingConfig()
     assert ingress_limits(targets) == IngressLimits(default.max_request_bytes, default.body_timeout_s,
-                                                    int(max(default.body_timeout_s, 9)) + 1)
+                                                    int(default.request_timeout_s) + 1)
     assert ingress_limits([]) == IngressLimits.of([default])
+    # an application whose serving section is bad is left out; the others still count
     bad = tmp_path / "bad.yaml"
-    bad.write_text("applications: [{name: a, args: {serving: {body_timeout_s: -1}}}]\n")
+    bad.write_text("applications: [{name: a, args: {serving: {body_timeout_s: -1}}},\n"
+                   "               {name: b, route_prefix: /b, args: {serving: {max_request_bytes: 7000000}}}]\n")
     said: list[str] = []
-    assert drain_targets([str(bad)], log=said.append) == [] and "default serving limits" in said[0]
+    kept = drain_targets([str(bad)], log=said.append)
+    assert [t.base.rsplit("/", 1)[1] for t in kept] == ["b"] and "'a' skipped" in said[0]
+    assert ingress_limits(kept).max_request_bytes == 7000000
+    unreadable = tmp_path / "unreadable.yaml"
+    unreadable.write_text("applications: [\n")
+    said.clear()
+    assert drain_targets([str(unreadable)], log=said.append) == [] and "default serving limits" in said[0]
