@@ -14,14 +14,15 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from narwhal_serve.bench import assembly, decision, profile, ramp, soak, tenants, transport, transport_checks, views, vllmbench
+from narwhal_serve.bench import assembly, decision, profile, ramp, replay, soak, tenants, transport, transport_checks, views, vllmbench
 from narwhal_serve.bench.cli_runs import key_value, ramp_args, ramp_parser, soak_args, soak_parser
 from narwhal_serve.bench.fleet import TARGETS, Fleet, FleetSpec, SimTiming, known_target
 from narwhal_serve.bench.goodput import GoodputArgs, GoodputRun, run_goodput_suite
 from narwhal_serve.bench.overhead import OverheadArgs, run_overhead
-from narwhal_serve.bench.report import RequestLog, run_dir, write_json
+from narwhal_serve.bench.report import RequestLog, publish, run_dir
 from narwhal_serve.bench.stats import Slo
-from narwhal_serve.bench.workload import LengthDist, Workload, WorkloadKind, load_trace
+from narwhal_serve.bench.workload import LengthDist, Workload, WorkloadKind
+from narwhal_serve.replay.trace import load_trace
 
 T = TypeVar("T")
 DEFAULT_TARGETS = {
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--skip-checks", action="store_true", help="skip the correctness checks")
     t.add_argument("--model", default="narwhal-sim")
     t.add_argument("--out", type=Path, default=Path("bench-results"))
+    replay.add_parser(sub)
     r = sub.add_parser("ramp", help="Serve autoscaling of Ingress and Assembler under a load ramp up and down")
     ramp_parser(r)
     s = sub.add_parser("soak", help="long mixed load with faults: RSS of every process, error classes, leaked permits")
@@ -263,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.mode == "assembly":
         assembly.run(run_dir(ns.out, "assembly"), ns.tokens)
         return 0
+    if ns.mode == "replay":
+        return replay.main(ns)
     if ns.mode == "ramp":
         return ramp.run(ramp_args(ns), run_dir(ns.out, "ramp"), run_async)[1]
     if ns.mode == "soak":
@@ -322,12 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         text, plots = views.overhead_view(res)
     res = {"meta": meta, "definitions": views.DEFINITIONS, **res, "plots": [str(p) for p in plots]}
-    path = write_json(out / "results.json", res)
-    print(text)
-    print(f"\nresults: {path}\nper request: {out / 'requests.jsonl'}")
-    for p in plots:
-        print(f"plot: {p}")
-    return 0
+    return publish(out, res, text, plots, f"per request: {out / 'requests.jsonl'}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,17 @@ def write_json(path: Path, data: Any) -> Path:
     return path
 
 
+def publish(out: Path, res: dict[str, Any], text: str, plots: Sequence[Path | str], *also: str) -> int:
+    """Write ``res`` to ``out/results.json``, print the tables, where the results are (and ``also``)
+    and every plot; the command's exit status (0)."""
+    path = write_json(out / "results.json", res)
+    print(text)
+    print("\n".join([f"\nresults: {path}", *also]))
+    for p in plots:
+        print(f"plot: {p}")
+    return 0
+
+
 class RequestLog:
     """Appends every request's result, tagged with its run, to ``requests.jsonl``."""
 

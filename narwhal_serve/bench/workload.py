@@ -11,16 +11,14 @@ by words of its own, so an engine that served the group before prefills only the
 from __future__ import annotations
 
 import functools
-import gzip
-import json
 import math
 import string
 from dataclasses import dataclass, field
-from datetime import datetime
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
+from narwhal_serve.replay.trace import TRACE_BLOCK_TOKENS, TraceRecord
 
 Arrival = Literal["poisson", "constant", "burst"]
 Api = Literal["chat", "completions"]
@@ -111,41 +109,6 @@ def group_prefix(seed: int, group: int, n_tokens: int, phase: int = 0) -> str:
     last phase's prefixes went would otherwise start each phase crediting caches the engines no
     longer have (a state no deployment reaches), learning a false miss rate from it."""
     return make_prompt(np.random.default_rng([seed, 0x5EED, group, phase]), n_tokens)
-
-
-TRACE_BLOCK_TOKENS = 512  # Mooncake's hash_ids: one per 512-token block of the prompt
-
-
-@dataclass(frozen=True)
-class TraceRecord:
-    at_s: float  # arrival, seconds from the trace's start
-    input_tokens: int
-    output_tokens: int
-    hash_ids: tuple[int, ...] = ()  # Mooncake: equal ids = equal 512-token prefix blocks
-
-
-def load_trace(path: Path) -> tuple[TraceRecord, ...]:
-    """The Mooncake FAST'25 JSONL (``timestamp`` ms, ``input_length``, ``output_length``,
-    ``hash_ids``) or the Azure 2023 CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``), gzipped or not."""
-    opener: Any = gzip.open if path.suffix == ".gz" else open
-    out: list[TraceRecord] = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        first = f.readline()
-        if first.lstrip().startswith("{"):
-            for line in [first, *f]:
-                if line.strip():
-                    r = json.loads(line)
-                    out.append(TraceRecord(float(r["timestamp"]) / 1000.0, int(r["input_length"]),
-                                           int(r["output_length"]), tuple(int(h) for h in r.get("hash_ids", ()))))
-        else:
-            t0: datetime | None = None
-            for line in f:
-                ts, ctx, gen = line.strip().split(",")
-                when = datetime.fromisoformat(ts[:26])
-                t0 = t0 or when
-                out.append(TraceRecord((when - t0).total_seconds(), int(ctx), int(gen)))
-    out.sort(key=lambda r: r.at_s)
-    return tuple(out)
 
 
 def oracle_hit_rate(records: list[TraceRecord], block_tokens: int = TRACE_BLOCK_TOKENS) -> float:

@@ -20,12 +20,12 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import Response
 
-from narwhal_serve.admission.controller import NONE, Refusal
 from narwhal_serve.admission.core import Ask, FleetView
 from narwhal_serve.admission.retry import retry_count
 from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.errors import BodyTimeout, ErrorInfo, InvalidRequest, NarwhalError, TerminalExpiry
+from narwhal_serve.gateway.admit import Refused, admit
 from narwhal_serve.gateway.backend import Backend
 from narwhal_serve.gateway.body import BodyIncomplete, read_body
 from narwhal_serve.gateway.reporter import Reporter
@@ -46,7 +46,6 @@ from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
 from narwhal_serve.gateway.tenancy import Tenancy
-from narwhal_serve.tenants.amounts import Amounts
 from narwhal_serve.tokenization.sizer import PromptSizer, Sized
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -225,43 +224,16 @@ class CompletionHandler:
     ) -> Response:
         rid = trail.request_id
         ticket = f"{rid}/{secrets.token_hex(4)}"
-        lease = self.reporter.lease
-        if lease is not None:  # admission under the lease: no scheduler call
-            verdict = lease.try_admit(ticket, ask, deadline, self.clock(), self.mono())
-            if isinstance(verdict, Refusal):
-                return self._refused(trail, verdict.outcome, verdict.error, echo)
-            if verdict is not None:
-                wait = self.clock() - trail.arrived
-                self.reporter.admission_wait(wait)
-                trail.admitted("lease", wait, verdict.predicted_s, verdict.engines)
-                placed = PlacedRequest(rid, self.cfg.model, parsed, verdict.routes, deadline, trail.traceparent(),
-                                       self._first_token_s(ask.ttft_budget_s, verdict.predicted_s),
-                                       lease.view.epoch if lease.view is not None else 0, ask.rank)
-                return await self._respond(placed, ticket, parsed, echo, trail, verdict.predicted_s,
-                                           self.tenancy.limits(ask.tenant, lease.shares.remaining(ask.tenant, self.clock())
-                                                        if lease.shares is not None else None))
-        admit_req = AdmitRequest.of(
-            ticket, deadline, ask,
-            lease_id=lease.lease_id if lease is not None else None,
-            returned=lease.give_back_spare() if lease is not None else NONE,
-            tenant_returned=lease.shares.give_back(ask.tenant) if lease is not None and lease.shares is not None else Amounts(),
-            lease_epoch=lease.epoch if lease is not None else 0,
-        )
-        try:
-            result = await self._admit(admit_req)
-        except Exception as exc:  # the scheduler could not be reached
-            if lease is not None and lease.shares is not None:  # the share it carried goes with a report
-                lease.shares.give_again(ticket, ask.tenant, admit_req.tenant_returned)
-            return self._refused(trail, Outcome.FAILED, internal_error(f"admission failed: {type(exc).__name__}"), echo)
-        if result.error is not None:  # the scheduler counted it
-            return self._refused(trail, result.outcome or Outcome.REJECTED, result.error, echo, counted=True)
+        got = await admit(self.reporter, ticket, ask, deadline, self.clock(), self.mono(), self._admit)
+        if isinstance(got, Refused):
+            return self._refused(trail, got.outcome, got.error, echo, counted=got.counted)
         wait = self.clock() - trail.arrived
         self.reporter.admission_wait(wait)
-        trail.admitted("scheduler", wait, result.predicted_ttft_s, result.candidates[0].engines if result.candidates else ())
-        placed = PlacedRequest(rid, self.cfg.model, parsed, result.candidates, deadline, trail.traceparent(),
-                               self._first_token_s(ask.ttft_budget_s, result.predicted_ttft_s), result.epoch, ask.rank)
-        return await self._respond(placed, ticket, parsed, echo, trail, result.predicted_ttft_s,
-                                   self.tenancy.limits(ask.tenant, result.remaining))
+        trail.admitted(got.by, wait, got.predicted_s, got.routes[0].engines if got.routes else ())
+        placed = PlacedRequest(rid, self.cfg.model, parsed, got.routes, deadline, trail.traceparent(),
+                               self._first_token_s(ask.ttft_budget_s, got.predicted_s), got.epoch, ask.rank)
+        return await self._respond(placed, ticket, parsed, echo, trail, got.predicted_s,
+                                   self.tenancy.limits(ask.tenant, got.remaining))
 
     def _first_token_s(self, budget: float, predicted: float | None) -> float:
         """Before headers, how long an attempt may wait for its first token while another route is
@@ -333,16 +305,12 @@ class CompletionHandler:
         return resp
 
     def _first_token(self, ticket: str, msg: RelayMessage) -> None:
-        if self.reporter.lease is not None:
-            self.reporter.lease.first_token(ticket, msg.engines)
-        self.reporter.decode_started(ticket, msg.engines)
+        self.reporter.first_token(ticket, msg.engines)
 
     def _end(
         self, ticket: str, trail: RequestTrail, outcome: Outcome, reason: str, stats: RelayStats | None, status: int
     ) -> None:
-        if self.reporter.lease is not None:
-            self.reporter.lease.release(ticket, stats.output_tokens if stats is not None else None)
-        self.reporter.release(ticket, outcome, reason, stats, trail.tenant, trail.priority)
+        self.reporter.ended(ticket, outcome, reason, stats, trail.tenant, trail.priority)
         trail.end(outcome, reason, status, stats)
 
     async def _first_data(

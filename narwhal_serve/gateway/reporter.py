@@ -118,6 +118,21 @@ class Reporter:
         self._pending.admission_waits.append(seconds)
         self._queue()
 
+    def first_token(self, ticket_id: str, engines: tuple[str, ...]) -> None:
+        """An admitted request's first token came from ``engines``: its lease frees its prefill
+        permit, and the scheduler hears it with the next report."""
+        if self.lease is not None:
+            self.lease.first_token(ticket_id, engines)
+        self.decode_started(ticket_id, engines)
+
+    def ended(self, ticket_id: str, outcome: Outcome, reason: str, stats: RelayStats | None,
+              tenant: str | None = None, klass: str | None = None) -> None:
+        """An admitted request ended: its lease frees what it held (a request the lease admitted),
+        and the scheduler hears it (:meth:`release`)."""
+        if self.lease is not None:
+            self.lease.release(ticket_id, stats.output_tokens if stats is not None else None)
+        self.release(ticket_id, outcome, reason, stats, tenant, klass)
+
     def release(self, ticket_id: str, outcome: Outcome, reason: str, stats: RelayStats | None,
                 tenant: str | None = None, klass: str | None = None) -> None:
         self._pending.counters.add(outcome, reason, tenant, klass)
@@ -134,6 +149,14 @@ class Reporter:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 await self._flush()
+
+    async def stop(self) -> None:
+        """No more reports (what is pending stays unsent: :meth:`flush` first)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def _flush(self) -> None:
         if self.lease is not None:

@@ -28,6 +28,14 @@ def _block_size_of(e: EngineState) -> Callable[[int], None]:
     return learned
 
 
+def exact_index(e: EngineState, placement: PlacementConfig) -> KVEventIndex:
+    """The index the engine's own KV events keep: its prefix set is then exact (no credit learned)."""
+    e.prefix.clear()
+    e.prefix_exact = True
+    e.prefix_credit = 1.0
+    return KVEventIndex(placement.prefix_block_tokens, MAX_ENGINE_BLOCKS, e.prefix, on_block_size=_block_size_of(e))
+
+
 class KVEventFeeds:
     def __init__(self, placement: PlacementConfig) -> None:
         self.placement = placement
@@ -39,11 +47,7 @@ class KVEventFeeds:
             ev = e.cfg.kv_events
             if ev is None or e.cfg.name in self._tasks or not self.placement.prefix_aware:
                 continue
-            e.prefix.clear()
-            e.prefix_exact = True
-            e.prefix_credit = 1.0
-            index = KVEventIndex(self.placement.prefix_block_tokens, MAX_ENGINE_BLOCKS, e.prefix,
-                                 on_block_size=_block_size_of(e))
+            index = exact_index(e, self.placement)
             sub = KVEventSubscriber(e.cfg.name, ev.endpoint, ev.replay_endpoint, ev.topic, index)
             self.subs[e.cfg.name] = sub
             task = asyncio.get_running_loop().create_task(self._run(sub), name=f"kv-events-{e.cfg.name}")

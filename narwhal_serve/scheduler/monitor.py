@@ -34,10 +34,15 @@ async def scrape_one(client: httpx.AsyncClient, e: EngineState, now: float, time
         if not isinstance(exc, httpx.TimeoutException):  # refused or reset: a definite "down"
             e.last_answer = now
         return
+    scraped(e, now, health.status_code == 200, metrics.text if metrics.status_code == 200 else None)
+
+
+def scraped(e: EngineState, now: float, healthy: bool, metrics: str | None) -> None:
+    """An engine answered its scrape: ``/health`` (healthy or not) and ``/metrics`` (None: not 200)."""
     e.last_answer = now
-    e.healthy = health.status_code == 200
-    if e.healthy and metrics.status_code == 200:
-        e.load = parse_engine_metrics(metrics.text)
+    e.healthy = healthy
+    if e.healthy and metrics is not None:
+        e.load = parse_engine_metrics(metrics)
         e.inflight_at_scrape = e.inflight
         e.max_running_seen = max(e.max_running_seen, int(e.load.running))
         e.last_ok = now

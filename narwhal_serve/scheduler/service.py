@@ -71,10 +71,14 @@ class SchedulerService(AdminOps):
             update_drift(self.engines, self.clock(), self.cfg)
             self.profiler.start_due(self.engines.values(), self.client())
 
-    async def scrape_once(self) -> None:
+    async def scrape_engines(self) -> None:
+        """``/health`` and ``/metrics`` of every engine, over HTTP (the trace replay's engines answer in-process)."""
         await scrape_all(
             self.client(), list(self.engines.values()), self.clock(), self.cfg.monitoring.scrape_timeout_s
         )
+
+    async def scrape_once(self) -> None:
+        await self.scrape_engines()
         pl = self.cfg.placement
         for e in self.engines.values():  # an index never remembers more than the engine's KV cache holds
             if e.prefix_exact:

@@ -15,7 +15,7 @@ from typing import Any
 
 from narwhal_serve.config.sim import SimEngineConfig
 from narwhal_serve.sim.scripts import Output, Step
-from narwhal_serve.sim.kvevents import SimKVPublisher
+from narwhal_serve.sim.kvevents import KVEventSink, SimKVPublisher
 from narwhal_serve.sim.timing import PrefixCache, block_hashes, next_token_deadline, prefill_deadline
 
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error", "repetition")
@@ -121,7 +121,7 @@ class Engine:
         self.cfg = cfg
         self.scheduler = Scheduler(lambda: self.cfg.max_num_seqs)
         self.cache = PrefixCache(cfg.num_gpu_blocks)
-        self.kv_events: SimKVPublisher | None = None
+        self.kv_events: KVEventSink | None = None
         if cfg.kv_events_endpoint:
             self.kv_events = SimKVPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
                                             buffer_steps=cfg.kv_events_buffer_steps)

@@ -46,7 +46,28 @@ def _bind(sock: Any, endpoint: str, wait_s: float = 2.0) -> None:
             time.sleep(0.02)
 
 
-class SimKVPublisher:
+class KVEventSink:
+    """Where an engine's KV-cache events go: the builders of vLLM's three events, and ``publish``."""
+
+    def publish(self, events: Sequence[Event]) -> None:
+        raise NotImplementedError
+
+    def stored(self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int) -> Event:
+        return BlockStored(list(hashes), parent, list(token_ids), block_size, None, "GPU", None)
+
+    def removed(self, hashes: Sequence[int]) -> Event:
+        return BlockRemoved(list(hashes), "GPU")
+
+    def cleared(self) -> Event:
+        return AllBlocksCleared()
+
+    def close(self) -> None:
+        pass
+
+
+class SimKVPublisher(KVEventSink):
+    """vLLM's sockets: a PUB socket and, with ``replay_endpoint``, the ROUTER socket that replays."""
+
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str = "", buffer_steps: int = 10_000) -> None:
         self._ctx: Any = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -86,15 +107,6 @@ class SimKVPublisher:
             self.published += 1
         except zmq.Again:  # no room at the high-water mark: like vLLM, the batch stays replayable
             pass
-
-    def stored(self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], block_size: int) -> Event:
-        return BlockStored(list(hashes), parent, list(token_ids), block_size, None, "GPU", None)
-
-    def removed(self, hashes: Sequence[int]) -> Event:
-        return BlockRemoved(list(hashes), "GPU")
-
-    def cleared(self) -> Event:
-        return AllBlocksCleared()
 
     def drop_next(self, n: int) -> None:
         """Lose the next ``n`` batches on the live socket (a slow subscriber, a network blip)."""

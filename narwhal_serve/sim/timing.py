@@ -35,10 +35,10 @@ def next_token_deadline(cfg: SimEngineConfig, prev_deadline: float, now: float, 
     return max(prev_deadline + token_interval(cfg, running), now)
 
 
-def block_hashes(prompt_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the full ``block_size``-token blocks of a prompt (vLLM-style)."""
+def block_hashes(prompt_ids: Sequence[int], block_size: int, parent: int = 0) -> list[int]:
+    """Chained hashes of the full ``block_size``-token blocks of a prompt (vLLM-style); ``parent``:
+    the hash of the block before them (0: they start the prompt)."""
     out: list[int] = []
-    parent = 0
     for start in range(0, len(prompt_ids) - block_size + 1, block_size):
         parent = stable_hash(parent, tuple(prompt_ids[start : start + block_size]))
         out.append(parent)

@@ -6,14 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from narwhal_serve.bench.workload import (
-    TRACE_BLOCK_TOKENS,
-    LengthDist,
-    TraceRecord,
-    Workload,
-    load_trace,
-    oracle_hit_rate,
-)
+from narwhal_serve.bench.workload import LengthDist, Workload, oracle_hit_rate
+from narwhal_serve.replay.trace import TRACE_BLOCK_TOKENS, TraceRecord, load_trace
 from narwhal_serve.sim.textgen import encode_prompt
 from narwhal_serve.tokenization import estimate_tokens
 

@@ -1,0 +1,274 @@
+"""One replay: a trace through the router's real admission on a virtual clock, against a fleet of
+simulated engines (:mod:`.engine`).
+
+Real, unchanged: the scheduler service (its monitoring loop scrapes every engine's ``/metrics``, as
+rendered by the simulator, through an in-process transport; its queue, leases, reaping, learning
+and drift), each virtual ingress replica's lease and reporter, the gateway's admission
+(:func:`narwhal_serve.gateway.admit.admit`), and the prefix index fed by the engines' own KV
+events.  Not replayed: HTTP, SSE relaying and token checks (the engine's tokens are the trace's
+count), client disconnects and engine failures.  An admitted request's first token and end reach
+the router as the relay would report them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from narwhal_serve.admission.core import Ask
+from narwhal_serve.config import EngineConfig, NarwhalConfig
+from narwhal_serve.config.sim import SimEngineConfig
+from narwhal_serve.gateway.admit import Refused, admit
+from narwhal_serve.gateway.reporter import Reporter
+from narwhal_serve.admission.lease import AdmissionLease
+from narwhal_serve.kvevents.index import KVEventIndex
+from narwhal_serve.kvevents.wire import Event, KVEventBatch
+from narwhal_serve.protocol.outcomes import Outcome
+from narwhal_serve.protocol.placement import RouteChoice
+from narwhal_serve.protocol.stats import RelayStats
+from narwhal_serve.replay.engine import ReplayEngine, ReplayJob
+from narwhal_serve.replay.trace import Prompts, TraceRequest
+from narwhal_serve.scheduler.api import SchedulerApi
+from narwhal_serve.scheduler.kvfeeds import exact_index
+from narwhal_serve.scheduler.monitor import scraped
+from narwhal_serve.scheduler.service import SchedulerService
+from narwhal_serve.sim.kvevents import KVEventSink
+from narwhal_serve.sim.metrics import render_metrics
+
+@dataclass
+class Served:
+    """One try of one trace request, as its client saw it (times in virtual seconds from the first
+    arrival); a refused first try that is retried has a second ``Served`` with ``retry_of``."""
+
+    idx: int
+    sent: float
+    prompt_tokens: int
+    max_tokens: int
+    status: int = 0  # 200 admitted, else the refusal's HTTP status
+    ok: bool = False  # completed
+    error_code: str | None = None
+    retry_after: float | None = None
+    ttft: float | None = None
+    e2e: float | None = None
+    output_tokens: int = 0
+    retry_of: int | None = None
+    predicted_ttft: float | None = None
+    engines: tuple[str, ...] = ()
+
+
+START = 1_000_000.0  # the virtual clock's origin (clear of 0, which some state reads as "never")
+WARMUP_S = 2.0  # before the first arrival: the scheduler's first scrapes and the leases' first grants
+
+
+# the simulator's timing with room for long prompts: a KV cache of 512 k tokens, no context limit
+REPLAY_ENGINE = SimEngineConfig(num_gpu_blocks=32_768, max_model_len=1 << 20)
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """Engines by role, all of one timing model (``engine``)."""
+
+    prefill: int = 0
+    decode: int = 0
+    unified: int = 4
+    engine: SimEngineConfig = field(default_factory=lambda: REPLAY_ENGINE)
+
+    def engines(self) -> list[SimEngineConfig]:
+        out = []
+        for role, n in (("prefill", self.prefill), ("decode", self.decode), ("unified", self.unified)):
+            out += [self.engine.model_copy(update={"name": f"{role}-{i}", "role": role}) for i in range(n)]
+        return out
+
+    @property
+    def label(self) -> str:
+        return ",".join(f"{r}={n}" for r, n in (("prefill", self.prefill), ("decode", self.decode),
+                                                 ("unified", self.unified)) if n)
+
+
+@dataclass
+class ReplayOptions:
+    ttft_s: float = 2.0
+    tpot_s: float | None = None  # None: no TPOT target sent
+    ingresses: int = 2
+    retries: bool = True  # a refusal with Retry-After is retried once, after it (as the SDKs do)
+    progress_s: float = 0.5  # how often a stream's token count reaches its reporter
+    speed: float = 1.0  # arrival times divided by this
+
+
+class _DirectKV(KVEventSink):
+    """KV events straight into the router's index for the engine (no socket on a virtual clock)."""
+
+    def __init__(self, index: KVEventIndex, loop: asyncio.AbstractEventLoop) -> None:
+        self.index = index
+        self.loop = loop
+        self.seq = itertools.count()
+
+    def publish(self, events: Sequence[Event]) -> None:
+        if events:
+            self.index.apply(next(self.seq), KVEventBatch(self.loop.time(), list(events)))
+
+
+class _Scheduler(SchedulerService):
+    """The scheduler, its engines scraped in-process: their ``/metrics`` text as the simulator
+    renders it, read by the scheduler's own parser (:func:`narwhal_serve.scheduler.monitor.scraped`)."""
+
+    replayed: dict[str, ReplayEngine]
+
+    async def scrape_engines(self) -> None:
+        now = self.clock()
+        for name, e in self.engines.items():
+            sim = self.replayed[name]
+            sim.sync()
+            scraped(e, now, True, render_metrics(sim))
+
+
+def _url(name: str) -> str:
+    return f"http://{name}.replay"
+
+
+@dataclass
+class Replay:
+    cfg: NarwhalConfig
+    fleet: FleetSpec
+    opts: ReplayOptions
+    results: list[Served] = field(default_factory=list)
+    engines: dict[str, ReplayEngine] = field(default_factory=dict)
+    wall_s: float = 0.0
+    virtual_s: float = 0.0  # first arrival to last answer
+    utilisation: dict[str, tuple[float, float]] = field(default_factory=dict)  # ReplayEngine.utilisation
+    snapshot: dict[str, Any] = field(default_factory=dict)
+    _left: int = 0
+    _done: asyncio.Event | None = None
+    _streams: dict[str, tuple[ReplayJob, Reporter, ReplayEngine]] = field(default_factory=dict)
+
+    def _handler(self, request: httpx.Request) -> httpx.Response:
+        """What the scheduler asks an engine besides its scrapes (probes, profiles): not replayed."""
+        return httpx.Response(503, text="not replayed")
+
+    async def run(self, trace: Sequence[TraceRequest]) -> list[Served]:
+        loop = asyncio.get_running_loop()
+        sims = self.fleet.engines()
+        engines = tuple(EngineConfig(name=s.name, url=_url(s.name), role=s.role, max_num_seqs=s.max_num_seqs)
+                        for s in sims)
+        cfg = self.cfg.model_copy(update={"engines": engines})
+        svc = _Scheduler(cfg, clock=loop.time, mono=loop.time)
+        svc.replayed = self.engines
+        svc._client = httpx.AsyncClient(transport=httpx.MockTransport(self._handler))
+        for s in sims:
+            sink = None
+            if cfg.placement.prefix_aware:
+                sink = _DirectKV(exact_index(svc.engines[s.name], cfg.placement), loop)
+            self.engines[s.name] = ReplayEngine(s, loop, sink)
+        api = SchedulerApi()
+        api.svc = svc
+        reporters = [Reporter(api.report, lease=AdmissionLease(f"ingress-{k}") if cfg.admission.ingress_leases else None,
+                              clock=loop.time, mono=loop.time) for k in range(self.opts.ingresses)]
+        prompts = Prompts(sims[0].kv_block_size if sims else 16, cfg.placement.prefix_block_tokens,
+                          cfg.placement.prefix_max_blocks)
+        svc.start()
+        for r in reporters:
+            r.start()
+        self._done = asyncio.Event()
+        self._left = len(trace)
+        t0 = loop.time() + WARMUP_S
+        first = trace[0].at_s if trace else 0.0
+        wall = time.perf_counter()
+        for i, req in enumerate(trace):
+            loop.call_at(t0 + (req.at_s - first) / self.opts.speed, self._arrive, i, req, None, reporters, prompts,
+                         svc, t0)
+        ticker = loop.create_task(self._progress())
+        if trace:
+            await self._done.wait()
+        self.wall_s = time.perf_counter() - wall
+        self.virtual_s = loop.time() - t0
+        self.utilisation = {name: e.utilisation(loop.time()) for name, e in self.engines.items()}
+        ticker.cancel()
+        for r in reporters:
+            await r.flush()
+            await r.stop()
+        self.snapshot = svc.snapshot()  # the scheduler's /status at the end (counters, gauges, engines)
+        await svc.stop()
+        self.results.sort(key=lambda r: (r.sent, r.idx))
+        return self.results
+
+    async def _progress(self) -> None:
+        while True:
+            await asyncio.sleep(self.opts.progress_s)
+            now = asyncio.get_running_loop().time()
+            for ticket, (job, rep, engine) in self._streams.items():
+                if job.done:
+                    rep.progress(ticket, engine.tokens_of(job, now))
+
+    def _arrive(self, i: int, req: TraceRequest, retry_of: Served | None, reporters: list[Reporter],
+                prompts: Prompts, svc: SchedulerService, t0: float) -> None:
+        asyncio.get_running_loop().create_task(self._request(i, req, retry_of, reporters, prompts, svc, t0))
+
+    async def _request(self, i: int, req: TraceRequest, retry_of: Served | None, reporters: list[Reporter],
+                       prompts: Prompts, svc: SchedulerService, t0: float) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        rep = reporters[(i + (retry_of is not None)) % len(reporters)]
+        rep.start_once()
+        rep.offered()
+        prompt = prompts.of(req, i)
+        res = Served(i, now - t0, req.input_tokens, req.output_tokens,
+                            retry_of=None if retry_of is None else retry_of.idx)
+        self.results.append(res)
+        ask = Ask(req.input_tokens, self.opts.ttft_s, self.opts.tpot_s, "completion", None, prompt.router_hashes,
+                  float(self.cfg.placement.prefix_block_tokens) if prompt.router_hashes else 0.0,
+                  retry=retry_of is not None, reserves=self.opts.retries, tenant=req.tenant)
+        ticket = f"r{i}/{'retry' if retry_of is not None else 'first'}"
+        deadline = now + self.cfg.serving.request_timeout_s
+        got = await admit(rep, ticket, ask, deadline, now, now, svc.admit)
+        if isinstance(got, Refused):
+            if not got.counted:
+                rep.outcome(got.outcome, got.error.code, req.tenant or None)
+            res.status, res.error_code, res.retry_after = got.error.status, got.error.code, got.error.retry_after
+            res.e2e = loop.time() - now
+            if retry_of is None and self.opts.retries and got.error.retry_after is not None:
+                loop.call_later(got.error.retry_after, self._arrive, i, req, res, reporters, prompts, svc, t0)
+            else:
+                self._finished()
+            return
+        res.status, res.predicted_ttft, res.engines = 200, got.predicted_s, got.routes[0].engines
+        rep.admission_wait(loop.time() - now)
+        self._serve(got.routes[0], ticket, prompt.ids, prompt.engine_hashes, req, res, rep, now)
+
+    def _serve(self, route: RouteChoice, ticket: str, ids: list[int], hashes: list[int], req: TraceRequest,
+               res: Served, rep: Reporter, sent: float) -> None:
+        first_at: list[float] = []
+
+        def on_first(t: float) -> None:
+            first_at.append(t)
+            res.ttft = t - sent
+            rep.first_token(ticket, route.engines)
+
+        def on_end(t: float, tokens: int) -> None:
+            self._streams.pop(ticket, None)
+            res.ok, res.e2e, res.output_tokens = True, t - sent, tokens
+            stats = RelayStats("completion", route.engines, res.ttft, tokens, t - first_at[0], 1)
+            rep.ended(ticket, Outcome.COMPLETED, "", stats, req.tenant or None)
+            self._finished()
+
+        decode = self.engines[route.decode.name]
+        job = ReplayJob(ids, hashes, max(1, req.output_tokens), on_first, on_end)
+        if route.prefill is None:
+            decode.submit(job)
+        else:  # vLLM's two steps: the prefill leg (one token), then the decode leg with its KV
+            def prefilled(t: float, tokens: int) -> None:
+                job.skip_prefill = True
+                decode.submit(job)
+
+            self.engines[route.prefill.name].submit(ReplayJob(ids, hashes, 1, None, prefilled))
+        self._streams[ticket] = (job, rep, decode)
+
+    def _finished(self) -> None:
+        self._left -= 1
+        if self._left <= 0 and self._done is not None:
+            self._done.set()
