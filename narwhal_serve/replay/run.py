@@ -99,6 +99,9 @@ class ReplayOptions:
     retries: bool = True  # a refusal with Retry-After is retried once, after it (as the SDKs do)
     progress_s: float = 0.5  # how often a stream's token count reaches its reporter
     speed: float = 1.0  # arrival times divided by this
+    # clients send max_tokens = the trace's output length (as vLLM's benchmark replays a trace, with
+    # ignore_eos); False: no max_tokens (the router expects the output lengths it learned)
+    max_tokens: bool = True
 
 
 class _DirectKV(KVEventSink):
@@ -220,7 +223,8 @@ class Replay:
         res = Served(i, now - t0, req.input_tokens, req.output_tokens,
                             retry_of=None if retry_of is None else retry_of.idx)
         self.results.append(res)
-        ask = Ask(req.input_tokens, self.opts.ttft_s, self.opts.tpot_s, "completion", None, prompt.router_hashes,
+        ask = Ask(req.input_tokens, self.opts.ttft_s, self.opts.tpot_s, "completion",
+                  max(1, req.output_tokens) if self.opts.max_tokens else None, prompt.router_hashes,
                   float(self.cfg.placement.prefix_block_tokens) if prompt.router_hashes else 0.0,
                   retry=retry_of is not None, reserves=self.opts.retries, tenant=req.tenant)
         ticket = f"r{i}/{'retry' if retry_of is not None else 'first'}"

@@ -1,0 +1,115 @@
+"""The replay against reality: one 3-minute slice of the Azure trace (its arrivals 3× closer, so the
+run takes a minute), sent in real time through the Ray graph to two simulated engines, and replayed
+in virtual time with the same settings, must agree on goodput, refusal rate and p99 TTFT
+(docs/performance.md, "Capacity planning by replay", says where and why the two differ)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from narwhal_serve.bench.client import Endpoint, RetryPolicy, Shape, make_session, run_open_loop
+from narwhal_serve.bench.replay import TRACE_DIR, TRACES, _result, slice_trace
+from narwhal_serve.bench.stats import Slo, summarize
+from narwhal_serve.bench.workload import RequestSpec, make_prompt
+from narwhal_serve.config import NarwhalConfig
+from narwhal_serve.replay.run import REPLAY_ENGINE, FleetSpec, Replay, ReplayOptions
+from narwhal_serve.replay.trace import TraceRequest, load
+from narwhal_serve.replay.vloop import run_virtual
+from tests.integration.conftest import MODEL, Graph
+from tests.integration.helpers import balanced, status, wait_ready, wait_status
+from tests.support.net import free_port_run
+
+APP = "replaycheck"
+START_S, SLICE_S, SPEED, OUTPUT_DIV = 600.0, 180.0, 3.0, 8  # (outputs ÷ 8: fewer tokens for two cores to stream)
+TTFT_S = 1.0
+TIMING = {"prefill_overhead_s": 0.005, "prefill_per_token_s": 0.00009, "tpot_base_s": 0.02,
+          "tpot_per_running_s": 0.001, "max_num_seqs": 16, "max_model_len": 65536, "num_gpu_blocks": 16384}
+ENGINES = ["rc-a", "rc-b"]
+ROUTER: dict[str, Any] = {
+    "model": MODEL,
+    "admission": {"mode": "predictive", "ttft_budget_s": TTFT_S},
+    "monitoring": {"scrape_interval_s": 0.5, "stale_after_s": 5.0},
+}
+# run in the default mode (direct ingress) only: the replay models no ingress path, so the second
+# run mode would check nothing new for another minute and a half of CI
+pytestmark = pytest.mark.skipif(os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "1",
+                                reason="replay vs graph: the direct-ingress run mode only")
+AGREE = 0.10  # relative, for goodput and p99 TTFT; absolute (share of requests) for the refusal rate
+
+
+def _slice() -> list[TraceRequest]:
+    trace = slice_trace(load(TRACE_DIR / TRACES["azure"]), START_S, SLICE_S, None)
+    return [replace(r, output_tokens=max(1, r.output_tokens // OUTPUT_DIV)) for r in trace]
+
+
+@pytest.fixture(scope="module")
+def app(graph: Graph) -> Iterator[str]:
+    from ray import serve
+
+    from deployments.app import build_app
+
+    base = free_port_run(len(ENGINES), start=graph.sim_base + 40)
+    serve.run(build_app({
+        **ROUTER,
+        "sim": {"base_port": base, "engines": [{"name": n, "role": "unified", **TIMING} for n in ENGINES]},
+        "deployment": {"ingress_max_replicas": 1, "assembler_max_replicas": 1},
+    }), name=APP, route_prefix=f"/{APP}")
+    url = f"{graph.url}/{APP}"
+    try:
+        asyncio.run(wait_ready(url, 200, timeout=60))
+        yield url
+    finally:
+        serve.delete(APP)
+
+
+def _replayed(trace: list[TraceRequest]) -> dict[str, Any]:
+    engine = REPLAY_ENGINE.model_copy(update=TIMING)
+    rp = Replay(NarwhalConfig.model_validate(ROUTER), FleetSpec(unified=len(ENGINES), engine=engine),
+                ReplayOptions(ttft_s=TTFT_S, speed=SPEED, ingresses=1))
+    results = [_result(s) for s in run_virtual(rp.run(trace))]
+    return summarize(results, Slo(TTFT_S, float("inf")), duration_s=SLICE_S / SPEED)
+
+
+async def _real(url: str, trace: list[TraceRequest]) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    t0 = trace[0].at_s
+    specs = [RequestSpec(i, (r.at_s - t0) / SPEED, r.input_tokens, r.output_tokens, make_prompt(rng, r.input_tokens))
+             for i, r in enumerate(trace)]
+    async with make_session() as session:
+        results = await run_open_loop(session, Endpoint("narwhal", (url,)), Shape(api="completions", model=MODEL),
+                                      specs, drain_s=30.0, retry=RetryPolicy(max_samples=10 ** 6, probability=1.0))
+    return summarize(results, Slo(TTFT_S, float("inf")), duration_s=SLICE_S / SPEED)
+
+
+async def test_replay_agrees_with_the_graph_on_goodput_refusals_and_p99_ttft(app: str) -> None:
+    trace = _slice()
+    assert len(trace) > 500
+    await wait_status(app, lambda s: all(e["eligible"] for e in s["engines"]), "both engines eligible")
+    real = await _real(app, trace)
+    await wait_status(app, balanced, "every request ended and released", timeout=60)
+    virtual = await asyncio.to_thread(_replayed, trace)  # (its own loop, on a virtual clock)
+    rows = {k: {"real": real[k] if k != "ttft_p99_ms" else real["ttft_ms"]["p99"],
+                "virtual": virtual[k] if k != "ttft_p99_ms" else virtual["ttft_ms"]["p99"]}
+            for k in ("goodput_rps", "refusal_rate", "ttft_p99_ms")}
+    rows["ttft_prediction_err_p50"] = {"real": real["ttft_prediction"]["err_p50"],
+                                       "virtual": virtual["ttft_prediction"]["err_p50"]}
+    print("\nreplay vs graph:", json.dumps(rows))
+    out = os.environ.get("NARWHAL_REPLAY_CHECK_OUT")
+    if out:
+        Path(out).write_text(json.dumps({"rows": rows, "real": real, "virtual": virtual}, indent=1))
+    assert real["offered"] == virtual["offered"] == len(trace)
+    g, r, t = rows["goodput_rps"], rows["refusal_rate"], rows["ttft_p99_ms"]
+    assert abs(g["real"] - g["virtual"]) <= AGREE * g["virtual"], rows
+    assert abs(r["real"] - r["virtual"]) <= AGREE, rows
+    assert abs(t["real"] - t["virtual"]) <= AGREE * t["virtual"], rows
+    snap = await status(app)
+    assert snap["counters"]["completed"] >= real["completed"]
