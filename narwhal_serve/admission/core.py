@@ -139,23 +139,18 @@ def _placement(ordered: tuple[RouteChoice, ...], best: _Scored | None, facts: Ma
 SCORED_ROUTES = 8  # predictive mode projects this many least loaded routes (plus prefix holders)
 
 
-def _engine(view: FleetView, name: str) -> EngineFacts:
-    return next(e for e in view.engines if e.cfg.name == name)
-
-
 def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[RouteChoice], list[_Scored], float]:
     eligible = [e for e in view.engines if e.eligible(now)]
     routes = candidate_routes(eligible, rotation, limit=None if view.predictive else MAX_CANDIDATES)
+    facts = _facts(view)
     if view.predictive and len(routes) > SCORED_ROUTES:
         # the least loaded few, and any whose first-token engine holds the start of this prompt
         first = ask.prefix[0] if ask.prefix else None
-        routes = routes[:SCORED_ROUTES] + [
-            r for r in routes[SCORED_ROUTES:]
-            if first is not None and first in _engine(view, _first_token_engine(r)).prefix]
+        routes = routes[:SCORED_ROUTES] + ([] if first is None else [
+            r for r in routes[SCORED_ROUTES:] if first in facts[_first_token_engine(r)].prefix])
     expected_out = expected_output(view.outputs, ask.kind, ask.max_output_tokens, view.output_prior)
     if not routes:
         return routes, [], expected_out
-    facts = _facts(view)
     known = [(f.tpot_a, f.tpot_b) for f in view.engines if f.tpot_known]
     cold = min(known, key=lambda ab: tpot_at(ab[0], ab[1], 1.0)) if known else None
     scored = [s for i, r in enumerate(routes)

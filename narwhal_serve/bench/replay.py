@@ -21,6 +21,7 @@ from narwhal_serve.bench.report import plot_lines, publish, run_dir, table
 from narwhal_serve.bench.stats import RequestResult, Slo, summarize
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.config.sim import SimEngineConfig
+from narwhal_serve.replay.costs import Costs
 from narwhal_serve.replay.run import REPLAY_ENGINE, FleetSpec, Replay, ReplayOptions, Served
 from narwhal_serve.replay.trace import TraceRequest, load
 from narwhal_serve.replay.vloop import run_virtual
@@ -82,8 +83,8 @@ class Target:
 
 
 def run_one(cfg: NarwhalConfig, fleet: FleetSpec, opts: ReplayOptions, trace: list[TraceRequest], slo: Slo,
-            target: Target) -> tuple[dict[str, Any], list[RequestResult]]:
-    rp = Replay(cfg, fleet, opts)
+            target: Target, costs: bool = False) -> tuple[dict[str, Any], list[RequestResult]]:
+    rp = Replay(cfg, fleet, opts, costs=Costs() if costs else None)
     served = run_virtual(rp.run(trace))
     results = [_result(s) for s in served]
     span = (trace[-1].at_s - trace[0].at_s) / opts.speed if len(trace) > 1 else 0.0
@@ -112,7 +113,17 @@ def run_one(cfg: NarwhalConfig, fleet: FleetSpec, opts: ReplayOptions, trace: li
         "x_real_time": round(rp.virtual_s / rp.wall_s, 1) if rp.wall_s > 0 else None,
         "summary": summary,
     }
+    if rp.costs is not None:  # per part of the router; core share at the trace's arrival rate
+        row["costs"] = rp.costs.report(len(trace), span or rp.virtual_s)
+        row["kv_blocks_per_request"] = round(rp.kv_blocks / len(trace), 1) if trace else None
     return row, results
+
+
+def costs_table(row: dict[str, Any]) -> str:
+    return f"\n## what each part of the router cost ({row['fleet']}, CPU of this process)\n" + table(
+        ["part", "calls", "CPU s", "µs per call", "p50 µs", "p99 µs", "µs per request", "share of a core"],
+        [[c["part"], c["calls"], c["cpu_s"], c["us_per_call"], c["p50_us"], c["p99_us"], c["us_per_request"],
+          c["core_share"]] for c in row["costs"]], nd=3)
 
 
 def rows_table(rows: list[dict[str, Any]]) -> str:
@@ -146,6 +157,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-retries", action="store_true", help="refused clients do not retry after Retry-After")
     p.add_argument("--min-within-slo", type=float, default=0.99, help="the sweep's target: good / offered")
     p.add_argument("--max-refused", type=float, default=0.01, help="the sweep's target: never admitted / offered")
+    p.add_argument("--costs", action="store_true",
+                   help="measure the CPU of each part of the router that would run for real (scheduler, "
+                        "KV-event index, leases, reports)")
     p.add_argument("--out", type=Path, default=Path("bench-results"))
 
 
@@ -172,7 +186,7 @@ def main(ns: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for mode, fleet in itertools.product(modes, fleets):
         mcfg = cfg.model_copy(update={"admission": cfg.admission.model_copy(update={"mode": mode})})
-        row, _ = run_one(mcfg, fleet, opts, trace, slo, target)
+        row, _ = run_one(mcfg, fleet, opts, trace, slo, target, ns.costs)
         rows.append(row)
         print(f"{fleet.label} {mode}: goodput {row['goodput_rps']} rps, within SLO {row['within_slo']}, "
               f"refused {row['refused']} ({row['wall_s']} s, {row['x_real_time']}x real time)", file=sys.stderr)
@@ -183,7 +197,7 @@ def main(ns: argparse.Namespace) -> int:
                  "slo": {"ttft_s": slo.ttft_s, "tpot_s": opts.tpot_s}, "target": vars(target)},
         "rows": rows,
     }
-    text = rows_table(rows)
+    text = rows_table(rows) + "".join(costs_table(r) for r in rows if "costs" in r)
     plots: list[str] = []
     if ns.sweep:
         best = {m: next((r for r in rows if r["mode"] == m and r["meets"]), None) for m in modes}

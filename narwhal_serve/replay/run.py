@@ -32,6 +32,7 @@ from narwhal_serve.kvevents.wire import Event, KVEventBatch
 from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.protocol.stats import RelayStats
+from narwhal_serve.replay.costs import Costs
 from narwhal_serve.replay.engine import ReplayEngine, ReplayJob
 from narwhal_serve.replay.trace import Prompts, TraceRequest
 from narwhal_serve.scheduler.api import SchedulerApi
@@ -107,14 +108,17 @@ class ReplayOptions:
 class _DirectKV(KVEventSink):
     """KV events straight into the router's index for the engine (no socket on a virtual clock)."""
 
-    def __init__(self, index: KVEventIndex, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, index: KVEventIndex, loop: asyncio.AbstractEventLoop, costs: Costs | None) -> None:
         self.index = index
         self.loop = loop
         self.seq = itertools.count()
+        self.apply = index.apply if costs is None else costs.timed("scheduler.kv_events", index.apply)
+        self.blocks = 0  # blocks stored or removed (what the index is told)
 
     def publish(self, events: Sequence[Event]) -> None:
         if events:
-            self.index.apply(next(self.seq), KVEventBatch(self.loop.time(), list(events)))
+            self.blocks += sum(len(getattr(e, "block_hashes", ())) for e in events)
+            self.apply(next(self.seq), KVEventBatch(self.loop.time(), list(events)))
 
 
 class _Scheduler(SchedulerService):
@@ -122,13 +126,15 @@ class _Scheduler(SchedulerService):
     renders it, read by the scheduler's own parser (:func:`narwhal_serve.scheduler.monitor.scraped`)."""
 
     replayed: dict[str, ReplayEngine]
+    costs: Costs | None = None
 
     async def scrape_engines(self) -> None:
         now = self.clock()
+        apply = scraped if self.costs is None else self.costs.timed("scheduler.scrape", scraped)
         for name, e in self.engines.items():
             sim = self.replayed[name]
             sim.sync()
-            scraped(e, now, True, render_metrics(sim))
+            apply(e, now, True, render_metrics(sim))
 
 
 def _url(name: str) -> str:
@@ -146,6 +152,8 @@ class Replay:
     virtual_s: float = 0.0  # first arrival to last answer
     utilisation: dict[str, tuple[float, float]] = field(default_factory=dict)  # ReplayEngine.utilisation
     snapshot: dict[str, Any] = field(default_factory=dict)
+    costs: Costs | None = None  # given: what each part of the router costs (:mod:`.costs`)
+    kv_blocks: int = 0  # blocks the engines' KV events stored or removed
     _left: int = 0
     _done: asyncio.Event | None = None
     _streams: dict[str, tuple[ReplayJob, Reporter, ReplayEngine]] = field(default_factory=dict)
@@ -162,16 +170,29 @@ class Replay:
         cfg = self.cfg.model_copy(update={"engines": engines})
         svc = _Scheduler(cfg, clock=loop.time, mono=loop.time)
         svc.replayed = self.engines
+        costs = svc.costs = self.costs
+        if costs is not None:
+            svc.report = costs.timed("scheduler.report", svc.report)  # type: ignore[method-assign]
+            svc.admit = costs.timed_async("scheduler.admit", svc.admit)  # type: ignore[method-assign,assignment]
+            svc.reap = costs.timed("scheduler.periodic", svc.reap)  # type: ignore[method-assign]
+            svc.start_probes = costs.timed("scheduler.periodic", svc.start_probes)  # type: ignore[method-assign]
         svc._client = httpx.AsyncClient(transport=httpx.MockTransport(self._handler))
+        sinks = []
         for s in sims:
             sink = None
             if cfg.placement.prefix_aware:
-                sink = _DirectKV(exact_index(svc.engines[s.name], cfg.placement), loop)
+                sink = _DirectKV(exact_index(svc.engines[s.name], cfg.placement), loop, costs)
+                sinks.append(sink)
             self.engines[s.name] = ReplayEngine(s, loop, sink)
         api = SchedulerApi()
         api.svc = svc
         reporters = [Reporter(api.report, lease=AdmissionLease(f"ingress-{k}") if cfg.admission.ingress_leases else None,
                               clock=loop.time, mono=loop.time) for k in range(self.opts.ingresses)]
+        for r in reporters:
+            if costs is not None and r.lease is not None:
+                r.lease.try_admit = costs.timed("ingress.decide", r.lease.try_admit)  # type: ignore[method-assign]
+                r.lease.apply = costs.timed("ingress.grant", r.lease.apply)  # type: ignore[method-assign]
+                r.lease.cut = costs.timed("ingress.cut", r.lease.cut)  # type: ignore[method-assign]
         prompts = Prompts(sims[0].kv_block_size if sims else 16, cfg.placement.prefix_block_tokens,
                           cfg.placement.prefix_max_blocks)
         svc.start()
@@ -191,6 +212,7 @@ class Replay:
         self.wall_s = time.perf_counter() - wall
         self.virtual_s = loop.time() - t0
         self.utilisation = {name: e.utilisation(loop.time()) for name, e in self.engines.items()}
+        self.kv_blocks = sum(k.blocks for k in sinks)
         ticker.cancel()
         for r in reporters:
             await r.flush()

@@ -26,6 +26,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from narwhal_serve.placement.prefix import next_id_block_hash
 from narwhal_serve.sim.timing import block_hashes
 
@@ -118,7 +120,7 @@ def block_ids(key: int, n: int) -> list[int]:
     k = key & 0xFFFF_FFFF_FFFF
     base = (k * 0x9E3779B1) % VOCAB
     stride = 1 + ((k * 0x85EBCA6B) >> 7) % (VOCAB - 1)  # (two keys alike in both: one in ~2.5e9)
-    return [(base + j * stride) % VOCAB for j in range(n)]
+    return ((np.arange(n, dtype=np.int64) * stride + base) % VOCAB).tolist()
 
 
 @dataclass

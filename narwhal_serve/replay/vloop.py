@@ -12,6 +12,7 @@ there.
 from __future__ import annotations
 
 import asyncio
+import gc
 import selectors
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -51,11 +52,25 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         return self.clock.now
 
 
+RUN_GC_THRESHOLD = 50_000  # young objects between collections during a run (Python's default: 700)
+
+
 def run_virtual(main: Coroutine[Any, Any, T], start: float = 0.0) -> T:
-    """Run ``main`` to completion on a fresh :class:`VirtualTimeLoop`."""
+    """Run ``main`` to completion on a fresh :class:`VirtualTimeLoop`.
+
+    A replay allocates small objects by the million and keeps few: during the run the objects that
+    existed before it (modules, the loaded trace) are left out of garbage collection
+    (``gc.freeze``) and the young generation is collected every ``RUN_GC_THRESHOLD`` allocations,
+    not 700 (measured 10-25 % faster on the Azure trace; cycles are still collected)."""
     loop = VirtualTimeLoop(start)
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(RUN_GC_THRESHOLD, *threshold[1:])
     try:
         return loop.run_until_complete(main)
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
+        gc.set_threshold(*threshold)
+        gc.unfreeze()

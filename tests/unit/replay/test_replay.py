@@ -142,3 +142,21 @@ def test_the_planner_picks_the_smallest_fleet_that_meets_the_target(tmp_path: Pa
     assert not rows[0]["meets"]  # one engine prefills about 3 of these a second: not 5
     assert rows[-1]["goodput_rps"] >= rows[0]["goodput_rps"]
     assert res["meta"]["slo"]["ttft_s"] == Slo(2.0, float("inf")).ttft_s
+
+
+def test_costs_measure_every_part_and_change_nothing() -> None:
+    from narwhal_serve.replay.costs import Costs
+
+    trace = _trace(200, 40.0, prompt=1200, shared=2)
+    plain, _ = _run(trace, FleetSpec(unified=1, engine=ENGINE))
+    costs = Costs()
+    rp = Replay(NarwhalConfig(), FleetSpec(unified=1, engine=ENGINE), ReplayOptions(), costs=costs)
+    costed = run_virtual(rp.run(trace))
+    assert [(s.idx, s.status, s.ttft) for s in costed] == [(s.idx, s.status, s.ttft) for s in plain]
+    rows = {r["part"]: r for r in costs.report(len(trace), rp.virtual_s)}
+    assert {"ingress.decide", "ingress.grant", "ingress.cut", "scheduler.report", "scheduler.scrape",
+            "scheduler.kv_events", "scheduler.periodic"} <= set(rows)
+    assert all(r["calls"] > 0 and r["cpu_s"] >= 0 for r in rows.values())
+    assert rows["ingress.decide"]["calls"] >= sum(1 for s in costed if s.status == 200) // 2
+    assert rows["ingress.decide"]["p50_us"] is not None and rows["ingress.decide"]["p99_us"] >= rows["ingress.decide"]["p50_us"]
+    assert rp.kv_blocks > 0
