@@ -171,22 +171,23 @@ def _still_alive(r: Run) -> list[str]:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_signal_stops_everything(run: Run, sig: signal.Signals) -> None:
     _wait_serving(run)
-    # HAProxy is replaced on every reload, and the fallback proxy may bind after the app answers:
-    # look again for a few seconds until all of the run's fixed ports are bound by it.
-    deadline = time.monotonic() + 20
+    # HAProxy is replaced on every reload, the fallback proxy may bind after the app answers, and
+    # the managed engines boot after their replicas (the app answers once one engine is up): look
+    # again, bounded, until all of the run's fixed ports and its three engines' ports are bound.
+    deadline = time.monotonic() + 60
     while True:
         ports = _snapshot(run)
         haproxy = [p for p in run.session if any(run.haproxy_dir in a for a in serve_run.cmdline(p))]
         unbound = {k: v for k, v in run.fixed_ports.items() if v not in ports}
-        if (haproxy and not unbound) or time.monotonic() > deadline:
+        # the managed simulated engines are the run's too: three engine processes, each listening
+        engines = [p for p in run.session if "narwhal_serve.sim.cli" in " ".join(serve_run.cmdline(p))]
+        listening = [p for p in engines if any(o == p for owners in ports.values() for _, o in owners)]
+        if (haproxy and not unbound and len(listening) == len(engines) == 3) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert haproxy, f"no HAProxy of this run found (HA-proxy mode off?):\n{run.log_tail()}"
     assert unbound == {}, f"not bound by the run: {unbound}\n{run.log_tail()}"
-    # the managed simulated engines are the run's too: three engine processes, each listening
-    engines = [p for p in run.session if "narwhal_serve.sim.cli" in " ".join(serve_run.cmdline(p))]
-    assert len(engines) == 3 and all(any(o == p for owners in ports.values() for _, o in owners) for p in engines), (
-        engines, ports)
+    assert len(engines) == 3 and listening == engines, (engines, listening, ports)
     used = set(ports) | set(run.fixed_ports.values())
 
     t0 = time.monotonic()
