@@ -23,7 +23,7 @@ from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.admission.predictive import judge, judge_tpot
 from narwhal_serve.admission.retry import BOOKED_SHARE, RETRY_GRACE_S, Reservation, reserved_at
 from narwhal_serve.errors import backend_unavailable, router_unavailable
-from narwhal_serve.placement.picker import MAX_CANDIDATES, candidate_routes
+from narwhal_serve.placement.picker import MAX_CANDIDATES
 from narwhal_serve.placement.prefix import matched_blocks
 from narwhal_serve.prediction.decode import expected_output, tpot_at
 from narwhal_serve.prediction.ttft import Projection, linear_ttft, project_linear, slot_wait_s, with_margin
@@ -39,10 +39,6 @@ from narwhal_serve.admission.view import Placement as Placement
 
 def _first_token_engine(route: RouteChoice) -> str:
     return route.prefill.name if route.prefill else route.decode.name
-
-
-def _facts(view: FleetView) -> dict[str, EngineFacts]:
-    return {e.cfg.name: e for e in view.engines}
 
 
 @dataclass(frozen=True)
@@ -136,23 +132,26 @@ def _placement(ordered: tuple[RouteChoice, ...], best: _Scored | None, facts: Ma
                      ask.tenant, ask.rank)
 
 
-SCORED_ROUTES = 8  # predictive mode projects this many least loaded routes (plus prefix holders)
+SCORED_ROUTES = 8  # predictive mode projects this many least loaded routes (and as many prefix holders)
 
 
 def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[RouteChoice], list[_Scored], float]:
-    eligible = [e for e in view.engines if e.eligible(now)]
-    routes = candidate_routes(eligible, rotation, limit=None if view.predictive else MAX_CANDIDATES)
-    facts = _facts(view)
-    if view.predictive and len(routes) > SCORED_ROUTES:
-        # the least loaded few, and any whose first-token engine holds the start of this prompt
-        first = ask.prefix[0] if ask.prefix else None
-        routes = routes[:SCORED_ROUTES] + ([] if first is None else [
-            r for r in routes[SCORED_ROUTES:] if first in facts[_first_token_engine(r)].prefix])
+    order = view.order(now)
+    if view.predictive:
+        # the least loaded few, and the least loaded few whose first-token engine holds the start
+        # of this prompt (placement/order.py: neither scores the whole fleet)
+        routes = order.top(SCORED_ROUTES, rotation, view.changed)
+        holding = view.holding(ask.prefix[0]) if ask.prefix and len(routes) == SCORED_ROUTES else None
+        if holding:
+            seen = {r.engines for r in routes}
+            routes += [r for r in order.top(SCORED_ROUTES, rotation, view.changed, only=holding)
+                       if r.engines not in seen]
+    else:
+        routes = order.top(MAX_CANDIDATES, rotation, view.changed)
     expected_out = expected_output(view.outputs, ask.kind, ask.max_output_tokens, view.output_prior)
     if not routes:
         return routes, [], expected_out
-    known = [(f.tpot_a, f.tpot_b) for f in view.engines if f.tpot_known]
-    cold = min(known, key=lambda ab: tpot_at(ab[0], ab[1], 1.0)) if known else None
+    facts, cold = view.facts(), view.cold_tpot()
     scored = [s for i, r in enumerate(routes)
               if (s := _score(view, facts, i, r, ask, expected_out, now, cold)) is not None]
     return routes, scored, expected_out
@@ -196,7 +195,7 @@ def _rank(view: FleetView, ask: Ask, now: float, rotation: int
     routes, scored, expected_out = _ranked(view, ask, now, rotation)
     if not routes:
         return None, None, []
-    facts = _facts(view)
+    facts = view.facts()
     if not scored:
         return _placement(tuple(routes[:MAX_CANDIDATES]), None, facts, ask, expected_out), None, []
     if view.predictive:
@@ -244,7 +243,7 @@ def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | 
                 name = _first_token_engine(best.route)
                 tokens = max(0, ask.prompt_tokens - best.cached)
                 booked_tokens, booked = reserved_at(view.reservations, name, due, 0.0)  # live and due by then
-                e = _facts(view)[name]
+                e = view.facts()[name]
                 if linear_ttft(e.ttft_a, e.ttft_b, booked_tokens + tokens, e.ttft_c, booked) \
                         <= BOOKED_SHARE * ask.ttft_budget_s:  # room for it is not booked up already
                     return replace(refusal, reserve=Reservation("", name, due, due + RETRY_GRACE_S, tokens))

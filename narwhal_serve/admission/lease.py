@@ -19,11 +19,12 @@ view says the router or the whole fleet is unavailable: that view is up to one r
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from narwhal_serve.admission import ledger
 from narwhal_serve.admission.controller import NONE, ONE_REQUEST, Permits, Refusal
-from narwhal_serve.admission.core import Ask, EngineDelta, FleetView, Placement, decide
+from narwhal_serve.admission.core import Ask, EngineDelta, EngineFacts, FleetView, Placement, decide
 from narwhal_serve.admission.ledger import Ticket, add
 from narwhal_serve.admission.retry import Reservation, earliest
 from narwhal_serve.admission.wire import LeaseGrant, LeasePart, LocalPlacement
@@ -55,9 +56,12 @@ class AdmissionLease:
     valid_until: float = 0.0  # monotonic
     rotation: int = 0
     generation: int = 0
+    view_seq: int = 0  # the scheduler's number of the view held (LeaseGrant.view_seq)
     epoch: int = 0  # the scheduler's record this lease's permits are reserved under (0: none yet)
     tickets: dict[str, Ticket] = field(default_factory=dict)  # its own admissions (ledger.py)
     _deltas: dict[str, EngineDelta] = field(default_factory=dict)  # since the last cut
+    _total: dict[str, EngineDelta] = field(default_factory=dict)  # since the view (sent, unanswered, and since the cut)
+    _changed: dict[str, EngineFacts] = field(default_factory=dict)  # the view's engines with _total in
     _placed: list[LocalPlacement] = field(default_factory=list)
     _to_return: Permits = NONE
     _sent: dict[int, _Sent] = field(default_factory=dict)
@@ -72,11 +76,7 @@ class AdmissionLease:
     def current_view(self) -> FleetView | None:
         if self.view is None:
             return None
-        deltas: dict[str, EngineDelta] = {}
-        for s in self._sent.values():
-            add(deltas, s.deltas)
-        add(deltas, self._deltas)
-        view = self.view.adjusted(deltas)
+        view = replace(self.view, changed=dict(self._changed)) if self._changed else self.view
         mine = [r for s in self._sent.values() for r in s.part.reserved] + self._reserved
         taken = {i for s in self._sent.values() for i in s.part.consumed} | set(self._consumed)
         if mine or taken:
@@ -89,7 +89,7 @@ class AdmissionLease:
     def resume_targets(self, now: float) -> list[EngineConfig]:
         """Engines eligible now for a mid-stream resume, least loaded first (none without a view)."""
         view = self.current_view()
-        return [] if view is None else resume_targets([e for e in view.engines if e.eligible(now)])
+        return [] if view is None else resume_targets(view.eligible(now))
 
     def try_admit(self, ticket_id: str, ask: Ask, deadline: float, now: float, mono: float) -> Placement | Refusal | None:
         """A placement (permits taken), a refusal (counted by the caller), or None: ask the scheduler."""
@@ -120,11 +120,26 @@ class AdmissionLease:
         if self.shares is not None:
             self.shares.take(ticket_id, ask.tenant, cost)
         t = self.tickets[ticket_id] = Ticket(verdict)
-        add(self._deltas, ledger.admitted(t))
+        self._note(ledger.admitted(t))
         self._placed.append(LocalPlacement(ticket_id, verdict, deadline))
         if ask.retry and (r := earliest(view.reservations, now)) is not None:
             self._consumed.append(r.id)  # the retry takes the room kept for it
         return verdict
+
+    def _note(self, deltas: dict[str, EngineDelta]) -> None:
+        """Own changes to the fleet's counts: into the next report, and into the view's engines."""
+        add(self._deltas, deltas)
+        add(self._total, deltas)
+        self._refresh(deltas)
+
+    def _refresh(self, names: Iterable[str]) -> None:
+        facts = self.view.facts() if self.view is not None else {}
+        for name in names:
+            e, d = facts.get(name), self._total.get(name)
+            if e is None or d is None or d.nothing():
+                self._changed.pop(name, None)
+            else:
+                self._changed[name] = e.plus(d)
 
     def give_back_spare(self) -> Permits:
         """All spare permits, handed back with an admission call to the scheduler (a deficit
@@ -140,7 +155,7 @@ class AdmissionLease:
         if t is None:
             return
         was_done = t.prefill_done
-        add(self._deltas, ledger.first_token(t, engines))
+        self._note(ledger.first_token(t, engines))
         if not was_done:
             self._free(Permits(prefill=1))
 
@@ -148,7 +163,7 @@ class AdmissionLease:
         """Decode correction for a local ticket: its remaining decode from the tokens it generated."""
         t = self.tickets.get(ticket_id)
         if t is not None:
-            add(self._deltas, ledger.progressed(t, tokens))
+            self._note(ledger.progressed(t, tokens))
             if self.shares is not None:
                 self.shares.progress(ticket_id, tokens)
 
@@ -160,7 +175,7 @@ class AdmissionLease:
         if self.shares is not None:
             self.shares.release(ticket_id, output_tokens)
         freed = Permits(retention=1, decode=1) + (NONE if t.prefill_done else Permits(prefill=1))
-        add(self._deltas, ledger.released(t))
+        self._note(ledger.released(t))
         self._free(freed)
 
     def _free(self, p: Permits) -> None:
@@ -185,7 +200,7 @@ class AdmissionLease:
         self.generation += 1
         part = LeasePart(self.lease_id, self.generation, self.epoch, self._placed, self._to_return, self.in_use,
                          self._reserved, self._consumed,
-                         self.shares.cut(self.generation) if self.shares is not None else None)
+                         self.shares.cut(self.generation) if self.shares is not None else None, self.view_seq)
         self._sent[self.generation] = _Sent(part, self._deltas)
         self._placed, self._to_return, self._deltas = [], NONE, {}
         self._reserved, self._consumed = [], []
@@ -222,7 +237,22 @@ class AdmissionLease:
             self.epoch = grant.epoch
             in_use_then = answered.part.in_use if answered is not None else self.in_use
             self.spare = in_use_then - self.in_use - self._to_return
-        self.view = grant.view.shifted(now - grant.sched_now)
+        view: FleetView | None = grant.view
+        if grant.view_base:  # changes since the view it names (the scheduler sends it only if it is ours)
+            view = self.view.merged(grant.view, grant.names) if self.view is not None and \
+                self.view_seq == grant.view_base else None
+        if view is None:  # not ours: keep the view, and say we have none (the next grant is whole)
+            self.view_seq = 0
+            view = self.view
+        else:
+            self.view_seq = grant.view_seq
+        self.view = None if view is None else view.shifted(now - grant.sched_now)
+        self._total = {}
+        for sent in self._sent.values():
+            add(self._total, sent.deltas)
+        add(self._total, self._deltas)
+        self._changed = {}
+        self._refresh(self._total)
         self.valid_until = cut_mono + grant.ttl_s
         self.spare = self.spare + grant.granted
         self.spare_target = grant.spare_target

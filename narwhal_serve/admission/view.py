@@ -4,6 +4,8 @@ placement of an admitted request.  Frozen: views cross the Ray hop in lease gran
 
 from __future__ import annotations
 
+import math
+from collections import ChainMap
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
@@ -11,8 +13,9 @@ from dataclasses import dataclass, field, replace
 from narwhal_serve.admission.retry import Reservation
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
+from narwhal_serve.placement.order import RouteOrder
 from narwhal_serve.placement.prefix import SetUnion
-from narwhal_serve.prediction.decode import DEFAULT_OUTPUT_PRIOR, PRIOR_TPOT_A
+from narwhal_serve.prediction.decode import DEFAULT_OUTPUT_PRIOR, PRIOR_TPOT_A, tpot_at
 from narwhal_serve.protocol.placement import RouteChoice
 
 
@@ -50,6 +53,17 @@ class EngineFacts:
         """Requests at the engine now: the router's own (exact), plus others' as last scraped."""
         return self.inflight + self.external
 
+    def plus(self, d: "EngineDelta") -> "EngineFacts":
+        """These facts with a holder's own changes since they were taken."""
+        return replace(
+            self,
+            inflight=max(0, self.inflight + d.inflight),
+            pending_prefill_tokens=max(0, self.pending_prefill_tokens + d.pending_prefill_tokens),
+            pending_prefill_requests=max(0, self.pending_prefill_requests + d.pending_prefill_requests),
+            decode_tokens=max(0.0, self.decode_tokens + d.decode_tokens),
+            prefix=SetUnion(self.prefix, d.prefix) if d.prefix else self.prefix,  # no copy per admission
+        )
+
 
 @dataclass(frozen=True)
 class EngineDelta:
@@ -62,6 +76,11 @@ class EngineDelta:
     # view keeps them: the engine holds them now)
     prefix_done: frozenset[int] = frozenset()
 
+    def nothing(self) -> bool:
+        """No change: an engine's admissions since the view all ended (a prefix placed stays)."""
+        return not (self.inflight or self.pending_prefill_tokens or self.pending_prefill_requests
+                    or self.decode_tokens or self.prefix)
+
     def __add__(self, other: "EngineDelta") -> "EngineDelta":
         return EngineDelta(
             self.inflight + other.inflight,
@@ -73,8 +92,41 @@ class EngineDelta:
         )
 
 
+class _Derived:
+    """What a view's decisions share, made on first use: the engines by name, the route order of
+    the engines eligible (and the time window it holds for), which engines hold a prompt's first
+    block.  A view's receiver makes its own: it is not sent over the Ray hop."""
+
+    __slots__ = ("engines", "by_name", "cold", "order", "window", "holders")
+
+    def __init__(self) -> None:
+        self.engines: tuple[EngineFacts, ...] | None = None
+
+    def __reduce__(self) -> tuple[type["_Derived"], tuple[()]]:
+        return (_Derived, ())
+
+    def of(self, engines: tuple[EngineFacts, ...]) -> "_Derived":
+        if self.engines is not engines:
+            self.engines = engines
+            self.by_name: dict[str, EngineFacts] = {e.cfg.name: e for e in engines}
+            known = [(f.tpot_a, f.tpot_b) for f in engines if f.tpot_known]
+            self.cold = min(known, key=lambda ab: tpot_at(ab[0], ab[1], 1.0)) if known else None
+            self.order: RouteOrder[EngineFacts] | None = None
+            self.window = (math.inf, -math.inf)
+            self.holders: dict[int, frozenset[str]] = {}
+        return self
+
+
+HOLDERS_MEMO = 4096  # first blocks whose holders a view remembers
+
+
 @dataclass(frozen=True)
 class FleetView:
+    """The engines as taken (``engines``: by the scheduler, in its clock), plus a holder's own
+    changes since (``changed``: those engines' facts as they are now), in the holder's clock
+    (``shift``: seconds to add to the scheduler's times).  Decisions read it through
+    :meth:`facts` and :meth:`order`, which cost the engines changed, not the fleet."""
+
     engines: tuple[EngineFacts, ...]
     unavailable: str | None  # the router-state reason it refuses everything, or None
     predictive: bool
@@ -86,29 +138,99 @@ class FleetView:
     reservations: tuple[Reservation, ...] = ()  # room kept for refused clients' retries (admission/retry.py)
     streams_end_at: float | None = None  # draining: wall time the ingress ends the streams still open
     over_share: frozenset[str] = frozenset()  # tenants over their fair share (tenants/fair.py)
+    changed: Mapping[str, EngineFacts] = field(default_factory=dict)
+    shift: float = 0.0
+    _derived: _Derived = field(default_factory=_Derived, compare=False, repr=False)
+
+    def _d(self) -> _Derived:
+        return self._derived.of(self.engines)
+
+    def facts(self) -> Mapping[str, EngineFacts]:
+        """Every engine's facts by name, the holder's changes in."""
+        by_name = self._d().by_name
+        return ChainMap(dict(self.changed), by_name) if self.changed else by_name
+
+    def current(self) -> tuple[EngineFacts, ...]:
+        """Every engine's facts, the holder's changes in (the fleet's order)."""
+        if not self.changed:
+            return self.engines
+        return tuple(self.changed.get(e.cfg.name, e) for e in self.engines)
+
+    def eligible(self, now: float) -> list[EngineFacts]:
+        """The engines eligible at ``now`` (the holder's clock)."""
+        t = now - self.shift
+        return [e for e in self.current() if e.eligible(t)]
+
+    def order(self, now: float) -> RouteOrder[EngineFacts]:
+        """The routes over the engines eligible at ``now``, sorted once per view (and again only when
+        ``now`` passes an engine's eligibility); the holder's changes are scored per decision."""
+        d, t = self._d(), now - self.shift
+        lo, hi = d.window
+        if d.order is None or not lo < t <= hi:
+            eligible = [e for e in self.engines if e.eligible(t)]
+            d.order = RouteOrder(eligible)
+            d.window = (max((e.eligible_until for e in self.engines if not e.eligible(t)), default=-math.inf),
+                        min((e.eligible_until for e in eligible), default=math.inf))
+        return d.order
+
+    def holding(self, block: int) -> frozenset[str]:
+        """The engines believed to hold ``block`` (a prompt's first: placement/prefix.py)."""
+        d = self._d()
+        held = d.holders.get(block)
+        if held is None:
+            if len(d.holders) >= HOLDERS_MEMO:
+                d.holders.clear()
+            held = d.holders[block] = frozenset(e.cfg.name for e in self.engines if block in e.prefix)
+        if self.changed:
+            mine = {name for name, f in self.changed.items() if block in f.prefix}
+            held = (held - self.changed.keys()) | mine
+        return held
+
+    def cold_tpot(self) -> tuple[float, float] | None:
+        """The best measured TPOT model (what an engine with none yet is ranked with)."""
+        return self._d().cold
 
     def adjusted(self, deltas: Mapping[str, EngineDelta]) -> "FleetView":
-        """This view with a holder's own changes since it was taken."""
-        if not deltas:
-            return self
-        engines = tuple(
-            replace(
-                e,
-                inflight=max(0, e.inflight + d.inflight),
-                pending_prefill_tokens=max(0, e.pending_prefill_tokens + d.pending_prefill_tokens),
-                pending_prefill_requests=max(0, e.pending_prefill_requests + d.pending_prefill_requests),
-                decode_tokens=max(0.0, e.decode_tokens + d.decode_tokens),
-                prefix=SetUnion(e.prefix, d.prefix) if d.prefix else e.prefix,  # no copy per admission
-            )
-            if (d := deltas.get(e.cfg.name)) is not None
-            else e
-            for e in self.engines
-        )
-        return replace(self, engines=engines)
+        """This view with a holder's own changes since its engines were taken (``deltas``: all of
+        them, per engine); costs the engines changed, not the fleet."""
+        base = self._d().by_name
+        changed = dict(self.changed)
+        for name, d in deltas.items():
+            if (e := base.get(name)) is not None and not d.nothing():
+                changed[name] = e.plus(d)
+        return replace(self, changed=changed) if changed or self.changed else self
+
+    def since(self, sent: Mapping[str, EngineFacts]) -> "FleetView":
+        """This view carrying only the engines whose facts are not the ones in ``sent`` (by identity:
+        the scheduler keeps an unchanged engine's facts), to a holder of a view with ``sent``'s."""
+        return replace(self, engines=tuple(e for e in self.engines if sent.get(e.cfg.name) is not e))
+
+    def merged(self, delta: "FleetView", names: tuple[str, ...]) -> "FleetView | None":
+        """The view ``delta`` (from :meth:`since` on this one's engines) whole again: its engines
+        with this one's for the rest, in the order of ``names`` (empty: this view's).  Decisions keep
+        this view's route order, with the engines changed re-sorted.  None when an engine is in
+        neither (not a delta of this view)."""
+        d = self._d()
+        changed = {e.cfg.name: e for e in delta.engines}
+        if names:
+            if any(n not in changed and n not in d.by_name for n in names):
+                return None
+            engines = tuple(changed.get(n) or d.by_name[n] for n in names)
+        else:
+            engines = tuple(changed.get(e.cfg.name, e) for e in self.engines)
+        out = replace(delta, engines=engines, changed={}, shift=0.0, _derived=_Derived())
+        new = out._d()
+        if d.order is not None and not names:  # the same engines: the order moves the changed ones
+            order = d.order
+            t_in = [e for e in engines if e.cfg.name in order]
+            new.order = order.updated({n: f for n, f in changed.items() if n in order})
+            new.window = (max((e.eligible_until for e in engines if e.cfg.name not in order), default=-math.inf),
+                          min((e.eligible_until for e in t_in), default=math.inf))
+        return out
 
     def shifted(self, dt: float) -> "FleetView":
         """The view with its times moved by ``dt`` (into another process's clock)."""
-        return replace(self, engines=tuple(replace(e, eligible_until=e.eligible_until + dt) for e in self.engines))
+        return replace(self, shift=self.shift + dt)
 
 
 @dataclass(frozen=True)

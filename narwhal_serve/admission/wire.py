@@ -36,6 +36,7 @@ class LeasePart:
     reserved: list[Reservation] = field(default_factory=list)  # room kept for refused clients' retries
     consumed: list[str] = field(default_factory=list)  # reservations retries took
     tenants: TenantPart | None = None  # budget shares spent and given back (tenants/)
+    view_seq: int = 0  # the grant view the lease holds (0: none): the next grant may send changes only
 
 
 @dataclass(frozen=True)
@@ -57,3 +58,9 @@ class LeaseGrant:
     tenant_granted: dict[str, Amounts] = field(default_factory=dict)
     tenant_targets: dict[str, Amounts] = field(default_factory=dict)
     tenant_facts: tuple[TenantFacts, ...] = ()
+    # The view's number for this lease, and the one it is a delta of (0: whole). A delta's
+    # ``view.engines`` holds only the engines whose facts changed since that view
+    # (FleetView.since); ``names``: every engine, in the fleet's order, when those changed.
+    view_seq: int = 0
+    view_base: int = 0
+    names: tuple[str, ...] = ()

@@ -2,7 +2,8 @@
 
 Single-engine routes come from unified engines; P/D routes pair a prefill and a decode engine of the
 same dialect (two independent picks, as llm-d and the SGLang gateway do).  Ties rotate, so equal
-routes share the load.
+routes share the load: over the routes in the fleet's order (unified engines, then P/D routes by
+decode engine).  :mod:`.order` gives the same first routes of a large fleet without scoring it all.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def candidate_routes(eligible: Sequence[E], rotation: int, limit: int | None = M
     scored: list[tuple[float, int, RouteChoice]] = []
     unified = [e for e in eligible if e.cfg.role == "unified"]
     prefills = sorted((e for e in eligible if e.cfg.role == "prefill"), key=load_score)
-    decodes = sorted((e for e in eligible if e.cfg.role == "decode"), key=load_score)
+    decodes = [e for e in eligible if e.cfg.role == "decode"]  # in the fleet's order: the rotation's
     n = 0
     for e in unified:
         scored.append((load_score(e), n, RouteChoice(kind="single", decode=e.cfg)))

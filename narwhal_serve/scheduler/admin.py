@@ -90,6 +90,6 @@ class AdminOps(AdmissionDesk):
         if not self.router.started:
             return False, "starting"
         now = self.clock()
-        if not any(e.eligible(now) for e in self.view(now).engines):
+        if not self.view(now).eligible(now):
             return False, "no_eligible_engines"
         return True, "active"

@@ -7,6 +7,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from narwhal_serve.admission.controller import NONE, AdmissionController, Permits
+from narwhal_serve.admission.view import EngineFacts, FleetView
 
 LEASE_TTL_S = 2.0  # an ingress stops admitting locally this long after its last answered report
 ORPHAN_S = 30.0  # a lease not heard from this long is forgotten: its spare permits come back
@@ -20,6 +21,8 @@ class LeaseRecord:
     last_seen: float = 0.0
     tickets: set[str] = field(default_factory=set)
     epoch: int = 0
+    view_seq: int = 0  # the last view granted (numbers unique to this scheduler)
+    sent: dict[str, EngineFacts] = field(default_factory=dict)  # its engines' facts
 
 
 class LeaseLedger:
@@ -28,6 +31,7 @@ class LeaseLedger:
         self.leases: dict[str, LeaseRecord] = {}
         # epochs unique across scheduler replicas (a restarted scheduler must not reuse one)
         self._epochs = secrets.randbits(40) << 20
+        self._views = secrets.randbits(40) << 20  # grant views' numbers, as unique
 
     def _sync_gauges(self) -> None:
         total = NONE
@@ -75,6 +79,18 @@ class LeaseLedger:
         got = self.permits.reserve((target - spare).clamp(NONE, target))
         rec.reserved = rec.reserved + got
         return got, target
+
+    def view_for(self, rec: LeaseRecord, have: int, view: FleetView) -> tuple[FleetView, int, int, tuple[str, ...]]:
+        """(view, its number, base, names) for a grant: the engines changed since the view the lease
+        has (``have``), when that is the last one granted it; else the whole view (a lost grant, a
+        new record).  Engines keep their facts' identity while unchanged (SchedulerState.view)."""
+        self._views += 1
+        base = rec.view_seq if have and have == rec.view_seq else 0
+        names = tuple(rec.sent)
+        out = view.since(rec.sent) if base else view
+        rec.view_seq, rec.sent = self._views, {e.cfg.name: e for e in view.engines}
+        changed_names = tuple(rec.sent) if base and tuple(rec.sent) != names else ()
+        return out, rec.view_seq, base, changed_names
 
     def orphans(self, now: float) -> list[tuple[str, LeaseRecord]]:
         """Leases silent for ORPHAN_S: forgotten, their permits unreserved; their tickets to reap."""

@@ -142,9 +142,11 @@ class SchedulerService(AdminOps):
         rec, _ = grant_for
         granted, target = self.leases.grant(rec, bool(self.admission.queue))
         shares, targets = self.tenants.grant(rep.lease.lease_id, now, len(self.leases.leases))
-        return LeaseGrant(rep.lease.lease_id, rep.lease.generation, self.view(now, frozen=True), now,
+        view, seq, base, names = self.leases.view_for(rec, rep.lease.view_seq, self.view(now, frozen=True))
+        return LeaseGrant(rep.lease.lease_id, rep.lease.generation, view, now,
                           self.ha.ingress_ttl(LEASE_TTL_S), granted, target, epoch=rec.epoch,
-                          tenant_granted=shares, tenant_targets=targets, tenant_facts=self.tenants.facts(now))
+                          tenant_granted=shares, tenant_targets=targets, tenant_facts=self.tenants.facts(now),
+                          view_seq=seq, view_base=base, names=names)
 
     def metrics_text(self) -> str:
         return render_metrics(self.snapshot(), self.histograms)

@@ -92,6 +92,7 @@ class SchedulerState(ABC):
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self.reservations: OrderedDict[str, Reservation] = OrderedDict()  # room kept for retries (admission/retry.py)
         self._rotation = 0
+        self._granted: dict[str, tuple[tuple[object, ...], EngineFacts]] = {}  # facts last granted, and their inputs
         self._client: httpx.AsyncClient | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._expiry: asyncio.TimerHandle | None = None
@@ -121,18 +122,32 @@ class SchedulerState(ABC):
         facts = []
         for e in self.engines.values():
             ok = e.eligible(now, stale, maint) and e.last_ok is not None
-            facts.append(EngineFacts(
-                cfg=e.cfg, eligible_until=(e.last_ok or 0.0) + stale if ok else 0.0, inflight=e.inflight,
-                load=e.load, pending_prefill_tokens=e.pending_prefill_tokens, ttft_a=e.ttft_model.a,
-                ttft_b=e.ttft_model.b, slots=e.slots(), service_s=e.service_s, external=e.external(),
-                pending_prefill_requests=e.pending_prefill_requests, ttft_c=e.ttft_model.c,
-                tpot_a=e.tpot_model.a, tpot_b=e.tpot_model.b, tpot_known=bool(e.tpot_model.samples),
-                decode_tokens=e.decode_tokens, penalty=e.drift.penalty(pl) if predictive else 0.0,
-                ttft_margin=e.ttft_errors.margin,
-                prefix_credit=e.prefix_credit, cache_block_tokens=e.cache_block_tokens,
-                node=e.managed.report.node_id if e.managed is not None and e.managed.report is not None else None,
-                prefix=(e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),
-            ))
+            inputs = (
+                (e.last_ok or 0.0) + stale if ok else 0.0, e.inflight, e.load, e.pending_prefill_tokens,
+                e.ttft_model.a, e.ttft_model.b, e.slots(), e.service_s, e.external(), e.pending_prefill_requests,
+                e.ttft_model.c, e.tpot_model.a, e.tpot_model.b, bool(e.tpot_model.samples), e.decode_tokens,
+                e.drift.penalty(pl) if predictive else 0.0, e.ttft_errors.margin, e.prefix_credit, e.cache_block_tokens,
+                e.managed.report.node_id if e.managed is not None and e.managed.report is not None else None,
+                (e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),
+                e.cfg,
+            )
+            kept = self._granted.get(e.cfg.name) if frozen else None
+            if kept is not None and kept[0] == inputs:  # unchanged: the same object (leases get changes only)
+                facts.append(kept[1])
+                continue
+            (eu, inflight, load, ppt, ta, tb, slots, service_s, external, ppr, tc, pa, pb, pk, decode, penalty,
+             margin, credit, cbt, node, prefix, cfg) = inputs
+            f = EngineFacts(
+                cfg=cfg, eligible_until=eu, inflight=inflight, load=load, pending_prefill_tokens=ppt, ttft_a=ta,
+                ttft_b=tb, slots=slots, service_s=service_s, external=external, pending_prefill_requests=ppr,
+                ttft_c=tc, tpot_a=pa, tpot_b=pb, tpot_known=pk, decode_tokens=decode, penalty=penalty,
+                ttft_margin=margin, prefix_credit=credit, cache_block_tokens=cbt, node=node, prefix=prefix,
+            )
+            if frozen:
+                self._granted[e.cfg.name] = (inputs, f)
+            facts.append(f)
+        if frozen and len(self._granted) > len(self.engines):  # engines removed by a reload
+            self._granted = {k: v for k, v in self._granted.items() if k in self.engines}
         return FleetView(
             engines=tuple(facts),
             unavailable=self.unavailable(now),

@@ -1,0 +1,147 @@
+"""Grants carry the engines changed since the lease's view, and the lease's view stays the
+scheduler's: over random traffic, scrapes and engines leaving and rejoining, a lease synced by
+deltas holds exactly the facts a whole grant would give, decides exactly as on a whole view, and
+falls back to a whole view when a grant is lost.  Grants cross the Ray hop pickled: that is done
+here too, and nothing a view derives for decisions goes with it."""
+
+from __future__ import annotations
+
+import pickle
+import random
+from dataclasses import fields
+
+from narwhal_serve.admission.core import Ask, Placement, decide
+from narwhal_serve.admission.lease import AdmissionLease
+from narwhal_serve.admission.view import EngineFacts, FleetView
+from narwhal_serve.admission.wire import LeaseGrant
+from narwhal_serve.config import NarwhalConfig
+from narwhal_serve.engines.metrics import EngineLoad
+from narwhal_serve.scheduler.messages import Report
+from narwhal_serve.scheduler.service import SchedulerService
+from tests.support.scheduler import Clock
+
+BIG = 10**6
+
+
+def _service(engines: int) -> tuple[SchedulerService, Clock]:
+    clock = Clock()
+    specs = [{"name": f"e{i}", "url": f"http://127.0.0.1:{10000 + i}",
+              "role": "unified" if i % 2 == 0 else ("prefill" if i % 4 == 1 else "decode")} for i in range(engines)]
+    cfg = NarwhalConfig.model_validate({
+        "serving": {"http_retention_limit": BIG},
+        "admission": {"mode": "predictive", "queue_limit": BIG, "phase_concurrency": {"prefill": BIG, "decode": BIG}},
+        "engines": specs,
+    })
+    svc = SchedulerService(cfg, clock=clock)
+    for e in svc.engines.values():
+        e.healthy, e.last_ok = True, clock.t
+    svc.router.started = True
+    return svc, clock
+
+
+def _facts(view: FleetView) -> list[tuple[object, ...]]:
+    """Every engine's facts as values."""
+    out = []
+    for e in view.current():
+        row = tuple(getattr(e, f.name) for f in fields(EngineFacts) if f.name not in ("eligible_until", "prefix", "cfg"))
+        out.append((e.cfg.name, e.eligible_until, frozenset(e.prefix), *row))  # (a view keeps the scheduler's times)
+    return out
+
+
+class Holder:
+    def __init__(self, svc: SchedulerService, clock: Clock) -> None:
+        self.svc, self.clock, self.lease = svc, clock, AdmissionLease("i1")
+        self.grants: list[LeaseGrant] = []
+
+    def sync(self, lose: bool = False) -> LeaseGrant:
+        grant = self.svc.report(Report(lease=self.lease.cut(0.0)))
+        assert grant is not None
+        grant = pickle.loads(pickle.dumps(grant))  # as across the Ray hop
+        self.grants.append(grant)
+        if not lose:
+            self.lease.apply(grant, self.clock() + 5.0, 0.0)  # the ingress's clock is 5 s ahead
+        return grant
+
+
+def _traffic(rng: random.Random, svc: SchedulerService, clock: Clock, h: Holder, step: int) -> None:
+    names = list(svc.engines)
+    for _ in range(rng.randint(0, 6)):
+        tid = f"t{step}-{rng.random()}"
+        ask = Ask(prompt_tokens=rng.randint(10, 3000), ttft_budget_s=30.0, prefix=tuple(rng.sample(range(50), 3)),
+                  prefix_block_tokens=16.0)
+        if isinstance(h.lease.try_admit(tid, ask, clock() + 60, clock() + 5.0, 0.0), Placement) and rng.random() < 0.5:
+            h.lease.release(tid, 3)
+    for name in rng.sample(names, rng.randint(0, 4)):  # scrapes
+        e = svc.engines[name]
+        e.load = EngineLoad(running=rng.randint(0, 20), waiting=rng.randint(0, 5), kv_usage=rng.random())
+        e.last_ok = clock.t
+    if rng.random() < 0.2:  # an engine leaves, or comes back
+        e = svc.engines[rng.choice(names)]
+        e.healthy = not e.healthy
+    clock.t += rng.choice([0.0, 0.01, 0.5])
+
+
+def test_a_lease_synced_by_deltas_holds_the_schedulers_view_and_decides_as_on_it() -> None:
+    rng = random.Random(11)
+    svc, clock = _service(40)
+    h = Holder(svc, clock)
+    h.sync()
+    assert h.grants[-1].view_base == 0 and len(h.grants[-1].view.engines) == 40  # the first is whole
+    for step in range(200):
+        _traffic(rng, svc, clock, h, step)
+        h.sync()
+        whole = svc.view(clock.t, frozen=True)
+        assert h.lease.view is not None
+        assert _facts(h.lease.view) == _facts(whole)
+        ask = Ask(prompt_tokens=500, ttft_budget_s=30.0, prefix=(rng.randrange(50),), prefix_block_tokens=16.0)
+        here, there = decide(h.lease.view, ask, clock.t + 5.0, step), decide(whole, ask, clock.t, step)
+        assert type(here) is type(there)
+        if isinstance(here, Placement) and isinstance(there, Placement):
+            assert [r.engines for r in here.routes] == [r.engines for r in there.routes]
+            assert here.predicted_s == there.predicted_s
+    deltas = [g for g in h.grants if g.view_base]
+    assert len(deltas) == 200  # every grant after the first was a delta ...
+    assert sum(len(g.view.engines) for g in deltas) < 0.5 * 40 * 200  # ... carrying a fraction of the fleet
+
+
+def test_a_lost_grant_makes_the_next_one_whole() -> None:
+    rng = random.Random(5)
+    svc, clock = _service(12)
+    h = Holder(svc, clock)
+    h.sync()
+    _traffic(rng, svc, clock, h, 0)
+    assert h.sync().view_base != 0
+    _traffic(rng, svc, clock, h, 1)
+    h.sync(lose=True)  # the scheduler granted it; the ingress never saw it
+    _traffic(rng, svc, clock, h, 2)
+    g = h.sync()
+    assert g.view_base == 0 and len(g.view.engines) == 12
+    assert h.lease.view is not None and _facts(h.lease.view) == _facts(svc.view(clock.t, frozen=True))
+    _traffic(rng, svc, clock, h, 3)
+    assert h.sync().view_base != 0  # and deltas again
+
+
+def test_a_delta_the_lease_cannot_place_leaves_its_view_and_asks_for_a_whole_one() -> None:
+    svc, clock = _service(6)
+    h = Holder(svc, clock)
+    h.sync()
+    before = h.lease.view
+    h.lease.view_seq += 1  # as if it held some other view
+    svc.engines["e0"].load = EngineLoad(running=9)
+    svc.engines["e0"].last_ok = clock.t
+    g = h.sync()
+    assert g.view_base == 0  # the scheduler saw it claim a view it never sent: a whole one
+    assert h.lease.view is not None and _facts(h.lease.view) == _facts(svc.view(clock.t, frozen=True))
+    assert before is not None
+    h.lease.view_seq += 1
+    svc.engines["e0"].load = EngineLoad(running=3)
+    g = svc.report(Report(lease=h.lease.cut(0.0)))
+    assert g is not None and g.view_base == 0
+
+
+def test_what_a_view_derives_for_decisions_stays_home() -> None:
+    svc, clock = _service(200)
+    view = svc.view(clock.t, frozen=True)
+    size = len(pickle.dumps(view))
+    decide(view, Ask(prompt_tokens=100, ttft_budget_s=5.0), clock.t, 0)  # builds its order and index
+    assert len(pickle.dumps(view)) == size
