@@ -138,14 +138,17 @@ SCORED_ROUTES = 8  # predictive mode projects this many least loaded routes (and
 def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[RouteChoice], list[_Scored], float]:
     order = view.order(now)
     if view.predictive:
-        # the least loaded few, and the least loaded few whose first-token engine holds the start
-        # of this prompt (placement/order.py: neither scores the whole fleet)
+        # the least loaded few; of the engines holding the start of this prompt, the least loaded
+        # few; and of those holding the most of it, the least loaded few (placement/order.py:
+        # none of it scores the whole fleet)
         routes = order.top(SCORED_ROUTES, rotation, view.changed)
-        holding = view.holding(ask.prefix[0]) if ask.prefix and len(routes) == SCORED_ROUTES else None
-        if holding:
+        if ask.prefix and len(routes) == SCORED_ROUTES:
             seen = {r.engines for r in routes}
-            routes += [r for r in order.top(SCORED_ROUTES, rotation, view.changed, only=holding)
-                       if r.engines not in seen]
+            first = view.holding(ask.prefix[0])
+            # (the deepest holders are among the first's: with few of those, all are scored)
+            for holding in (first, view.deepest(ask.prefix) if len(first) > SCORED_ROUTES else frozenset()):
+                routes += [r for r in order.top(SCORED_ROUTES, rotation, view.changed, only=holding)
+                           if r.engines not in seen and not seen.add(r.engines)]  # type: ignore[func-returns-value]
     else:
         routes = order.top(MAX_CANDIDATES, rotation, view.changed)
     expected_out = expected_output(view.outputs, ask.kind, ask.max_output_tokens, view.output_prior)

@@ -5,8 +5,7 @@ placement of an admitted request.  Frozen: views cross the Ray hop in lease gran
 from __future__ import annotations
 
 import math
-from collections import ChainMap
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 
@@ -94,10 +93,12 @@ class EngineDelta:
 
 class _Derived:
     """What a view's decisions share, made on first use: the engines by name, the route order of
-    the engines eligible (and the time window it holds for), which engines hold a prompt's first
-    block.  A view's receiver makes its own: it is not sent over the Ray hop."""
+    the engines eligible (and the time window it holds for), which engines hold a block.  A view
+    merged from a grant's changes takes its predecessor's, updated for the engines changed
+    (:meth:`evolved`), at the cost of those.  A view's receiver makes its own: it is not sent over
+    the Ray hop."""
 
-    __slots__ = ("engines", "by_name", "cold", "order", "window", "holders")
+    __slots__ = ("engines", "by_name", "cold", "order", "window", "holders", "before", "_place")
 
     def __init__(self) -> None:
         self.engines: tuple[EngineFacts, ...] | None = None
@@ -109,15 +110,89 @@ class _Derived:
         if self.engines is not engines:
             self.engines = engines
             self.by_name: dict[str, EngineFacts] = {e.cfg.name: e for e in engines}
-            known = [(f.tpot_a, f.tpot_b) for f in engines if f.tpot_known]
-            self.cold = min(known, key=lambda ab: tpot_at(ab[0], ab[1], 1.0)) if known else None
+            self.cold = _cold(engines)
             self.order: RouteOrder[EngineFacts] | None = None
             self.window = (math.inf, -math.inf)
             self.holders: dict[int, frozenset[str]] = {}
+            # the view before's holders, and the engines changed since (read through, corrected)
+            self.before: tuple[dict[int, frozenset[str]], Mapping[str, EngineFacts]] | None = None
+            self._place: dict[str, int] | None = None
         return self
 
+    def place(self) -> dict[str, int]:
+        """Each engine's place in the fleet's order."""
+        if self._place is None:
+            assert self.engines is not None
+            self._place = {e.cfg.name: i for i, e in enumerate(self.engines)}
+        return self._place
 
-HOLDERS_MEMO = 4096  # first blocks whose holders a view remembers
+    def evolved(self, engines: tuple[EngineFacts, ...], changed: Mapping[str, EngineFacts]) -> "_Derived":
+        """Derived data of ``engines``: these engines, with ``changed`` (by name) new."""
+        new = _Derived()
+        new.engines = engines
+        new.by_name = {**self.by_name, **changed}
+        tpot = any((f.tpot_a, f.tpot_b, f.tpot_known) != (o.tpot_a, o.tpot_b, o.tpot_known)
+                   for n, f in changed.items() if (o := self.by_name.get(n)) is not None)
+        new.cold = _cold(engines) if tpot else self.cold
+        new.order, new.window = None, (math.inf, -math.inf)
+        if self.order is not None:
+            # the same engines in the order: the window narrows to what the changed ones allow
+            # (an engine refreshed may widen it: the order is made again when ``now`` leaves it)
+            order, (lo, hi) = self.order, self.window
+            new.order = order.updated({n: f for n, f in changed.items() if n in order})
+            new.window = (max([lo] + [f.eligible_until for n, f in changed.items() if n not in order]),
+                          min([hi] + [f.eligible_until for n, f in changed.items() if n in order]))
+        new.holders, new.before, new._place = {}, (self.holders, changed), self._place
+        return new
+
+    def holding(self, block: int) -> frozenset[str]:
+        held = self.holders.get(block)
+        if held is None:
+            if len(self.holders) >= HOLDERS_MEMO:
+                self.holders.clear()
+            if self.before is not None and (was := self.before[0].get(block)) is not None:
+                changed = self.before[1]
+                held = (was - changed.keys()) | {n for n, f in changed.items() if block in f.prefix}
+            else:
+                assert self.engines is not None
+                held = frozenset(e.cfg.name for e in self.engines if block in e.prefix)
+            self.holders[block] = held
+        return held
+
+
+class _Facts(Mapping[str, EngineFacts]):
+    """The view's engines by name with the holder's changes over them (a read is two dict reads)."""
+
+    __slots__ = ("changed", "base")
+
+    def __init__(self, changed: Mapping[str, EngineFacts], base: dict[str, EngineFacts]) -> None:
+        self.changed, self.base = changed, base
+
+    def __getitem__(self, name: str) -> EngineFacts:
+        f = self.changed.get(name)
+        return self.base[name] if f is None else f
+
+    def get(self, name: str, default: EngineFacts | None = None) -> EngineFacts | None:  # type: ignore[override]
+        f = self.changed.get(name)
+        return self.base.get(name, default) if f is None else f
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.base or name in self.changed
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.base.keys() | self.changed.keys())
+
+    def __len__(self) -> int:
+        return len(self.base.keys() | self.changed.keys())
+
+
+def _cold(engines: tuple[EngineFacts, ...]) -> tuple[float, float] | None:
+    known = [(f.tpot_a, f.tpot_b) for f in engines if f.tpot_known]
+    return min(known, key=lambda ab: tpot_at(ab[0], ab[1], 1.0)) if known else None
+
+
+HOLDERS_MEMO = 4096  # blocks whose holders a view remembers
+HOLDERS_SCAN = 64  # fewer candidate holders than this are looked at directly (no fleet-wide look)
 
 
 @dataclass(frozen=True)
@@ -148,7 +223,7 @@ class FleetView:
     def facts(self) -> Mapping[str, EngineFacts]:
         """Every engine's facts by name, the holder's changes in."""
         by_name = self._d().by_name
-        return ChainMap(dict(self.changed), by_name) if self.changed else by_name
+        return _Facts(self.changed, by_name) if self.changed else by_name
 
     def current(self) -> tuple[EngineFacts, ...]:
         """Every engine's facts, the holder's changes in (the fleet's order)."""
@@ -174,16 +249,30 @@ class FleetView:
         return d.order
 
     def holding(self, block: int) -> frozenset[str]:
-        """The engines believed to hold ``block`` (a prompt's first: placement/prefix.py)."""
-        d = self._d()
-        held = d.holders.get(block)
-        if held is None:
-            if len(d.holders) >= HOLDERS_MEMO:
-                d.holders.clear()
-            held = d.holders[block] = frozenset(e.cfg.name for e in self.engines if block in e.prefix)
+        """The engines believed to hold ``block`` (placement/prefix.py), the holder's changes in."""
+        held = self._d().holding(block)
         if self.changed:
             mine = {name for name, f in self.changed.items() if block in f.prefix}
             held = (held - self.changed.keys()) | mine
+        return held
+
+    def deepest(self, prefix: tuple[int, ...]) -> frozenset[str]:
+        """The engines holding the deepest of ``prefix``'s blocks that any engine holds; empty when
+        none holds its first.  Found by halving the depth, among the holders found so far (an
+        engine holding a block holds the ones before it, as caches fill and evict prefixes from
+        their ends): a few looks at the engines that matter, not the fleet."""
+        held = self.holding(prefix[0]) if prefix else frozenset()
+        facts = self.facts()
+        lo, hi = 0, len(prefix) - 1  # prefix[lo] is held by every engine in ``held``
+        while held and lo < hi:
+            mid = (lo + hi + 1) // 2
+            b = prefix[mid]
+            deeper = self.holding(b) & held if len(held) > HOLDERS_SCAN else \
+                frozenset(n for n in held if b in facts[n].prefix)
+            if deeper:
+                lo, held = mid, deeper
+            else:
+                hi = mid - 1
         return held
 
     def cold_tpot(self) -> tuple[float, float] | None:
@@ -212,21 +301,19 @@ class FleetView:
         neither (not a delta of this view)."""
         d = self._d()
         changed = {e.cfg.name: e for e in delta.engines}
-        if names:
+        if names:  # the fleet changed: everything is derived anew
             if any(n not in changed and n not in d.by_name for n in names):
                 return None
             engines = tuple(changed.get(n) or d.by_name[n] for n in names)
-        else:
-            engines = tuple(changed.get(e.cfg.name, e) for e in self.engines)
-        out = replace(delta, engines=engines, changed={}, shift=0.0, _derived=_Derived())
-        new = out._d()
-        if d.order is not None and not names:  # the same engines: the order moves the changed ones
-            order = d.order
-            t_in = [e for e in engines if e.cfg.name in order]
-            new.order = order.updated({n: f for n, f in changed.items() if n in order})
-            new.window = (max((e.eligible_until for e in engines if e.cfg.name not in order), default=-math.inf),
-                          min((e.eligible_until for e in t_in), default=math.inf))
-        return out
+            return replace(delta, engines=engines, changed={}, shift=0.0, _derived=_Derived())
+        listed = list(self.engines)
+        place = d.place()
+        if any(name not in place for name in changed):
+            return None
+        for name, f in changed.items():
+            listed[place[name]] = f
+        engines = tuple(listed)
+        return replace(delta, engines=engines, changed={}, shift=0.0, _derived=d.evolved(engines, changed))
 
     def shifted(self, dt: float) -> "FleetView":
         """The view with its times moved by ``dt`` (into another process's clock)."""

@@ -116,6 +116,7 @@ def run_one(cfg: NarwhalConfig, fleet: FleetSpec, opts: ReplayOptions, trace: li
     if rp.costs is not None:  # per part of the router; core share at the trace's arrival rate
         row["costs"] = rp.costs.report(len(trace), span or rp.virtual_s)
         row["kv_blocks_per_request"] = round(rp.kv_blocks / len(trace), 1) if trace else None
+        row["memory_mb"] = {k: round(v, 1) for k, v in rp.memory_mb.items()}
     return row, results
 
 
@@ -123,7 +124,8 @@ def costs_table(row: dict[str, Any]) -> str:
     return f"\n## what each part of the router cost ({row['fleet']}, CPU of this process)\n" + table(
         ["part", "calls", "CPU s", "µs per call", "p50 µs", "p99 µs", "µs per request", "share of a core"],
         [[c["part"], c["calls"], c["cpu_s"], c["us_per_call"], c["p50_us"], c["p99_us"], c["us_per_request"],
-          c["core_share"]] for c in row["costs"]], nd=3)
+          c["core_share"]] for c in row["costs"]], nd=3) + "".join(
+        f"\n{k}: {v} MB" for k, v in row.get("memory_mb", {}).items())
 
 
 def rows_table(rows: list[dict[str, Any]]) -> str:

@@ -135,7 +135,9 @@ class EngineConfig(_Strict):
     # requests queueing for a slot. Unset: inferred from scraped metrics once the engine queues.
     max_num_seqs: int | None = Field(None, gt=0)
     # The TTFT model's prior for this engine, before any measurement (and fading as measurements
-    # arrive): fixed cost and seconds per prompt token. Unset: 0.02 s + 0.0002 s/token.
+    # arrive): fixed cost and seconds per prompt token. Unset: the model measured on the engines of
+    # its role and dialect (the one with the most samples), until it has measurements of its own;
+    # with none measured yet, 0.02 s + 0.0002 s/token.
     ttft_prior_a_s: float | None = Field(None, ge=0)
     ttft_prior_b_s_per_token: float | None = Field(None, gt=0)
     # The engine's KV-cache events: the router's index of what it caches is then exact (docs/operations.md,

@@ -46,7 +46,7 @@ class Target(Protocol):
 class _Node:
     parent: Any
     depth: int  # engine blocks from the start of the prompt (1: the first)
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...]  # its token IDs until its router block is hashed
     ours: int | None = None  # the router block ending at this engine block
     covered_by: list[int] | None = None  # the router blocks this engine block is part of
 
@@ -165,7 +165,7 @@ class KVEventIndex:
         for k in range(0, len(node.tokens), r):
             prev = next_id_block_hash(prev, node.tokens[k:k + r])
             ours.append(prev)
-        node.ours, node.covered_by = prev, ours
+        node.ours, node.covered_by, node.tokens = prev, ours, ()
         self.target.insert(ours)
 
     def _complete(self, last: _Node, per: int) -> None:
@@ -184,11 +184,13 @@ class KVEventIndex:
             if before is None or before.ours is None:
                 return  # the router block before it is not known: neither is this one's hash
             prev = before.ours
-        tokens = [t for n in reversed(chain) for t in n.tokens]
-        ours = next_id_block_hash(prev, tokens)
+        done = next((n.covered_by[0] for n in chain[1:] if n.covered_by), None)
+        # hashed before (its last engine block was removed and stored again): the same block
+        ours = done if done is not None else next_id_block_hash(prev, [t for n in reversed(chain) for t in n.tokens])
         last.ours = ours
         for n in chain:
             n.covered_by = [ours]
+            n.tokens = ()  # hashed: what it held is not needed again (a third of the index's memory)
         self.target.insert([ours])
 
     def _removed(self, hashes: list[Any]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from narwhal_serve.config import EngineConfig
@@ -125,3 +126,29 @@ class EngineState:
             "placement": None if self.managed is None else self.managed.view(now),
             **self.breaker.view(now),
         }
+
+
+def fleet_ttft(engines: Iterable[EngineState]) -> dict[tuple[str, str], PrefillModel]:
+    """Per role and dialect, the measured TTFT model with the most samples: what an engine with
+    no measurement of its own and no prior from its operator is projected with (a generic prior
+    would make it look faster or slower than the fleet it joins; at a thousand engines most are
+    such, and a too slow prior refused their long prompts as over the budget on their own)."""
+    out: dict[tuple[str, str], PrefillModel] = {}
+    for e in engines:
+        m, kind = e.ttft_model, (e.cfg.role, e.cfg.dialect)
+        if m.samples and (kind not in out or len(m.samples) > len(out[kind].samples)):
+            out[kind] = m
+    return out
+
+
+def borrows_ttft(e: EngineState) -> bool:
+    """Whether ``e`` is projected with the fleet's TTFT model (:func:`fleet_ttft`) rather than its own."""
+    return not e.ttft_model.samples and e.cfg.ttft_prior_a_s is None and e.cfg.ttft_prior_b_s_per_token is None
+
+
+def adopt_fleet_prior(e: EngineState, engines: Iterable[EngineState]) -> None:
+    """Before an engine's first measurement: its model starts from the fleet's (its prior too, so its
+    first samples are weighed against what the fleet measured, not a generic guess)."""
+    if borrows_ttft(e) and (m := fleet_ttft(engines).get((e.cfg.role, e.cfg.dialect))) is not None:
+        e.ttft_model.prior_a, e.ttft_model.prior_b = m.a, m.b
+        e.ttft_model.a, e.ttft_model.b, e.ttft_model.c = m.a, m.b, m.c

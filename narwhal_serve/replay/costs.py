@@ -2,12 +2,17 @@
 process (``time.thread_time``): the scheduler's report handling (lease grants and their views
 included), its admit calls, its scrapes (parsing and applying an engine's ``/metrics``, not the
 simulator rendering it), its periodic work (reaping, drift, probes), the KV-event index, and each
-ingress lease's decisions, grant applications and report cuts.  Wrappers on the live objects, so
-an un-costed replay pays nothing."""
+ingress lease's decisions, grant applications and report cuts; and, as a report and its grant
+cross the Ray hop between the two, their serialization each side.  Wrappers on the live objects,
+so an un-costed replay pays nothing."""
 
 from __future__ import annotations
 
+import gc
+import pickle
+import sys
 import time
+import types
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -56,6 +61,28 @@ class Costs:
 
         return wrapper
 
+    def hop(self, send: Callable[[Any], Awaitable[T]]) -> Callable[[Any], Awaitable[T]]:
+        """``send`` across a Ray hop: the message pickled by the ingress and read by the scheduler,
+        the answer pickled by the scheduler and read by the ingress (``*.hop``: what Ray's
+        serialization of a report and its grant costs each side)."""
+        async def across(message: Any) -> T:
+            t = time.thread_time_ns()
+            data = pickle.dumps(message, protocol=5)
+            self.add("ingress.hop", time.thread_time_ns() - t)
+            t = time.thread_time_ns()
+            message = pickle.loads(data)
+            self.add("scheduler.hop", time.thread_time_ns() - t)
+            answer = await send(message)
+            t = time.thread_time_ns()
+            data = pickle.dumps(answer, protocol=5)
+            self.add("scheduler.hop", time.thread_time_ns() - t)
+            t = time.thread_time_ns()
+            out: T = pickle.loads(data)
+            self.add("ingress.hop", time.thread_time_ns() - t)
+            return out
+
+        return across
+
     def report(self, requests: int, virtual_s: float) -> list[dict[str, Any]]:
         """One row per part: calls, CPU, per call (p50 and p99 where sampled), per request, and its
         share of one core at the replayed rate (CPU seconds per virtual second)."""
@@ -96,3 +123,23 @@ class _Steps:
                 send, throw = (yield out), None
             except BaseException as exc:  # (a cancellation goes into the coroutine)
                 send, throw = None, exc
+
+
+_NOT_STATE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+              types.CodeType, types.FrameType)
+
+
+def deep_size(*roots: object) -> int:
+    """Bytes held by ``roots`` and everything they reach, each object once (code, classes and
+    callables not followed: a callback's closure is not its holder's state)."""
+    seen: set[int] = set()
+    stack = list(roots)
+    total = 0
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, _NOT_STATE):
+            continue
+        seen.add(id(o))
+        total += sys.getsizeof(o)
+        stack.extend(gc.get_referents(o))
+    return total

@@ -32,7 +32,7 @@ from narwhal_serve.kvevents.wire import Event, KVEventBatch
 from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.protocol.stats import RelayStats
-from narwhal_serve.replay.costs import Costs
+from narwhal_serve.replay.costs import Costs, deep_size
 from narwhal_serve.replay.engine import ReplayEngine, ReplayJob
 from narwhal_serve.replay.trace import Prompts, TraceRequest
 from narwhal_serve.scheduler.api import SchedulerApi
@@ -154,6 +154,7 @@ class Replay:
     snapshot: dict[str, Any] = field(default_factory=dict)
     costs: Costs | None = None  # given: what each part of the router costs (:mod:`.costs`)
     kv_blocks: int = 0  # blocks the engines' KV events stored or removed
+    memory_mb: dict[str, float] = field(default_factory=dict)  # with costs: what the router's state holds at the end (replay/costs.py)
     _left: int = 0
     _done: asyncio.Event | None = None
     _streams: dict[str, tuple[ReplayJob, Reporter, ReplayEngine]] = field(default_factory=dict)
@@ -186,7 +187,8 @@ class Replay:
             self.engines[s.name] = ReplayEngine(s, loop, sink)
         api = SchedulerApi()
         api.svc = svc
-        reporters = [Reporter(api.report, lease=AdmissionLease(f"ingress-{k}") if cfg.admission.ingress_leases else None,
+        send = api.report if costs is None else costs.hop(api.report)
+        reporters = [Reporter(send, lease=AdmissionLease(f"ingress-{k}") if cfg.admission.ingress_leases else None,
                               clock=loop.time, mono=loop.time) for k in range(self.opts.ingresses)]
         for r in reporters:
             if costs is not None and r.lease is not None:
@@ -213,6 +215,12 @@ class Replay:
         self.virtual_s = loop.time() - t0
         self.utilisation = {name: e.utilisation(loop.time()) for name, e in self.engines.items()}
         self.kv_blocks = sum(k.blocks for k in sinks)
+        if costs is not None:  # what the router holds at the end, caches warm (MB)
+            lease = next((r.lease for r in reporters if r.lease is not None), None)
+            self.memory_mb = {
+                "scheduler KV-event index (all engines)": deep_size(*(k.index for k in sinks)) / 1e6,
+                "one ingress lease's view": deep_size(lease.view) / 1e6 if lease is not None else 0.0,
+            }
         ticker.cancel()
         for r in reporters:
             await r.flush()

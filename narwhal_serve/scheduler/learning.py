@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from narwhal_serve.admission.core import Placement
 from narwhal_serve.config import PlacementConfig
 from narwhal_serve.placement.drift import rel_error
-from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.placement.engines import EngineState, adopt_fleet_prior
 from narwhal_serve.placement.prefix import CREDIT_EWMA, was_hit
 from narwhal_serve.prediction.decode import OutputLengths
 from narwhal_serve.protocol.stats import RelayStats
@@ -48,6 +48,8 @@ def learn_from(
             # the measurement is closer to (and the engine's credit learns how often it was a hit)
             net = max(0.0, stats.ttft_s - p.slot_wait_s)
             x = p.x_tokens
+            if not e.ttft_model.samples:  # its first measurement: it starts from what the fleet measured
+                adopt_fleet_prior(e, engines.values())
             if p.matched_tokens:
                 x_hit, x_miss = x - (p.matched_tokens - p.cached_tokens), x + p.cached_tokens
                 hit = was_hit(net, e.ttft_model.predict(x_hit, p.r_ahead), e.ttft_model.predict(x_miss, p.r_ahead))

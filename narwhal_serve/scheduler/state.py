@@ -21,7 +21,7 @@ from narwhal_serve.admission.ledger import Ticket
 from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.ha.state import RouterState
-from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.placement.engines import EngineState, borrows_ttft, fleet_ttft
 from narwhal_serve.prediction.decode import OutputLengths
 from narwhal_serve.scheduler.ha import RouterHA
 from narwhal_serve.scheduler.health import Profiler, Prober
@@ -120,12 +120,14 @@ class SchedulerState(ABC):
         pl = self.cfg.placement
         predictive = self.cfg.admission.mode == "predictive"
         facts = []
+        fleet = fleet_ttft(self.engines.values())  # what an engine not measured yet is projected with
         for e in self.engines.values():
             ok = e.eligible(now, stale, maint) and e.last_ok is not None
+            m = fleet.get((e.cfg.role, e.cfg.dialect), e.ttft_model) if borrows_ttft(e) else e.ttft_model
             inputs = (
                 (e.last_ok or 0.0) + stale if ok else 0.0, e.inflight, e.load, e.pending_prefill_tokens,
-                e.ttft_model.a, e.ttft_model.b, e.slots(), e.service_s, e.external(), e.pending_prefill_requests,
-                e.ttft_model.c, e.tpot_model.a, e.tpot_model.b, bool(e.tpot_model.samples), e.decode_tokens,
+                m.a, m.b, e.slots(), e.service_s, e.external(), e.pending_prefill_requests,
+                m.c, e.tpot_model.a, e.tpot_model.b, bool(e.tpot_model.samples), e.decode_tokens,
                 e.drift.penalty(pl) if predictive else 0.0, e.ttft_errors.margin, e.prefix_credit, e.cache_block_tokens,
                 e.managed.report.node_id if e.managed is not None and e.managed.report is not None else None,
                 (e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),

@@ -93,7 +93,7 @@ def test_a_lease_synced_by_deltas_holds_the_schedulers_view_and_decides_as_on_it
         whole = svc.view(clock.t, frozen=True)
         assert h.lease.view is not None
         assert _facts(h.lease.view) == _facts(whole)
-        ask = Ask(prompt_tokens=500, ttft_budget_s=30.0, prefix=(rng.randrange(50),), prefix_block_tokens=16.0)
+        ask = Ask(prompt_tokens=500, ttft_budget_s=30.0, prefix=tuple(rng.sample(range(50), 3)), prefix_block_tokens=16.0)
         here, there = decide(h.lease.view, ask, clock.t + 5.0, step), decide(whole, ask, clock.t, step)
         assert type(here) is type(there)
         if isinstance(here, Placement) and isinstance(there, Placement):

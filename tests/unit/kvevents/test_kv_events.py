@@ -56,6 +56,23 @@ def test_router_keys_are_its_own_token_block_hashes_over_whole_engine_blocks() -
     assert not set(target.held()) and len(idx) == 0
 
 
+def test_a_hashed_block_keeps_no_tokens_and_is_found_again_when_stored_again() -> None:
+    target = PrefixIndex(1000)
+    idx = KVEventIndex(router_block_tokens=64, capacity=10_000, target=target)
+    ids = list(range(5000, 5200))
+    eh = chain(ids, 16)
+    idx.offer(0, batch(stored(eh[:10], None, ids[:160], 16)))  # router blocks 1 and 2; half of the third
+    assert [len(idx._nodes[h].tokens) for h in eh[:10]] == [0] * 8 + [16, 16]  # hashed ones hold none
+    ours = id_block_hashes(ids, 64, 10)
+    # the last engine block of the second router block leaves, and comes back (the engine computed it again)
+    idx.offer(1, batch(BlockRemoved([eh[7]], "GPU")))
+    assert set(target.held()) == {ours[0]}
+    idx.offer(2, batch(stored([eh[7]], eh[6], ids[112:128], 16)))
+    assert set(target.held()) == set(ours[:2])  # the same router block, though its first three keep no tokens
+    idx.offer(3, batch(stored(eh[10:12], eh[9], ids[160:192], 16)))
+    assert set(target.held()) == set(ours[:3])
+
+
 def test_orphans_mismatched_blocks_and_lora_blocks_are_not_indexed() -> None:
     target = PrefixIndex(100)
     idx = KVEventIndex(64, 1000, target)

@@ -1,0 +1,66 @@
+"""An engine with no TTFT measurement of its own is projected with the fleet's measured model (the
+one of its role and dialect with the most samples), not the generic prior; an operator's prior for
+an engine still wins; at its first measurement the engine's model starts from the fleet's.  At a
+thousand engines most have no measurement for a long while: with the generic prior (0.2 ms per
+token) a fast fleet refused long prompts as over the budget on their own."""
+
+from __future__ import annotations
+
+from narwhal_serve.admission.controller import Refusal
+from narwhal_serve.admission.core import Ask, Placement, decide
+from narwhal_serve.config import NarwhalConfig
+from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.prediction.ttft import PRIOR_B
+from narwhal_serve.protocol.placement import RouteChoice
+from narwhal_serve.protocol.stats import RelayStats
+from narwhal_serve.scheduler.learning import learn_from
+from narwhal_serve.scheduler.service import SchedulerService
+from narwhal_serve.telemetry import Histogram
+
+NOW = 1000.0
+
+
+def _service() -> SchedulerService:
+    cfg = NarwhalConfig.model_validate({
+        "admission": {"mode": "predictive"},
+        "engines": [{"name": n, "url": f"http://127.0.0.1:{1 + i}"} for i, n in enumerate("abc")]
+        + [{"name": "d", "url": "http://127.0.0.1:4", "ttft_prior_b_s_per_token": 0.001}],
+    })
+    svc = SchedulerService(cfg, clock=lambda: NOW)
+    for e in svc.engines.values():
+        e.healthy, e.last_ok = True, NOW
+    svc.router.started = True
+    return svc
+
+
+def _measure(engines: dict[str, EngineState], name: str, tokens: int, ttft: float) -> None:
+    e = engines[name]
+    route = RouteChoice(kind="single", decode=e.cfg)
+    p = Placement((route,), name, tokens, tokens, 0.0, None, ttft_budget_s=10.0)
+    learn_from(RelayStats("single", (name,), ttft, 2, 0.01, 1), p, engines,
+               {"ttft": Histogram((1.0,)), "tpot": Histogram((1.0,))})
+
+
+def test_cold_engines_are_projected_with_the_fleets_model_and_start_from_it() -> None:
+    svc = _service()
+    for i in range(12):  # engine a: 10 ms + 10 µs per token
+        tokens = 500 + 1000 * i
+        _measure(svc.engines, "a", tokens, 0.01 + 1e-5 * tokens)
+    a = svc.engines["a"].ttft_model
+    assert abs(a.b - 1e-5) < 2e-6
+    facts = {f.cfg.name: f for f in svc.view(NOW).engines}
+    assert (facts["b"].ttft_a, facts["b"].ttft_b) == (a.a, a.b) == (facts["c"].ttft_a, facts["c"].ttft_b)
+    assert facts["d"].ttft_b == 0.001  # its operator's prior
+    # a 12,000-token prompt, 2 s target, engine a out: the generic prior says 2.4 s alone
+    assert 12_000 * PRIOR_B > 2.0
+    svc.engines["a"].healthy = False
+    verdict = decide(svc.view(NOW), Ask(prompt_tokens=12_000, ttft_budget_s=2.0), NOW, 0)
+    assert isinstance(verdict, Placement), verdict
+    assert verdict.first_engine in ("b", "c") and verdict.predicted_s is not None and verdict.predicted_s < 0.5
+    svc.engines["b"].healthy = svc.engines["c"].healthy = False  # only d: its own (slow) prior holds
+    assert isinstance(decide(svc.view(NOW), Ask(prompt_tokens=12_000, ttft_budget_s=2.0), NOW, 0), Refusal)
+    # b's first measurement: its model starts from a's, prior included
+    _measure(svc.engines, "b", 4000, 0.01 + 1e-5 * 4000)
+    b = svc.engines["b"].ttft_model
+    assert (b.prior_a, b.prior_b) == (a.a, a.b) and len(b.samples) == 1
+    assert abs(b.b - 1e-5) < 3e-6
