@@ -19,6 +19,7 @@ view says the router or the whole fleet is unavailable: that view is up to one r
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -68,6 +69,11 @@ class AdmissionLease:
     _reserved: list[Reservation] = field(default_factory=list)  # since the last cut
     _consumed: list[str] = field(default_factory=list)  # since the last cut
     shares: LeaseShares | None = None  # tenants' budgets (tenants/); None: no budgets
+
+    def __post_init__(self) -> None:
+        # each lease turns ties from its own place (leases deciding on the same view in the same
+        # instant would otherwise all put their next request on the same idle engine)
+        self.rotation = self.rotation or zlib.crc32(self.lease_id.encode())
 
     # -- admission ----------------------------------------------------------------------------
     def valid(self, mono: float) -> bool:
