@@ -157,6 +157,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="also sent as each request's TPOT target")
     p.add_argument("--ingresses", type=int, default=2, help="virtual ingress replicas, each with its lease")
     p.add_argument("--no-retries", action="store_true", help="refused clients do not retry after Retry-After")
+    p.add_argument("--hop-ms", type=float, default=0.0,
+                   help="one-way time between the router and an engine (the network, the router's own path)")
     p.add_argument("--min-within-slo", type=float, default=0.99, help="the sweep's target: good / offered")
     p.add_argument("--max-refused", type=float, default=0.01, help="the sweep's target: never admitted / offered")
     p.add_argument("--costs", action="store_true",
@@ -182,7 +184,8 @@ def main(ns: argparse.Namespace) -> int:
     slo = Slo(ns.slo_ttft_ms / 1000.0, ns.slo_tpot_ms / 1000.0 if ns.slo_tpot_ms else float("inf"))
     cfg = cfg.model_copy(update={"admission": cfg.admission.model_copy(update={"ttft_budget_s": slo.ttft_s})})
     opts = ReplayOptions(ttft_s=slo.ttft_s, tpot_s=ns.slo_tpot_ms / 1000.0 if ns.slo_tpot_ms else None,
-                         ingresses=ns.ingresses, retries=not ns.no_retries, speed=ns.speed)
+                         ingresses=ns.ingresses, retries=not ns.no_retries, speed=ns.speed,
+                         hop_s=ns.hop_ms / 1000.0)
     target = Target(ns.min_within_slo, ns.max_refused)
     out = run_dir(ns.out, "replay")
     rows: list[dict[str, Any]] = []

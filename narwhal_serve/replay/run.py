@@ -103,6 +103,9 @@ class ReplayOptions:
     # clients send max_tokens = the trace's output length (as vLLM's benchmark replays a trace, with
     # ignore_eos); False: no max_tokens (the router expects the output lengths it learned)
     max_tokens: bool = True
+    # one-way time between the router and an engine (a request's way there, its stream's way back);
+    # 0: the engines' time alone (docs/performance.md, "Capacity planning by replay")
+    hop_s: float = 0.0
 
 
 class _DirectKV(KVEventSink):
@@ -277,29 +280,48 @@ class Replay:
     def _serve(self, route: RouteChoice, ticket: str, ids: list[int], hashes: list[int], req: TraceRequest,
                res: Served, rep: Reporter, sent: float) -> None:
         first_at: list[float] = []
+        loop, hop = asyncio.get_running_loop(), self.opts.hop_s
 
-        def on_first(t: float) -> None:
+        def first(t: float) -> None:
             first_at.append(t)
             res.ttft = t - sent
             rep.first_token(ticket, route.engines)
 
-        def on_end(t: float, tokens: int) -> None:
+        def end(t: float, tokens: int) -> None:
             self._streams.pop(ticket, None)
             res.ok, res.e2e, res.output_tokens = True, t - sent, tokens
             stats = RelayStats("completion", route.engines, res.ttft, tokens, t - first_at[0], 1)
             rep.ended(ticket, Outcome.COMPLETED, "", stats, req.tenant or None)
             self._finished()
 
+        def on_first(t: float) -> None:  # (reaches the router one hop after the engine made it)
+            if hop:
+                loop.call_at(t + hop, first, t + hop)
+            else:
+                first(t)
+
+        def on_end(t: float, tokens: int) -> None:
+            if hop:
+                loop.call_at(t + hop, end, t + hop, tokens)
+            else:
+                end(t, tokens)
+
+        def send(engine: ReplayEngine, job: ReplayJob, hops: int = 1) -> None:
+            if hop:
+                loop.call_later(hops * hop, engine.submit, job)
+            else:
+                engine.submit(job)
+
         decode = self.engines[route.decode.name]
         job = ReplayJob(ids, hashes, max(1, req.output_tokens), on_first, on_end)
         if route.prefill is None:
-            decode.submit(job)
+            send(decode, job)
         else:  # vLLM's two steps: the prefill leg (one token), then the decode leg with its KV
             def prefilled(t: float, tokens: int) -> None:
                 job.skip_prefill = True
-                decode.submit(job)
+                send(decode, job, 2)  # its answer back to the router, then the decode leg out
 
-            self.engines[route.prefill.name].submit(ReplayJob(ids, hashes, 1, None, prefilled))
+            send(self.engines[route.prefill.name], ReplayJob(ids, hashes, 1, None, prefilled))
         self._streams[ticket] = (job, rep, decode)
 
     def _finished(self) -> None:
