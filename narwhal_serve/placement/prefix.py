@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import operator
 import sys
 from array import array
 from collections import Counter, OrderedDict
@@ -135,13 +136,15 @@ def request_prefix(route: str, body: dict[str, Any], ids: Sequence[int] | None, 
 
 
 def matched_blocks(held: AbstractSet[int], hashes: Sequence[int]) -> int:
-    """Leading blocks of ``hashes`` that ``held`` has (the longest cached prefix)."""
-    n = 0
-    for h in hashes:
-        if h not in held:
-            break
-        n += 1
-    return n
+    """Leading blocks of ``hashes`` that ``held`` has (the longest cached prefix).  Looked up at C
+    speed (a 12 k-token prompt is ~190 blocks, and a decision matches a few dozen engines)."""
+    return len(list(itertools.takewhile(bool, _holds(held, hashes))))
+
+
+def _holds(held: AbstractSet[int], hashes: Sequence[int]) -> Iterator[bool]:
+    if isinstance(held, SetUnion):
+        return map(operator.or_, _holds(held._a, hashes), _holds(held._b, hashes))
+    return map(held.__contains__, hashes)
 
 
 class SetUnion(AbstractSet[int]):
