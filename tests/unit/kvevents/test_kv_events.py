@@ -228,7 +228,11 @@ async def test_the_router_index_holds_exactly_the_engines_blocks(router: LocalRo
         engine = next(s for s in router.sims if any(x["request_id"] == "kv-1" for x in s.engine.recent))
         state = router.svc.engines[engine.engine.cfg.name]
         want = set(id_block_hashes(tok.prompt("completion", body).ids, 32, 10_000))
-        await eventually(lambda: set(state.prefix.held()) == want, "index follows the engine")
+        sub = router.svc.kv_events.subs[engine.engine.cfg.name]
+        # the engine's events in, and the request's own pending blocks out (until its first token
+        # is reported they are held too: that alone must not pass for the events)
+        await eventually(lambda: sub.index.stats["stored"] >= 2 * len(want) and state.prefix.pending == 0
+                         and set(state.prefix.held()) == want, "index follows the engine")
         other = next(e for n, e in router.svc.engines.items() if n != engine.engine.cfg.name)
         assert not set(other.prefix.held())
         st = (await c.get("/status")).json()
