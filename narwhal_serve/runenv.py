@@ -40,7 +40,8 @@ So does a head over ``MAX_HEADER_BYTES`` or ``MAX_HEADERS`` (431
 ``request_headers_too_large``), for which HAProxy's buffer is raised (``HAPROXY_BUFSIZE``): a head
 that does not fit HAProxy's buffer gets its own HTML 400 (the H1 layer, as for the 408).
 A request with ``Expect`` is answered ``100 Continue`` by HAProxy itself, which drops the header
-and forwards the request once its first body byte is in (``wait-for-body ... at-least 1``): left to
+and forwards the request once its first body byte is in (``wait-for-body ... at-least 1``), without
+the header (a request with no body has nothing to invite: it goes on at once, also without it): left to
 the replica (uvicorn answers it once Ray's disconnect watch reads), the interim answer raced the
 final one through HAProxy and about 1 request in 200 got its final head with ``connection: close``
 and no body.  No body byte within ``serving.body_timeout_s`` is HAProxy's 408, in the envelope (an
@@ -90,7 +91,8 @@ for a in "$@"; do
     http-request return status 404 content-type application/json file {not_found} if {{ method OPTIONS }} {{ url * }}\\
     http-request return status 413 content-type application/json file {too_large} if {{ req.hdr(expect) -m found }} {{ req.hdr_val(content-length) gt {max_request_bytes} }}\\
     errorfile 408 {body_timeout}\\
-    http-request wait-for-body time {body_timeout_ms}ms at-least 1 if {{ req.hdr(expect) -m found }}' "$a" > "$a.narwhal"
+    http-request wait-for-body time {body_timeout_ms}ms at-least 1 if {{ req.hdr(expect) -m found }}\\
+    http-request del-header expect' "$a" > "$a.narwhal"
     a="$a.narwhal"
   fi
   take=0

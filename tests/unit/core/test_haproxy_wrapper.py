@@ -141,6 +141,18 @@ async def test_expect_at_the_limit_is_invited_and_a_slow_upload_arrives_whole(pr
     assert proxy.seen == [{"expect": None, "body": LIMITS.max_request_bytes}]
 
 
+async def test_expect_on_a_request_without_a_body_never_reaches_the_replica(proxy: Proxy) -> None:
+    """A GET (no body, so nothing to wait for) with ``Expect``: HAProxy has nothing to invite, and
+    the header must not reach the replica either, whose own interim answer raced its final one
+    (CI61's fuzz flake: ``GET /v1/nothing[`` with ``Expect: 100-continue``, its answer cut)."""
+    reader, writer = await _connect(proxy)
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n\r\n")
+    code, _, body = await _answer(reader, 5)
+    writer.close()
+    assert code == 200 and json.loads(body) == {"body": 0}
+    assert proxy.seen == [{"expect": None, "body": 0}]
+
+
 async def test_expect_with_no_body_gets_a_408_envelope_after_the_body_timeout(proxy: Proxy) -> None:
     reader, writer = await _connect(proxy)
     writer.write(_post("/v1/completions", 10))
