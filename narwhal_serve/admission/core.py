@@ -9,7 +9,8 @@ queue, phase concurrency) are the permit table's (:mod:`~narwhal_serve.admission
 
 A holder's :class:`FleetView` is "the others as last known, plus mine exactly": the scheduler
 builds it from its own ledger; an ingress from the scheduler's last grant plus its own placements
-since (:meth:`FleetView.adjusted`).  The types it decides on are in :mod:`.view`.
+since (``FleetView.changed``, which the lease keeps as its ledger events happen).  The types it
+decides on are in :mod:`.view`.
 """
 
 from __future__ import annotations
@@ -147,8 +148,10 @@ def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[
             first = view.holding(ask.prefix[0])
             # (the deepest holders are among the first's: with few of those, all are scored)
             for holding in (first, view.deepest(ask.prefix) if len(first) > SCORED_ROUTES else frozenset()):
-                routes += [r for r in order.top(SCORED_ROUTES, rotation, view.changed, only=holding)
-                           if r.engines not in seen and not seen.add(r.engines)]  # type: ignore[func-returns-value]
+                for r in order.top(SCORED_ROUTES, rotation, view.changed, only=holding):
+                    if r.engines not in seen:
+                        seen.add(r.engines)
+                        routes.append(r)
     else:
         routes = order.top(MAX_CANDIDATES, rotation, view.changed)
     expected_out = expected_output(view.outputs, ask.kind, ask.max_output_tokens, view.output_prior)

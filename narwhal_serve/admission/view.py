@@ -151,8 +151,7 @@ class _Derived:
             if len(self.holders) >= HOLDERS_MEMO:
                 self.holders.clear()
             if self.before is not None and (was := self.before[0].get(block)) is not None:
-                changed = self.before[1]
-                held = (was - changed.keys()) | {n for n, f in changed.items() if block in f.prefix}
+                held = _holding_with(was, self.before[1], block)
             else:
                 assert self.engines is not None
                 held = frozenset(e.cfg.name for e in self.engines if block in e.prefix)
@@ -184,6 +183,12 @@ class _Facts(Mapping[str, EngineFacts]):
 
     def __len__(self) -> int:
         return len(self.base.keys() | self.changed.keys())
+
+
+def _holding_with(held: frozenset[str], changed: Mapping[str, EngineFacts], block: int) -> frozenset[str]:
+    """``held`` (the holders of ``block`` among some engines' facts) with ``changed`` engines' new
+    facts in place of theirs."""
+    return (held - changed.keys()) | {n for n, f in changed.items() if block in f.prefix}
 
 
 def _cold(engines: tuple[EngineFacts, ...]) -> tuple[float, float] | None:
@@ -251,10 +256,7 @@ class FleetView:
     def holding(self, block: int) -> frozenset[str]:
         """The engines believed to hold ``block`` (placement/prefix.py), the holder's changes in."""
         held = self._d().holding(block)
-        if self.changed:
-            mine = {name for name, f in self.changed.items() if block in f.prefix}
-            held = (held - self.changed.keys()) | mine
-        return held
+        return _holding_with(held, self.changed, block) if self.changed else held
 
     def deepest(self, prefix: tuple[int, ...]) -> frozenset[str]:
         """The engines holding the deepest of ``prefix``'s blocks that any engine holds; empty when
@@ -278,16 +280,6 @@ class FleetView:
     def cold_tpot(self) -> tuple[float, float] | None:
         """The best measured TPOT model (what an engine with none yet is ranked with)."""
         return self._d().cold
-
-    def adjusted(self, deltas: Mapping[str, EngineDelta]) -> "FleetView":
-        """This view with a holder's own changes since its engines were taken (``deltas``: all of
-        them, per engine); costs the engines changed, not the fleet."""
-        base = self._d().by_name
-        changed = dict(self.changed)
-        for name, d in deltas.items():
-            if (e := base.get(name)) is not None and not d.nothing():
-                changed[name] = e.plus(d)
-        return replace(self, changed=changed) if changed or self.changed else self
 
     def since(self, sent: Mapping[str, EngineFacts]) -> "FleetView":
         """This view carrying only the engines whose facts are not the ones in ``sent`` (by identity:
