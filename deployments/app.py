@@ -3,6 +3,7 @@
     client → Ingress (FastAPI, autoscaled) ─lease/report─▶ Scheduler (1 replica) ─scrape─▶ engines
                     └──────────────── HTTP (relay in the ingress) ────────────────▶ engines
              or     └── stream ──▶ Assembler (autoscaled; deployment.relay: assembler) ──HTTP──▶ engines
+    Scheduler ◀─changes─ KVEventShard0..N-1 (placement.kv_event_shards) ◀─KV events (ZMQ)─ engines
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ray.serve import Application
 from deployments.assembler import Assembler
 from deployments.engine import SCHEDULER, ManagedEngine
 from deployments.ingress import Ingress
+from deployments.kvshard import KVEventShard
 from deployments.scheduler import Scheduler
 from deployments.simfleet import SimFleet
 from narwhal_serve.config import NarwhalConfig, format_validation_error
@@ -65,7 +67,13 @@ def build_app(args: dict[str, Any]) -> Application:
         for e, dep_name in zip(managed, deployment_names([e.name for e in managed]))
         if e.launch is not None
     ]
-    scheduler = scheduler_dep.bind(conf, fleet, *engines)
+    pl = cfg.placement
+    shards = [
+        serve.deployment(KVEventShard, name=f"KVEventShard{i}", num_replicas=1, max_ongoing_requests=100_000,
+                         ray_actor_options=free, logging_config=quiet).bind(pl.prefix_block_tokens)
+        for i in range(pl.kv_event_shards if pl.prefix_aware else 0)
+    ]
+    scheduler = scheduler_dep.bind(conf, fleet, *engines, kv_shards=shards)
     assembler = None if assembler_dep is None else assembler_dep.bind(
         knobs.engine_http, cfg.serving.model_dump(), cfg.observability.model_dump())
     return ingress_dep.bind(conf, scheduler, assembler)

@@ -164,6 +164,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--costs", action="store_true",
                    help="measure the CPU of each part of the router that would run for real (scheduler, "
                         "KV-event index, leases, reports)")
+    p.add_argument("--kv-shards", type=int, default=None,
+                   help="the engines' KV events applied by this many shards, not the scheduler "
+                        "(placement.kv_event_shards; with --costs each shard's CPU is kvshard.*)")
     p.add_argument("--out", type=Path, default=Path("bench-results"))
 
 
@@ -183,6 +186,8 @@ def main(ns: argparse.Namespace) -> int:
         raise SystemExit("the trace slice is empty")
     slo = Slo(ns.slo_ttft_ms / 1000.0, ns.slo_tpot_ms / 1000.0 if ns.slo_tpot_ms else float("inf"))
     cfg = cfg.model_copy(update={"admission": cfg.admission.model_copy(update={"ttft_budget_s": slo.ttft_s})})
+    if ns.kv_shards is not None:
+        cfg = cfg.model_copy(update={"placement": cfg.placement.model_copy(update={"kv_event_shards": ns.kv_shards})})
     opts = ReplayOptions(ttft_s=slo.ttft_s, tpot_s=ns.slo_tpot_ms / 1000.0 if ns.slo_tpot_ms else None,
                          ingresses=ns.ingresses, retries=not ns.no_retries, speed=ns.speed,
                          hop_s=ns.hop_ms / 1000.0)

@@ -177,6 +177,9 @@ class PlacementConfig(_Strict):
     prefix_index_blocks: int = Field(4096, ge=0)  # per engine, least recently placed evicted first
     prefix_view_blocks: int = Field(1024, ge=0)  # of those, the most recent sent to ingress leases
     prefix_max_blocks: int = Field(128, ge=1)  # blocks hashed per request (its first ones)
+    # engines' KV events applied by this many shard deployments, each following a slice of the
+    # engines, instead of in the scheduler's process (0; docs/operations.md, "KV-event shards")
+    kv_event_shards: int = Field(0, ge=0, le=64)
     # Drift: an engine measured slower than its own models (TTFT and TPOT; EWMA of the relative
     # error) scores worse past drift_penalty_at, and past drift_out_at leaves rotation until
     # profiling requests show it behaves again (within drift_back_at)

@@ -9,4 +9,7 @@
   router's own hash of token-ID blocks (vLLM's block hashes are only the join keys), detects gaps
   and publisher restarts.
 * :mod:`.subscriber` — per engine, in the scheduler: SUB + replay, reconnects, resync.
+* :mod:`.shard` — the same, for a slice of the engines in a shard of its own
+  (``placement.kv_event_shards``): the router blocks each engine added and removed, taken by the
+  scheduler in a long poll and applied to its prefix sets.
 """

@@ -25,6 +25,20 @@ from narwhal_serve.kvevents.wire import END_SEQ, KVEventBatch, decode_batch, seq
 log = logging.getLogger("narwhal.kvevents")
 
 REPLAY_TIMEOUT_S = 2.0
+RESTART_S = 1.0
+
+
+async def follow_forever(sub: "KVEventSubscriber") -> None:
+    """Run ``sub``; one that fails (a bug, a bad endpoint) is restarted, never silently gone."""
+    while True:
+        try:
+            await sub.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("kv events of %s: subscriber failed; restarting in %g s", sub.engine, RESTART_S)
+            sub.state = "restarting"
+            await asyncio.sleep(RESTART_S)
 
 
 @dataclass

@@ -203,7 +203,7 @@ class PrefixIndex:
 
     def clear(self) -> None:
         self._blocks.clear()
-        self._frozen = frozenset()
+        self._frozen = None  # (pending blocks stay)
 
     def pend(self, hashes: Iterable[int]) -> None:
         """A request placed here with these blocks, its prefill not done yet."""
@@ -219,6 +219,10 @@ class PrefixIndex:
             else:
                 self._pending.pop(h, None)
             self._frozen = None
+
+    def stored(self, h: int) -> bool:
+        """Held (placed, or named by the engine's events), pending or not."""
+        return h in self._blocks
 
     @property
     def pending(self) -> int:

@@ -1,9 +1,10 @@
 """What each part of the router that would run for real costs in a replay, as CPU time of this
 process (``time.thread_time``): the scheduler's report handling (lease grants and their views
 included), its admit calls, its scrapes (parsing and applying an engine's ``/metrics``, not the
-simulator rendering it), its periodic work (reaping, drift, probes), the KV-event index, and each
-ingress lease's decisions, grant applications and report cuts; and, as a report and its grant
-cross the Ray hop between the two, their serialization each side.  Wrappers on the live objects,
+simulator rendering it), its periodic work (reaping, drift, probes), the KV-event index (or, with
+shards, applying their changes; each shard's own index is ``kvshard.*``), and each ingress lease's
+decisions, grant applications and report cuts; and, as a report and its grant (or a shard's
+changes) cross a Ray hop, their serialization each side.  Wrappers on the live objects,
 so an un-costed replay pays nothing."""
 
 from __future__ import annotations
@@ -61,25 +62,23 @@ class Costs:
 
         return wrapper
 
+    def carried(self, obj: T, sender: str, receiver: str) -> T:
+        """``obj`` across a Ray hop: pickled by ``sender`` and read by ``receiver`` (``<side>.hop``)."""
+        t = time.thread_time_ns()
+        data = pickle.dumps(obj, protocol=5)
+        self.add(f"{sender}.hop", time.thread_time_ns() - t)
+        t = time.thread_time_ns()
+        out: T = pickle.loads(data)
+        self.add(f"{receiver}.hop", time.thread_time_ns() - t)
+        return out
+
     def hop(self, send: Callable[[Any], Awaitable[T]]) -> Callable[[Any], Awaitable[T]]:
         """``send`` across a Ray hop: the message pickled by the ingress and read by the scheduler,
         the answer pickled by the scheduler and read by the ingress (``*.hop``: what Ray's
         serialization of a report and its grant costs each side)."""
         async def across(message: Any) -> T:
-            t = time.thread_time_ns()
-            data = pickle.dumps(message, protocol=5)
-            self.add("ingress.hop", time.thread_time_ns() - t)
-            t = time.thread_time_ns()
-            message = pickle.loads(data)
-            self.add("scheduler.hop", time.thread_time_ns() - t)
-            answer = await send(message)
-            t = time.thread_time_ns()
-            data = pickle.dumps(answer, protocol=5)
-            self.add("scheduler.hop", time.thread_time_ns() - t)
-            t = time.thread_time_ns()
-            out: T = pickle.loads(data)
-            self.add("ingress.hop", time.thread_time_ns() - t)
-            return out
+            answer = await send(self.carried(message, "ingress", "scheduler"))
+            return self.carried(answer, "scheduler", "ingress")
 
         return across
 

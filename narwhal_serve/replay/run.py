@@ -22,12 +22,13 @@ from typing import Any
 import httpx
 
 from narwhal_serve.admission.core import Ask
-from narwhal_serve.config import EngineConfig, NarwhalConfig
+from narwhal_serve.config import EngineConfig, KVEventsEndpoint, NarwhalConfig
 from narwhal_serve.config.sim import SimEngineConfig
 from narwhal_serve.gateway.admit import Refused, admit
 from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.admission.lease import AdmissionLease
 from narwhal_serve.kvevents.index import KVEventIndex
+from narwhal_serve.kvevents.shard import KVShard, Taken
 from narwhal_serve.kvevents.wire import Event, KVEventBatch
 from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.protocol.placement import RouteChoice
@@ -109,19 +110,53 @@ class ReplayOptions:
 
 
 class _DirectKV(KVEventSink):
-    """KV events straight into the router's index for the engine (no socket on a virtual clock)."""
+    """KV events straight into the index that follows the engine, the scheduler's or a shard's (no
+    socket on a virtual clock)."""
 
-    def __init__(self, index: KVEventIndex, loop: asyncio.AbstractEventLoop, costs: Costs | None) -> None:
-        self.index = index
+    def __init__(self, loop: asyncio.AbstractEventLoop, costs: Costs | None) -> None:
         self.loop = loop
+        self.costs = costs
+        self.index: KVEventIndex | None = None
         self.seq = itertools.count()
-        self.apply = index.apply if costs is None else costs.timed("scheduler.kv_events", index.apply)
+        self.apply: Any = None
         self.blocks = 0  # blocks stored or removed (what the index is told)
 
+    def attach(self, index: KVEventIndex, part: str) -> None:
+        self.index, self.seq = index, itertools.count()
+        self.apply = index.apply if self.costs is None else self.costs.timed(part, index.apply)
+
     def publish(self, events: Sequence[Event]) -> None:
-        if events:
+        if events and self.apply is not None:
             self.blocks += sum(len(getattr(e, "block_hashes", ())) for e in events)
             self.apply(next(self.seq), KVEventBatch(self.loop.time(), list(events)))
+
+
+class _ReplayShard(KVShard):
+    """A KV-event shard whose engines' events come from the replayed engines (``kvshard.events``)."""
+
+    def __init__(self, router_block_tokens: int, sinks: dict[str, _DirectKV]) -> None:
+        super().__init__(router_block_tokens)
+        self.sinks = sinks
+
+    def _subscribe(self, feed: Any, engine: str, endpoint: str, replay_endpoint: str | None, topic: str) -> None:
+        self.sinks[engine].attach(feed.index, "kvshard.events")
+
+
+class _ShardLink:
+    """The scheduler's link to a replayed shard: its changes carried across the hop (``*.hop``)."""
+
+    def __init__(self, shard: KVShard, costs: Costs | None) -> None:
+        self.shard, self.costs = shard, costs
+
+    async def follow(self, engine: str, gen: int, endpoint: str, replay_endpoint: str | None, topic: str) -> str:
+        return await self.shard.follow(engine, gen, endpoint, replay_endpoint, topic)
+
+    async def drop(self, engine: str) -> str:
+        return await self.shard.drop(engine)
+
+    async def take(self, wait_s: float) -> Taken:
+        taken = await self.shard.take(wait_s)
+        return taken if self.costs is None else self.costs.carried(taken, "kvshard", "scheduler")
 
 
 class _Scheduler(SchedulerService):
@@ -169,24 +204,30 @@ class Replay:
     async def run(self, trace: Sequence[TraceRequest]) -> list[Served]:
         loop = asyncio.get_running_loop()
         sims = self.fleet.engines()
-        engines = tuple(EngineConfig(name=s.name, url=_url(s.name), role=s.role, max_num_seqs=s.max_num_seqs)
-                        for s in sims)
+        pl = self.cfg.placement
+        costs = self.costs
+        sinks = {s.name: _DirectKV(loop, costs) for s in sims} if pl.prefix_aware else {}
+        shards = [_ReplayShard(pl.prefix_block_tokens, sinks) for _ in range(pl.kv_event_shards if sinks else 0)]
+        # with shards, every engine is followed by its KV events (as the simulator's are, over sockets)
+        ends = KVEventsEndpoint(endpoint="inproc://replay") if shards else None
+        engines = tuple(EngineConfig(name=s.name, url=_url(s.name), role=s.role, max_num_seqs=s.max_num_seqs,
+                                     kv_events=ends) for s in sims)
         cfg = self.cfg.model_copy(update={"engines": engines})
-        svc = _Scheduler(cfg, clock=loop.time, mono=loop.time)
+        svc = _Scheduler(cfg, clock=loop.time, mono=loop.time, kv_shards=[_ShardLink(k, costs) for k in shards])
         svc.replayed = self.engines
-        costs = svc.costs = self.costs
+        svc.costs = costs
         if costs is not None:
             svc.report = costs.timed("scheduler.report", svc.report)  # type: ignore[method-assign]
             svc.admit = costs.timed_async("scheduler.admit", svc.admit)  # type: ignore[method-assign,assignment]
             svc.reap = costs.timed("scheduler.periodic", svc.reap)  # type: ignore[method-assign]
             svc.start_probes = costs.timed("scheduler.periodic", svc.start_probes)  # type: ignore[method-assign]
         svc._client = httpx.AsyncClient(transport=httpx.MockTransport(self._handler))
-        sinks = []
+        if shards and costs is not None:
+            svc.kv_events.taken = costs.timed("scheduler.kv_events", svc.kv_events.taken)  # type: ignore[union-attr,method-assign]
         for s in sims:
-            sink = None
-            if cfg.placement.prefix_aware:
-                sink = _DirectKV(exact_index(svc.engines[s.name], cfg.placement), loop, costs)
-                sinks.append(sink)
+            sink = sinks.get(s.name)
+            if sink is not None and not shards:
+                sink.attach(exact_index(svc.engines[s.name], cfg.placement, svc.touch), "scheduler.kv_events")
             self.engines[s.name] = ReplayEngine(s, loop, sink)
         api = SchedulerApi()
         api.svc = svc
@@ -217,13 +258,18 @@ class Replay:
         self.wall_s = time.perf_counter() - wall
         self.virtual_s = loop.time() - t0
         self.utilisation = {name: e.utilisation(loop.time()) for name, e in self.engines.items()}
-        self.kv_blocks = sum(k.blocks for k in sinks)
+        self.kv_blocks = sum(k.blocks for k in sinks.values())
         if costs is not None:  # what the router holds at the end, caches warm (MB)
             lease = next((r.lease for r in reporters if r.lease is not None), None)
             self.memory_mb = {
-                "scheduler KV-event index (all engines)": deep_size(*(k.index for k in sinks)) / 1e6,
+                "scheduler KV-event index (all engines)": deep_size(*(k.index for k in sinks.values())) / 1e6,
                 "one ingress lease's view": deep_size(lease.view) / 1e6 if lease is not None else 0.0,
             }
+            if shards:  # the indexes are the shards'; the scheduler holds the prefix sets they keep
+                self.memory_mb[f"{len(shards)} shards' KV-event index (all engines)"] = self.memory_mb.pop(
+                    "scheduler KV-event index (all engines)")
+                self.memory_mb["scheduler prefix sets (all engines)"] = deep_size(
+                    *(e.prefix for e in svc.engines.values())) / 1e6
         ticker.cancel()
         for r in reporters:
             await r.flush()

@@ -38,6 +38,7 @@ class AdminOps(AdmissionDesk):
         unknown = sorted(set(waves) - {e.cfg.wave for e in self.engines.values()})
         if on and unknown:
             raise ValueError(f"unknown wave(s) {unknown}; engines are in {sorted({e.cfg.wave for e in self.engines.values()})}")
+        self.views_stale()
         if on:
             self.router.maintenance.update(waves)
         else:
@@ -48,6 +49,7 @@ class AdminOps(AdmissionDesk):
         """A managed engine's replica reports its engine up (first, after a restart, or as its
         heartbeat); a changed engine is scraped at once, so it rejoins without waiting a pass."""
         name, changed = self.managed.register(rep, self.clock())
+        self.views_stale()
         if changed:
             self._scrape_soon(name)
             e = self.engines.get(name)
@@ -57,11 +59,13 @@ class AdminOps(AdmissionDesk):
 
     def managed_down(self, engine: str, replica: str, reason: str) -> None:
         self.managed.down(engine, replica, reason, self.clock())
+        self.views_stale()
 
     def _scrape_soon(self, name: str) -> None:
         async def scrape() -> None:
             if (e := self.engines.get(name)) is not None:
                 await scrape_one(self.client(), e, self.clock(), self.cfg.monitoring.scrape_timeout_s)
+                self.touch(name)
                 self._pump()
 
         task = asyncio.get_running_loop().create_task(scrape())
@@ -74,6 +78,7 @@ class AdminOps(AdmissionDesk):
         if engine.name in self.engines:
             raise ValueError(f"engine {engine.name!r} is already registered")
         self.engines[engine.name] = e = EngineState(engine)
+        self.views_stale()
         e.prefix.capacity = self.cfg.placement.prefix_index_blocks
         e.ttft_errors.quantile = self.cfg.admission.ttft_confidence
         if self._monitor is not None:
@@ -81,6 +86,7 @@ class AdminOps(AdmissionDesk):
 
     def deregister_engine(self, name: str) -> bool:
         self.kv_events.drop(name)
+        self.views_stale()
         return self.engines.pop(name, None) is not None
 
     def readiness(self) -> tuple[bool, str]:

@@ -4,10 +4,11 @@ reclaim from a lease that went silent (its ingress replica died)."""
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from narwhal_serve.admission.controller import NONE, AdmissionController, Permits
-from narwhal_serve.admission.view import EngineFacts, FleetView
+from narwhal_serve.admission.view import FleetView
 
 LEASE_TTL_S = 2.0  # an ingress stops admitting locally this long after its last answered report
 ORPHAN_S = 30.0  # a lease not heard from this long is forgotten: its spare permits come back
@@ -22,7 +23,8 @@ class LeaseRecord:
     tickets: set[str] = field(default_factory=set)
     epoch: int = 0
     view_seq: int = 0  # the last view granted (numbers unique to this scheduler)
-    sent: dict[str, EngineFacts] = field(default_factory=dict)  # its engines' facts
+    facts_seq: int = 0  # the scheduler's change number of the facts in it (SchedulerState.granted_since)
+    members: int = -1  # the scheduler's membership count when it was granted
 
 
 class LeaseLedger:
@@ -80,16 +82,20 @@ class LeaseLedger:
         rec.reserved = rec.reserved + got
         return got, target
 
-    def view_for(self, rec: LeaseRecord, have: int, view: FleetView) -> tuple[FleetView, int, int, tuple[str, ...]]:
+    def view_for(self, rec: LeaseRecord, have: int, numbers: Callable[[], tuple[int, int]],
+                 names: Callable[[], tuple[str, ...]], view: Callable[[int | None], FleetView],
+                 ) -> tuple[FleetView, int, int, tuple[str, ...]]:
         """(view, its number, base, names) for a grant: the engines changed since the view the lease
-        has (``have``), when that is the last one granted it; else the whole view (a lost grant, a
-        new record).  Engines keep their facts' identity while unchanged (SchedulerState.view)."""
+        has (``have``), when that is the last one granted it (``view(since)``: the engines changed
+        after its change number; ``names`` when the fleet's membership changed since); else the
+        whole view (``view(None)``: a lost grant, a new record).  ``numbers``: the scheduler's
+        change number and membership count, once the view is built."""
         self._views += 1
         base = rec.view_seq if have and have == rec.view_seq else 0
-        names = tuple(rec.sent)
-        out = view.since(rec.sent) if base else view
-        rec.view_seq, rec.sent = self._views, {e.cfg.name: e for e in view.engines}
-        changed_names = tuple(rec.sent) if base and tuple(rec.sent) != names else ()
+        out = view(rec.facts_seq if base else None)
+        facts_seq, members = numbers()
+        changed_names = names() if base and members != rec.members else ()
+        rec.view_seq, rec.facts_seq, rec.members = self._views, facts_seq, members
         return out, rec.view_seq, base, changed_names
 
     def orphans(self, now: float) -> list[tuple[str, LeaseRecord]]:

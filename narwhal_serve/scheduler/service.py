@@ -15,6 +15,7 @@ from narwhal_serve.admission import ledger
 from narwhal_serve.admission.wire import LeaseGrant
 from narwhal_serve.placement.prefix import index_capacity
 from narwhal_serve.protocol.estimate import CHARS_PER_TOKEN
+from narwhal_serve.relay.messages import EngineWorked
 from narwhal_serve.scheduler.admin import AdminOps
 from narwhal_serve.scheduler.health import apply_health, update_drift
 from narwhal_serve.scheduler.leases import LEASE_TTL_S
@@ -88,6 +89,7 @@ class SchedulerService(AdminOps):
                                            pl.prefix_block_chars / CHARS_PER_TOKEN))
         self.router.started = True
         self.ha.last_pass = self.clock()
+        self.views_stale()  # every engine's load and health read anew
         self._pump()  # engines may have become eligible for queued requests
 
     def reap(self) -> None:
@@ -120,6 +122,9 @@ class SchedulerService(AdminOps):
             for rid in part.consumed:
                 self.reservations.pop(rid, None)
             grant_for = (rec, fresh)
+        for h in rep.health:  # (a fault may take engines out: apply_health weighs the fleet's spare)
+            for name in h.engines if isinstance(h, EngineWorked) else (h.engine,):
+                self.touch(name)
         apply_health(self.engines, rep.health, now, self.cfg)
         for tid, engines in rep.decode_started:
             self.admission.enter_decode(tid)
@@ -129,6 +134,7 @@ class SchedulerService(AdminOps):
                         and (e := self.engines.get(t.placement.first_engine or "")) is not None \
                         and not e.prefix_exact:  # (an engine's own KV events say what it holds)
                     e.prefix.insert(t.placement.prefix)  # its prefill is done: the engine holds its blocks now
+                    self.touch(e.cfg.name)
                 self._apply(ledger.first_token(t, engines))
         for tid, tokens in rep.progress.items():
             self._progress(tid, tokens)
@@ -142,7 +148,9 @@ class SchedulerService(AdminOps):
         rec, _ = grant_for
         granted, target = self.leases.grant(rec, bool(self.admission.queue))
         shares, targets = self.tenants.grant(rep.lease.lease_id, now, len(self.leases.leases))
-        view, seq, base, names = self.leases.view_for(rec, rep.lease.view_seq, self.view(now, frozen=True))
+        view, seq, base, names = self.leases.view_for(
+            rec, rep.lease.view_seq, lambda: (self._fact_seq, self._members), lambda: tuple(self.engines),
+            lambda since: self.view(now, frozen=True, since=since))
         return LeaseGrant(rep.lease.lease_id, rep.lease.generation, view, now,
                           self.ha.ingress_ttl(LEASE_TTL_S), granted, target, epoch=rec.epoch,
                           tenant_granted=shares, tenant_targets=targets, tenant_facts=self.tenants.facts(now),

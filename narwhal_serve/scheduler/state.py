@@ -6,10 +6,11 @@ operations (``admin.py``), and its lifecycle and the ingress replicas' reports (
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -21,11 +22,13 @@ from narwhal_serve.admission.ledger import Ticket
 from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.ha.state import RouterState
-from narwhal_serve.placement.engines import EngineState, borrows_ttft, fleet_ttft
+from narwhal_serve.placement.engines import EngineState, better_prior, borrows_ttft, fleet_ttft
+from narwhal_serve.prediction.ttft import PrefillModel
 from narwhal_serve.prediction.decode import OutputLengths
 from narwhal_serve.scheduler.ha import RouterHA
 from narwhal_serve.scheduler.health import Profiler, Prober
-from narwhal_serve.scheduler.kvfeeds import KVEventFeeds
+from narwhal_serve.kvevents.shard import ShardLink
+from narwhal_serve.scheduler.kvfeeds import KVEventFeeds, ShardedKVFeeds
 from narwhal_serve.scheduler.leases import LeaseLedger
 from narwhal_serve.scheduler.managed import ManagedFleet, initial_engines
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
@@ -35,6 +38,12 @@ from narwhal_serve.tenants.book import TenantBook
 from narwhal_serve.tenants.fair import FairShare
 from narwhal_serve.tenants.promises import Promise
 from narwhal_serve.tenants.tally import TenantTally
+
+
+# the facts granted to leases are read for every engine at least this often (else only for the engines
+# touched: their tickets, reports, KV changes); what changes with time alone (a breaker's open
+# period ending) or without a touch (the fleet's TTFT prior) reaches the leases within it
+FULL_VIEW_S = 0.25
 
 
 @dataclass
@@ -49,8 +58,11 @@ class SchedulerTicket(Ticket):
 class SchedulerState(ABC):
     """Everything the scheduler knows, and the view of it a decision reads."""
 
+    check_views = False  # tests: every incremental grant view checked against every engine read anew
+
     def __init__(
-        self, cfg: NarwhalConfig, *, clock: Callable[[], float] = time.time, mono: Callable[[], float] = time.monotonic
+        self, cfg: NarwhalConfig, *, clock: Callable[[], float] = time.time, mono: Callable[[], float] = time.monotonic,
+        kv_shards: Sequence[ShardLink] = (),
     ) -> None:
         self.cfg = cfg
         self.clock = clock
@@ -61,7 +73,10 @@ class SchedulerState(ABC):
         for e in self.engines.values():
             e.prefix.capacity = cfg.placement.prefix_index_blocks
             e.ttft_errors.quantile = cfg.admission.ttft_confidence
-        self.kv_events = KVEventFeeds(cfg.placement)  # engines whose KV events feed their prefix index
+        # engines whose KV events feed their prefix index: here, or in the shards given
+        self.kv_events: KVEventFeeds | ShardedKVFeeds = (
+            ShardedKVFeeds(cfg.placement, kv_shards, mono, self.touch) if kv_shards
+            else KVEventFeeds(cfg.placement, self.touch))
         self.outputs = OutputLengths()  # identified output lengths per route kind and max_tokens bucket
         self.managed = ManagedFleet(cfg, self.engines)  # Ray-managed engines' slots (docs/operations.md, "Managed engines")
         # ha.role is the mode of a lone router; with a lease backend the lease decides (role: a hint)
@@ -92,12 +107,26 @@ class SchedulerState(ABC):
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self.reservations: OrderedDict[str, Reservation] = OrderedDict()  # room kept for retries (admission/retry.py)
         self._rotation = 0
-        self._granted: dict[str, tuple[tuple[object, ...], EngineFacts]] = {}  # facts last granted, and their inputs
+        # the facts granted to leases: per engine its inputs and facts, the number of its last change
+        # (in order: the most recent last), the fleet's change count; read again when touched
+        self._granted: dict[str, tuple[tuple[object, ...], EngineFacts]] = {}
+        self._changed_at: OrderedDict[str, int] = OrderedDict()
+        self._fact_seq = 0
+        self._members = 0  # the fleet's membership changes
+        self._touched: set[str] = set()
+        self._full_view_at = -math.inf
+        self._maintenance: frozenset[str] = frozenset()
+        self._fleet_prior: Mapping[tuple[str, str], PrefillModel] = {}
+        self._prior_values: dict[tuple[str, str], tuple[float, float, float]] = {}  # as last granted
+        self._prior_engine: dict[tuple[str, str], EngineState] = {}  # whose model the prior is
+        self._borrowers = 0  # engines projected with the fleet's prior, at the last full read
+        self._waves: set[str] = set()
+        self._unavailable_fleet: str | None = None
         self._client: httpx.AsyncClient | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._expiry: asyncio.TimerHandle | None = None
-        self.prober = Prober(cfg, clock, lambda: self._pump())
-        self.profiler = Profiler(cfg, clock, lambda: self._pump())  # re-measures engines out for drift
+        self.prober = Prober(cfg, clock, self._health_changed)
+        self.profiler = Profiler(cfg, clock, self._health_changed)  # re-measures engines out for drift
         self._background: set[asyncio.Task[None]] = set()  # immediate scrapes of (re)joined engines
         self._ha: asyncio.Task[None] | None = None
         self.calls = {"admit": 0, "report": 0}  # calls from ingress replicas (/status)
@@ -108,51 +137,145 @@ class SchedulerState(ABC):
             self._client = httpx.AsyncClient(timeout=self.cfg.monitoring.scrape_timeout_s)
         return self._client
 
+    def _health_changed(self) -> None:
+        """A probe closed a breaker, or profiling brought an engine back: queued requests may fit."""
+        self.views_stale()
+        self._pump()
+
     @abstractmethod
     def _pump(self) -> None:
         """Give queued requests their chance now (the admission desk's: ``queueing.py``)."""
 
     # -- the view every decision is made on ---------------------------------------------------
-    def view(self, now: float, *, queued_tokens: int | None = None, frozen: bool = False) -> FleetView:
-        """``frozen``: for a lease grant (it crosses the Ray hop: prefix sets copied, not live)."""
-        maint = frozenset(self.router.maintenance)
+    def touch(self, name: str) -> None:
+        """Engine ``name``'s state changed: its facts are read again for the next grant."""
+        self._touched.add(name)
+
+    def views_stale(self) -> None:
+        """Something not tied to one engine changed (the fleet, a mode, a scrape pass): every
+        engine's facts are read again for the next grant."""
+        self._full_view_at = -math.inf
+
+    def _inputs(self, e: EngineState, now: float, fleet: Mapping[tuple[str, str], PrefillModel],
+                frozen: bool) -> tuple[object, ...]:
+        """What an engine's facts are made of (read from its live state)."""
         stale = self.cfg.monitoring.stale_after_s
         pl = self.cfg.placement
         predictive = self.cfg.admission.mode == "predictive"
-        facts = []
-        fleet = fleet_ttft(self.engines.values())  # what an engine not measured yet is projected with
-        for e in self.engines.values():
-            ok = e.eligible(now, stale, maint) and e.last_ok is not None
-            m = fleet.get((e.cfg.role, e.cfg.dialect), e.ttft_model) if borrows_ttft(e) else e.ttft_model
-            inputs = (
-                (e.last_ok or 0.0) + stale if ok else 0.0, e.inflight, e.load, e.pending_prefill_tokens,
-                m.a, m.b, e.slots(), e.service_s, e.external(), e.pending_prefill_requests,
-                m.c, e.tpot_model.a, e.tpot_model.b, bool(e.tpot_model.samples), e.decode_tokens,
-                e.drift.penalty(pl) if predictive else 0.0, e.ttft_errors.margin, e.prefix_credit, e.cache_block_tokens,
-                e.managed.report.node_id if e.managed is not None and e.managed.report is not None else None,
-                (e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),
-                e.cfg,
-            )
-            kept = self._granted.get(e.cfg.name) if frozen else None
-            if kept is not None and kept[0] == inputs:  # unchanged: the same object (leases get changes only)
-                facts.append(kept[1])
+        ok = e.eligible(now, stale, self._maintenance) and e.last_ok is not None
+        m = fleet.get((e.cfg.role, e.cfg.dialect), e.ttft_model) if borrows_ttft(e) else e.ttft_model
+        return (
+            (e.last_ok or 0.0) + stale if ok else 0.0, e.inflight, e.load, e.pending_prefill_tokens,
+            m.a, m.b, e.slots(), e.service_s, e.external(), e.pending_prefill_requests,
+            m.c, e.tpot_model.a, e.tpot_model.b, bool(e.tpot_model.samples), e.decode_tokens,
+            e.drift.penalty(pl) if predictive else 0.0, e.ttft_errors.margin, e.prefix_credit, e.cache_block_tokens,
+            e.managed.report.node_id if e.managed is not None and e.managed.report is not None else None,
+            (e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),
+            e.cfg,
+        )
+
+    @staticmethod
+    def _facts(inputs: tuple[object, ...]) -> EngineFacts:
+        (eu, inflight, load, ppt, ta, tb, slots, service_s, external, ppr, tc, pa, pb, pk, decode, penalty,
+         margin, credit, cbt, node, prefix, cfg) = inputs
+        return EngineFacts(
+            cfg=cfg, eligible_until=eu, inflight=inflight, load=load, pending_prefill_tokens=ppt, ttft_a=ta,  # type: ignore[arg-type]
+            ttft_b=tb, slots=slots, service_s=service_s, external=external, pending_prefill_requests=ppr,  # type: ignore[arg-type]
+            ttft_c=tc, tpot_a=pa, tpot_b=pb, tpot_known=pk, decode_tokens=decode, penalty=penalty,  # type: ignore[arg-type]
+            ttft_margin=margin, prefix_credit=credit, cache_block_tokens=cbt, node=node, prefix=prefix,  # type: ignore[arg-type]
+        )
+
+    def _refresh_granted(self, now: float) -> None:
+        """The facts granted to leases brought up to date: every engine's when due (FULL_VIEW_S
+        since the last time, a scrape pass, an admin change, the fleet changed), else only the
+        touched engines'.  An engine whose facts are new gets the next change number
+        (:meth:`granted_since`); an unchanged one keeps its facts object."""
+        touched = [n for n in self._touched if n in self.engines]
+        self._touched = set()
+        full = now - self._full_view_at >= FULL_VIEW_S or len(self._granted) != len(self.engines) or (
+            self._borrowers > 0 and self._prior_moved(touched))
+        if full:
+            self._full_view_at = now
+            self._maintenance = frozenset(self.router.maintenance)
+            self._fleet_prior = fleet_ttft(self.engines.values())  # what an engine not measured yet is projected with
+            self._prior_engine = {(e.cfg.role, e.cfg.dialect): e for e in self.engines.values()
+                                  if self._fleet_prior.get((e.cfg.role, e.cfg.dialect)) is e.ttft_model}
+            self._prior_values = {k: (m.a, m.b, m.c) for k, m in self._fleet_prior.items()}
+            self._borrowers = sum(1 for e in self.engines.values() if borrows_ttft(e))
+            self._unavailable_fleet = self._fleet_reason(now)
+            if len(self._granted) != len(self.engines) or self._granted.keys() != self.engines.keys():
+                self._members += 1
+                for name in [n for n in self._granted if n not in self.engines]:  # removed by a reload
+                    del self._granted[name]
+                    self._changed_at.pop(name, None)
+        names: Iterable[str] = self.engines if full else touched
+        for name in names:
+            inputs = self._inputs(self.engines[name], now, self._fleet_prior, True)
+            kept = self._granted.get(name)
+            if kept is not None and kept[0] == inputs:
                 continue
-            (eu, inflight, load, ppt, ta, tb, slots, service_s, external, ppr, tc, pa, pb, pk, decode, penalty,
-             margin, credit, cbt, node, prefix, cfg) = inputs
-            f = EngineFacts(
-                cfg=cfg, eligible_until=eu, inflight=inflight, load=load, pending_prefill_tokens=ppt, ttft_a=ta,
-                ttft_b=tb, slots=slots, service_s=service_s, external=external, pending_prefill_requests=ppr,
-                ttft_c=tc, tpot_a=pa, tpot_b=pb, tpot_known=pk, decode_tokens=decode, penalty=penalty,
-                ttft_margin=margin, prefix_credit=credit, cache_block_tokens=cbt, node=node, prefix=prefix,
-            )
-            if frozen:
-                self._granted[e.cfg.name] = (inputs, f)
-            facts.append(f)
-        if frozen and len(self._granted) > len(self.engines):  # engines removed by a reload
-            self._granted = {k: v for k, v in self._granted.items() if k in self.engines}
+            self._granted[name] = (inputs, self._facts(inputs))
+            self._fact_seq += 1
+            self._changed_at[name] = self._fact_seq
+            self._changed_at.move_to_end(name)
+        if self.check_views and not full:  # tests: the touched engines were all that changed
+            fleet = fleet_ttft(self.engines.values())
+            for name, e in self.engines.items():
+                assert self._granted[name][0] == self._inputs(e, now, fleet, True), f"{name} changed untouched"
+
+    def _prior_moved(self, touched: Iterable[str]) -> bool:
+        """Whether the fleet's TTFT prior (:func:`fleet_ttft`: per role and dialect the model of the
+        engine with the most samples, :func:`better_prior`) moved with the touched engines' models,
+        found without reading the fleet: the best engine is one touched that is better, or the
+        same one refitted; one reset (drift) leaves it to the whole fleet."""
+        moved = False
+        for name in touched:
+            e = self.engines[name]
+            if not e.ttft_model.samples:
+                continue
+            kind = (e.cfg.role, e.cfg.dialect)
+            best = self._prior_engine.get(kind)
+            if best is None or (best is not e and better_prior(e, best)):
+                self._prior_engine[kind] = e
+                self._fleet_prior = {**self._fleet_prior, kind: e.ttft_model}  # (a new dict: views keep theirs)
+                moved = True
+        for k, b in self._prior_engine.items():
+            m = b.ttft_model
+            if not m.samples or self._fleet_prior.get(k) is not m or b.cfg.name not in self.engines:
+                return True  # reset, replaced, or gone
+            moved = moved or self._prior_values.get(k) != (m.a, m.b, m.c)
+        return moved
+
+    def granted_since(self, seq: int) -> list[EngineFacts]:
+        """The engines whose granted facts changed after change number ``seq`` (O(changed))."""
+        out = []
+        for name, at in reversed(self._changed_at.items()):
+            if at <= seq:
+                break
+            out.append(self._granted[name][1])
+        return out
+
+    def view(self, now: float, *, queued_tokens: int | None = None, frozen: bool = False,
+             since: int | None = None) -> FleetView:
+        """``frozen``: for a lease grant (it crosses the Ray hop: prefix sets copied, not live),
+        read O(changed) (:meth:`_refresh_granted`); with ``since`` only the engines changed after
+        that change number.  Otherwise every engine read now (the scheduler's own decisions)."""
+        if frozen:
+            self._refresh_granted(now)
+            if since is not None:
+                facts: Sequence[EngineFacts] = self.granted_since(since)
+            else:
+                facts = [self._granted[n][1] for n in self.engines]
+            unavailable = self._unavailable_now(self._unavailable_fleet)
+        else:
+            self._maintenance = frozenset(self.router.maintenance)
+            fleet = fleet_ttft(self.engines.values())
+            facts = [self._facts(self._inputs(e, now, fleet, False)) for e in self.engines.values()]
+            unavailable = self.unavailable(now)
+        predictive = self.cfg.admission.mode == "predictive"
         return FleetView(
             engines=tuple(facts),
-            unavailable=self.unavailable(now),
+            unavailable=unavailable,
             epoch=self.ha.epoch(),
             predictive=predictive,
             queued_tokens=self._queued_tokens if queued_tokens is None else queued_tokens,
@@ -176,12 +299,17 @@ class SchedulerState(ABC):
     def unavailable(self, now: float) -> str | None:
         """Why the router refuses everything now (docs/contract.md, "Routes": the /ready reasons), or None: its lease
         (standby, fenced), its admin mode, whole-wave maintenance, then its own monitoring."""
+        return self._unavailable_now(self._fleet_reason(now))
+
+    def _unavailable_now(self, fleet_reason: str | None) -> str | None:
         lease_mode = self.ha.lease_mode()
         if lease_mode is not None and lease_mode != "active":
             return lease_mode
-        reason = self.router.unavailable_reason({e.cfg.wave for e in self.engines.values()})
-        if reason is not None:
-            return reason
+        return self.router.unavailable_reason(self._waves) or fleet_reason
+
+    def _fleet_reason(self, now: float) -> str | None:
+        """The fleet's part (O(engines)): the router's monitoring degraded."""
+        self._waves = {e.cfg.wave for e in self.engines.values()}
         if self.router.started and self.ha.degraded(self.engines.values(), now, frozenset(self.router.maintenance)):
             return "monitoring_degraded"
         return None

@@ -38,13 +38,14 @@ class TicketBook(SchedulerState):
             e = self.engines.get(name)
             if e is None:
                 continue
+            self.touch(name)
             e.inflight += d.inflight
             e.pending_prefill_tokens = max(0, e.pending_prefill_tokens + d.pending_prefill_tokens)
             e.pending_prefill_requests = max(0, e.pending_prefill_requests + d.pending_prefill_requests)
             e.decode_tokens = max(0.0, e.decode_tokens + d.decode_tokens)
             if d.prefix:
                 e.prefix.pend(d.prefix)  # a pending prefix (admission/ledger.py charge)
-            if d.prefix_done:
+            if d.prefix_done and not self.kv_events.unpend(e, d.prefix_done):
                 e.prefix.unpend(d.prefix_done)
 
     def _progress(self, tid: str, tokens: int) -> None:
@@ -81,6 +82,8 @@ class TicketBook(SchedulerState):
         if stats is not None:
             learn_from(stats, t.placement, self.engines, self.histograms, self.tally, completed, self.outputs,
                        self.clock(), self.cfg.placement)
+            for name in t.placement.engines:  # its models, margins, drift, prefix credit
+                self.touch(name)
         self.tenant_tally.ended(t.placement.tenant, t.placement, stats, completed)
         if self.tenants.specs:
             p = t.placement

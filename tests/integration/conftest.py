@@ -62,8 +62,9 @@ def graph() -> Iterator[Graph]:
                 # The assembly and admission rows inject per-request faults back to back; breakers
                 # (tested in tests/fault) would take engines out between tests here.
                 "monitoring": {"scrape_interval_s": 0.5, "stale_after_s": 5.0, "breaker_failures": 1000},
-                # nor drift (tested in test_overload_graph.py): injected slow first tokens are not a slow engine
-                "placement": {"drift_out_at": 1000.0},
+                # nor drift (tested in test_overload_graph.py): injected slow first tokens are not a slow engine;
+                # the engines' KV events are followed by two shard deployments (test_kv_shards_graph.py)
+                "placement": {"drift_out_at": 1000.0, "kv_event_shards": 2},
                 "deployment": {"ingress_max_replicas": 1, "assembler_max_replicas": 1},
                 # tenants (tested in test_tenants_graph.py): requests without a key are the public
                 # tier, with a budget far above any test's load (its lease shares are exercised

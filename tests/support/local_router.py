@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.gateway.app import build_api
 from narwhal_serve.gateway.backend import LocalBackend
 from narwhal_serve.gateway.reporter import Reporter
+from narwhal_serve.kvevents.shard import ShardLink
 from narwhal_serve.scheduler.service import SchedulerService
 from narwhal_serve.sim.server import SimServer, start_server
 from tests.support.net import free_port, free_port_run
@@ -41,11 +43,11 @@ class LocalRouter:
             await s.stop()
 
 
-async def start_local_router(args: dict[str, Any]) -> LocalRouter:
+async def start_local_router(args: dict[str, Any], kv_shards: Sequence[ShardLink] = ()) -> LocalRouter:
     base = free_port_run(len(NarwhalConfig.model_validate(args).sim.engines))
     cfg = NarwhalConfig.model_validate({**args, "sim": {**args.get("sim", {}), "base_port": base}})
     sims = [await start_server(e, cfg.sim.host, cfg.sim.base_port + i) for i, e in enumerate(cfg.sim_engine_configs())]
-    svc = SchedulerService(cfg)
+    svc = SchedulerService(cfg, kv_shards=kv_shards)
     await svc.scrape_once()
     svc.start()
     client = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None))

@@ -161,6 +161,7 @@ async def test_state_refusals_are_left_to_the_scheduler() -> None:
     assert admitted.error is None
     for e in svc.engines.values():
         e.healthy = False
+    svc.views_stale()  # (as the scrape pass that found them down does)
     h.sync()
     assert h.admit("z") is None
     assert h.lease.in_use == NONE

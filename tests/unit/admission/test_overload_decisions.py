@@ -244,6 +244,7 @@ async def test_holders_keep_reservations_and_retries_take_them() -> None:
     svc, clock = scheduler_service({"mode": "predictive", "ttft_budget_s": 2.0})
     for e in svc.engines.values():
         e.pending_prefill_tokens = 20_000  # every route projected over 4 s
+    svc.views_stale()  # (the test sets the engines' state itself, untouched)
     res = await svc.admit(AdmitRequest("s1", clock.t + 60, 100, 16, 2.0, reserves=True))
     assert res.error is not None and res.error.code == "ttft_budget_exceeded"
     assert list(svc.reservations) == ["s1"]
@@ -259,6 +260,7 @@ async def test_holders_keep_reservations_and_retries_take_them() -> None:
     # the load drains; a retry through the lease takes the earliest reservation
     for e in svc.engines.values():
         e.pending_prefill_tokens = 0
+    svc.views_stale()  # (the test sets the engines' state itself, untouched)
     lease.apply(svc.report(Report(lease=lease.cut(0.0))), clock.t, 0.0)  # type: ignore[arg-type]
     got = lease.try_admit("l2", Ask(100, 2.0, retry=True, reserves=True), clock.t + 60, clock.t, 0.0)
     assert isinstance(got, Placement)
