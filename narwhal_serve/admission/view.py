@@ -48,6 +48,15 @@ class EngineFacts:
     def eligible(self, now: float) -> bool:
         return now <= self.eligible_until
 
+    def with_prefix(self, prefix: AbstractSet[int]) -> "EngineFacts":
+        """These facts with another prefix set: ``replace`` without its cost (1 µs, not 8; once
+        per engine of every grant's delta, on both sides)."""
+        out = object.__new__(EngineFacts)
+        d = out.__dict__
+        d.update(self.__dict__)
+        d["prefix"] = prefix
+        return out
+
     def in_flight(self) -> int:
         """Requests at the engine now: the router's own (exact), plus others' as last scraped."""
         return self.inflight + self.external
@@ -281,18 +290,22 @@ class FleetView:
         """The best measured TPOT model (what an engine with none yet is ranked with)."""
         return self._d().cold
 
-    def since(self, sent: Mapping[str, EngineFacts]) -> "FleetView":
-        """This view carrying only the engines whose facts are not the ones in ``sent`` (by identity:
-        the scheduler keeps an unchanged engine's facts), to a holder of a view with ``sent``'s."""
-        return replace(self, engines=tuple(e for e in self.engines if sent.get(e.cfg.name) is not e))
-
-    def merged(self, delta: "FleetView", names: tuple[str, ...]) -> "FleetView | None":
-        """The view ``delta`` (from :meth:`since` on this one's engines) whole again: its engines
-        with this one's for the rest, in the order of ``names`` (empty: this view's).  Decisions keep
-        this view's route order, with the engines changed re-sorted.  None when an engine is in
-        neither (not a delta of this view)."""
+    def merged(self, delta: "FleetView", names: tuple[str, ...],
+               prefixes: Mapping[str, AbstractSet[int]] | None = None) -> "FleetView | None":
+        """The view ``delta`` (the engines changed since this one) whole again: its engines with
+        this one's for the rest, in the order of ``names`` (empty: this view's).  With
+        ``prefixes``, the delta's engines came without their prefix sets: each gets its set from
+        it, or keeps this view's.  Decisions keep this view's route order, with the engines
+        changed re-sorted.  None when an engine is in neither (not a delta of this view)."""
         d = self._d()
-        changed = {e.cfg.name: e for e in delta.engines}
+        if prefixes is None:
+            changed = {e.cfg.name: e for e in delta.engines}
+        else:
+            changed = {}
+            for e in delta.engines:
+                old = d.by_name.get(e.cfg.name)
+                p = prefixes.get(e.cfg.name, old.prefix if old is not None else frozenset())
+                changed[e.cfg.name] = e.with_prefix(p)
         if names:  # the fleet changed: everything is derived anew
             if any(n not in changed and n not in d.by_name for n in names):
                 return None

@@ -17,7 +17,9 @@ fades as measurements arrive (regularization toward the prior).  Pure: no clock,
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -166,8 +168,21 @@ class ErrorWindow:
         if not refit_due(n, self.unfit):
             return
         self.unfit = 0
-        q = max(0.0, float(np.quantile(np.fromiter(self.errors, float), self.quantile)))
+        q = max(0.0, quantile(sorted(self.errors), self.quantile))
         self.margin = min(MARGIN_CAP, (n * q + MARGIN_PRIOR_WEIGHT * MARGIN_PRIOR) / (n + MARGIN_PRIOR_WEIGHT))
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``xs``, as ``numpy.quantile`` computes it (linear between the
+    two nearest, its interpolation to the bit) without numpy's overhead per call (about 0.1 ms,
+    once per first token)."""
+    h = q * (len(xs) - 1)
+    lo = math.floor(h)
+    hi = min(lo + 1, len(xs) - 1)
+    t = h - lo
+    a, b = xs[lo], xs[hi]
+    d = b - a
+    return b - d * (1 - t) if t >= 0.5 else a + d * t
 
 
 def with_margin(projected_s: float, margin: float) -> float:

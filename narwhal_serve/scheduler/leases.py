@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from narwhal_serve.admission.controller import NONE, AdmissionController, Permits
@@ -24,6 +25,7 @@ class LeaseRecord:
     epoch: int = 0
     view_seq: int = 0  # the last view granted (numbers unique to this scheduler)
     facts_seq: int = 0  # the scheduler's change number of the facts in it (SchedulerState.granted_since)
+    prefixes: dict[str, AbstractSet[int]] = field(default_factory=dict)  # the prefix sets it holds
     members: int = -1  # the scheduler's membership count when it was granted
 
 
@@ -83,20 +85,22 @@ class LeaseLedger:
         return got, target
 
     def view_for(self, rec: LeaseRecord, have: int, numbers: Callable[[], tuple[int, int]],
-                 names: Callable[[], tuple[str, ...]], view: Callable[[int | None], FleetView],
-                 ) -> tuple[FleetView, int, int, tuple[str, ...]]:
-        """(view, its number, base, names) for a grant: the engines changed since the view the lease
-        has (``have``), when that is the last one granted it (``view(since)``: the engines changed
-        after its change number; ``names`` when the fleet's membership changed since); else the
-        whole view (``view(None)``: a lost grant, a new record).  ``numbers``: the scheduler's
-        change number and membership count, once the view is built."""
+                 names: Callable[[], tuple[str, ...]],
+                 view: Callable[[int | None, dict[str, AbstractSet[int]]], tuple[FleetView, dict[str, AbstractSet[int]] | None]],
+                 ) -> tuple[FleetView, int, int, tuple[str, ...], dict[str, AbstractSet[int]] | None]:
+        """(view, its number, base, names, prefix sets) for a grant: the engines changed since the
+        view the lease has (``have``), when that is the last one granted it (``view(since, held)``:
+        the engines changed after its change number, and the prefix sets it does not hold;
+        ``names`` when the fleet's membership changed since); else the whole view (``view(None,
+        held)``: a lost grant, a new record).  ``numbers``: the scheduler's change number and
+        membership count, once the view is built."""
         self._views += 1
         base = rec.view_seq if have and have == rec.view_seq else 0
-        out = view(rec.facts_seq if base else None)
+        out, prefixes = view(rec.facts_seq if base else None, rec.prefixes)
         facts_seq, members = numbers()
         changed_names = names() if base and members != rec.members else ()
         rec.view_seq, rec.facts_seq, rec.members = self._views, facts_seq, members
-        return out, rec.view_seq, base, changed_names
+        return out, rec.view_seq, base, changed_names, prefixes
 
     def orphans(self, now: float) -> list[tuple[str, LeaseRecord]]:
         """Leases silent for ORPHAN_S: forgotten, their permits unreserved; their tickets to reap."""

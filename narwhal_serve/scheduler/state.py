@@ -11,6 +11,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import httpx
@@ -44,6 +45,10 @@ from narwhal_serve.tenants.tally import TenantTally
 # touched: their tickets, reports, KV changes); what changes with time alone (a breaker's open
 # period ending) or without a touch (the fleet's TTFT prior) reaches the leases within it
 FULL_VIEW_S = 0.25
+# the fleet's TTFT prior moving by more than this (relative, any coefficient) has the engines that
+# borrow it read at once (all of them, at a thousand engines before most have measured their own);
+# a smaller move waits for the next full read (exact when views are checked)
+PRIOR_MOVE = 0.05
 
 
 @dataclass
@@ -111,6 +116,7 @@ class SchedulerState(ABC):
         # (in order: the most recent last), the fleet's change count; read again when touched
         self._granted: dict[str, tuple[tuple[object, ...], EngineFacts]] = {}
         self._changed_at: OrderedDict[str, int] = OrderedDict()
+        self._bare: dict[str, tuple[EngineFacts, EngineFacts]] = {}  # facts, and them without the prefix set
         self._fact_seq = 0
         self._members = 0  # the fleet's membership changes
         self._touched: set[str] = set()
@@ -119,7 +125,7 @@ class SchedulerState(ABC):
         self._fleet_prior: Mapping[tuple[str, str], PrefillModel] = {}
         self._prior_values: dict[tuple[str, str], tuple[float, float, float]] = {}  # as last granted
         self._prior_engine: dict[tuple[str, str], EngineState] = {}  # whose model the prior is
-        self._borrowers = 0  # engines projected with the fleet's prior, at the last full read
+        self._borrowing: set[str] = set()  # engines projected with the fleet's prior (a superset)
         self._waves: set[str] = set()
         self._unavailable_fleet: str | None = None
         self._client: httpx.AsyncClient | None = None
@@ -192,23 +198,29 @@ class SchedulerState(ABC):
         (:meth:`granted_since`); an unchanged one keeps its facts object."""
         touched = [n for n in self._touched if n in self.engines]
         self._touched = set()
-        full = now - self._full_view_at >= FULL_VIEW_S or len(self._granted) != len(self.engines) or (
-            self._borrowers > 0 and self._prior_moved(touched))
+        full = now - self._full_view_at >= FULL_VIEW_S or len(self._granted) != len(self.engines)
+        prior = 0 if full or not self._borrowing else self._prior_moved(touched)
+        full = full or prior == 2
         if full:
             self._full_view_at = now
             self._maintenance = frozenset(self.router.maintenance)
             self._fleet_prior = fleet_ttft(self.engines.values())  # what an engine not measured yet is projected with
             self._prior_engine = {(e.cfg.role, e.cfg.dialect): e for e in self.engines.values()
                                   if self._fleet_prior.get((e.cfg.role, e.cfg.dialect)) is e.ttft_model}
-            self._prior_values = {k: (m.a, m.b, m.c) for k, m in self._fleet_prior.items()}
-            self._borrowers = sum(1 for e in self.engines.values() if borrows_ttft(e))
+            self._borrowing = {n for n, e in self.engines.items() if borrows_ttft(e)}
             self._unavailable_fleet = self._fleet_reason(now)
             if len(self._granted) != len(self.engines) or self._granted.keys() != self.engines.keys():
                 self._members += 1
                 for name in [n for n in self._granted if n not in self.engines]:  # removed by a reload
                     del self._granted[name]
                     self._changed_at.pop(name, None)
+                    self._bare.pop(name, None)
         names: Iterable[str] = self.engines if full else touched
+        if full or prior:
+            self._prior_values = {k: (m.a, m.b, m.c) for k, m in self._fleet_prior.items()}
+        if prior == 1:  # the engines projected with the prior read too (they only become fewer)
+            self._borrowing = {n for n in self._borrowing if n in self.engines and borrows_ttft(self.engines[n])}
+            names = set(touched) | self._borrowing
         for name in names:
             inputs = self._inputs(self.engines[name], now, self._fleet_prior, True)
             kept = self._granted.get(name)
@@ -223,11 +235,12 @@ class SchedulerState(ABC):
             for name, e in self.engines.items():
                 assert self._granted[name][0] == self._inputs(e, now, fleet, True), f"{name} changed untouched"
 
-    def _prior_moved(self, touched: Iterable[str]) -> bool:
+    def _prior_moved(self, touched: Iterable[str]) -> int:
         """Whether the fleet's TTFT prior (:func:`fleet_ttft`: per role and dialect the model of the
-        engine with the most samples, :func:`better_prior`) moved with the touched engines' models,
-        found without reading the fleet: the best engine is one touched that is better, or the
-        same one refitted; one reset (drift) leaves it to the whole fleet."""
+        engine with the most samples, :func:`better_prior`) moved with the touched engines' models
+        by more than PRIOR_MOVE since the engines borrowing it were last read (1), found without
+        reading the fleet: the best engine is one touched that is better, or the same one
+        refitted; 2 when only the whole fleet can say (the best one reset by drift, or gone)."""
         moved = False
         for name in touched:
             e = self.engines[name]
@@ -239,12 +252,14 @@ class SchedulerState(ABC):
                 self._prior_engine[kind] = e
                 self._fleet_prior = {**self._fleet_prior, kind: e.ttft_model}  # (a new dict: views keep theirs)
                 moved = True
+        near = 0.0 if self.check_views else PRIOR_MOVE
         for k, b in self._prior_engine.items():
             m = b.ttft_model
             if not m.samples or self._fleet_prior.get(k) is not m or b.cfg.name not in self.engines:
-                return True  # reset, replaced, or gone
-            moved = moved or self._prior_values.get(k) != (m.a, m.b, m.c)
-        return moved
+                return 2
+            was = self._prior_values.get(k)
+            moved = moved or was is None or any(abs(x - y) > near * max(abs(y), 1e-9) for x, y in zip((m.a, m.b, m.c), was))
+        return 1 if moved else 0
 
     def granted_since(self, seq: int) -> list[EngineFacts]:
         """The engines whose granted facts changed after change number ``seq`` (O(changed))."""
@@ -255,29 +270,50 @@ class SchedulerState(ABC):
             out.append(self._granted[name][1])
         return out
 
-    def view(self, now: float, *, queued_tokens: int | None = None, frozen: bool = False,
-             since: int | None = None) -> FleetView:
+    def view(self, now: float, *, queued_tokens: int | None = None, frozen: bool = False) -> FleetView:
         """``frozen``: for a lease grant (it crosses the Ray hop: prefix sets copied, not live),
-        read O(changed) (:meth:`_refresh_granted`); with ``since`` only the engines changed after
-        that change number.  Otherwise every engine read now (the scheduler's own decisions)."""
+        read O(changed) (:meth:`_refresh_granted`).  Otherwise every engine read now (the
+        scheduler's own decisions)."""
         if frozen:
             self._refresh_granted(now)
-            if since is not None:
-                facts: Sequence[EngineFacts] = self.granted_since(since)
-            else:
-                facts = [self._granted[n][1] for n in self.engines]
-            unavailable = self._unavailable_now(self._unavailable_fleet)
-        else:
-            self._maintenance = frozenset(self.router.maintenance)
-            fleet = fleet_ttft(self.engines.values())
-            facts = [self._facts(self._inputs(e, now, fleet, False)) for e in self.engines.values()]
-            unavailable = self.unavailable(now)
-        predictive = self.cfg.admission.mode == "predictive"
+            facts = [self._granted[n][1] for n in self.engines]
+            return self._fleet_view(now, facts, queued_tokens, self._unavailable_now(self._unavailable_fleet))
+        self._maintenance = frozenset(self.router.maintenance)
+        fleet = fleet_ttft(self.engines.values())
+        facts = [self._facts(self._inputs(e, now, fleet, False)) for e in self.engines.values()]
+        return self._fleet_view(now, facts, queued_tokens, self.unavailable(now))
+
+    def grant_view(self, now: float, since: int | None, held: dict[str, AbstractSet[int]]
+                   ) -> tuple[FleetView, dict[str, AbstractSet[int]] | None]:
+        """A lease's view: whole (``since`` None), or the engines changed after change number
+        ``since``, without their prefix sets, and the sets that are not the ones the lease holds
+        (``held``, by engine: updated to what it will hold)."""
+        self._refresh_granted(now)
+        unavailable = self._unavailable_now(self._unavailable_fleet)
+        if since is None:
+            view = self.view(now, frozen=True)
+            held.clear()
+            held.update((f.cfg.name, f.prefix) for f in view.engines)
+            return view, None
+        prefixes: dict[str, AbstractSet[int]] = {}
+        bare = []
+        for f in self.granted_since(since):
+            name = f.cfg.name
+            if held.get(name) is not f.prefix:
+                prefixes[name] = held[name] = f.prefix
+            b = self._bare.get(name)
+            if b is None or b[0] is not f:
+                b = self._bare[name] = (f, f.with_prefix(frozenset()))
+            bare.append(b[1])
+        return self._fleet_view(now, bare, None, unavailable), prefixes
+
+    def _fleet_view(self, now: float, facts: Sequence[EngineFacts], queued_tokens: int | None,
+                    unavailable: str | None) -> FleetView:
         return FleetView(
             engines=tuple(facts),
             unavailable=unavailable,
             epoch=self.ha.epoch(),
-            predictive=predictive,
+            predictive=self.cfg.admission.mode == "predictive",
             queued_tokens=self._queued_tokens if queued_tokens is None else queued_tokens,
             queued=len(self.admission.queue) if queued_tokens is None else 0,
             outputs=self.outputs.table(),

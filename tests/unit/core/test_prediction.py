@@ -87,3 +87,18 @@ def test_a_per_request_cost_in_bursts_is_not_learned_as_a_per_token_cost() -> No
     assert m.predict(2000) < 0.5
     p = project(m, pending_tokens=100, prompt_tokens=10, pending_requests=10)
     assert abs(p.projected_s - (0.01 + 0.025 * 10)) < 0.1
+
+
+def test_the_margins_quantile_is_numpys_to_the_bit() -> None:
+    import random
+
+    import numpy as np
+
+    from narwhal_serve.prediction.ttft import quantile
+
+    rng = random.Random(3)
+    for n in (1, 2, 3, 7, 32, 255, 256):
+        for _ in range(50):
+            xs = [rng.lognormvariate(0, 1) - 1 for _ in range(n)]
+            for q in (0.0, 0.5, 0.9, 0.95, 0.99, 1.0, rng.random()):
+                assert quantile(sorted(xs), q) == float(np.quantile(np.array(xs), q))
