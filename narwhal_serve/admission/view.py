@@ -107,7 +107,7 @@ class _Derived:
     (:meth:`evolved`), at the cost of those.  A view's receiver makes its own: it is not sent over
     the Ray hop."""
 
-    __slots__ = ("engines", "by_name", "cold", "order", "window", "holders", "before", "_place")
+    __slots__ = ("engines", "by_name", "cold", "order", "window", "holders", "before", "_place", "sets")
 
     def __init__(self) -> None:
         self.engines: tuple[EngineFacts, ...] | None = None
@@ -126,6 +126,7 @@ class _Derived:
             # the view before's holders, and the engines changed since (read through, corrected)
             self.before: tuple[dict[int, frozenset[str]], Mapping[str, EngineFacts]] | None = None
             self._place: dict[str, int] | None = None
+            self.sets: list[tuple[str, AbstractSet[int]]] | None = None  # names and prefix sets, for scans
         return self
 
     def place(self) -> dict[str, int]:
@@ -151,7 +152,7 @@ class _Derived:
             new.order = order.updated({n: f for n, f in changed.items() if n in order})
             new.window = (max([lo] + [f.eligible_until for n, f in changed.items() if n not in order]),
                           min([hi] + [f.eligible_until for n, f in changed.items() if n in order]))
-        new.holders, new.before, new._place = {}, (self.holders, changed), self._place
+        new.holders, new.before, new._place, new.sets = {}, (self.holders, changed), self._place, None
         return new
 
     def holding(self, block: int) -> frozenset[str]:
@@ -162,8 +163,10 @@ class _Derived:
             if self.before is not None and (was := self.before[0].get(block)) is not None:
                 held = _holding_with(was, self.before[1], block)
             else:
-                assert self.engines is not None
-                held = frozenset(e.cfg.name for e in self.engines if block in e.prefix)
+                if self.sets is None:  # (names and sets side by side: a scan reads no attributes)
+                    assert self.engines is not None
+                    self.sets = [(e.cfg.name, e.prefix) for e in self.engines]
+                held = frozenset([n for n, p in self.sets if block in p])
             self.holders[block] = held
         return held
 

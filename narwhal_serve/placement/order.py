@@ -152,6 +152,10 @@ class RouteOrder(Generic[E]):
         return name in self._engine
 
     def _sources(self, changed: Mapping[str, E], only: Collection[str] | None) -> list[_Source]:
+        if only is not None and not self._prefills:  # a few engines of a unified fleet: just theirs
+            unified = sorted((bucket(f) if (f := changed.get(name)) is not None else self._bucket[name], self._n[name])
+                             for name in only if name in self._n and self._n[name] < self.first_pd)
+            return [_Source(unified)]
         moved = {name: bucket(f) for name, f in changed.items() if name in self._engine}
         if only is not None:
             unified = sorted((moved.get(name, self._bucket[name]), self._n[name]) for name in only

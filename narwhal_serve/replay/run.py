@@ -221,6 +221,8 @@ class Replay:
             svc.admit = costs.timed_async("scheduler.admit", svc.admit)  # type: ignore[method-assign,assignment]
             svc.reap = costs.timed("scheduler.periodic", svc.reap)  # type: ignore[method-assign]
             svc.start_probes = costs.timed("scheduler.periodic", svc.start_probes)  # type: ignore[method-assign]
+            # (within scheduler.report: its reads of every engine, each FULL_VIEW_S and scrape pass)
+            svc._read_all = costs.timed("scheduler.report.full_read", svc._read_all)  # type: ignore[method-assign]
         svc._client = httpx.AsyncClient(transport=httpx.MockTransport(self._handler))
         if shards and costs is not None:
             svc.kv_events.taken = costs.timed("scheduler.kv_events", svc.kv_events.taken)  # type: ignore[union-attr,method-assign]

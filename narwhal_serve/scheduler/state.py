@@ -200,27 +200,41 @@ class SchedulerState(ABC):
         self._touched = set()
         full = now - self._full_view_at >= FULL_VIEW_S or len(self._granted) != len(self.engines)
         prior = 0 if full or not self._borrowing else self._prior_moved(touched)
-        full = full or prior == 2
-        if full:
-            self._full_view_at = now
-            self._maintenance = frozenset(self.router.maintenance)
-            self._fleet_prior = fleet_ttft(self.engines.values())  # what an engine not measured yet is projected with
-            self._prior_engine = {(e.cfg.role, e.cfg.dialect): e for e in self.engines.values()
-                                  if self._fleet_prior.get((e.cfg.role, e.cfg.dialect)) is e.ttft_model}
-            self._borrowing = {n for n, e in self.engines.items() if borrows_ttft(e)}
-            self._unavailable_fleet = self._fleet_reason(now)
-            if len(self._granted) != len(self.engines) or self._granted.keys() != self.engines.keys():
-                self._members += 1
-                for name in [n for n in self._granted if n not in self.engines]:  # removed by a reload
-                    del self._granted[name]
-                    self._changed_at.pop(name, None)
-                    self._bare.pop(name, None)
-        names: Iterable[str] = self.engines if full else touched
-        if full or prior:
-            self._prior_values = {k: (m.a, m.b, m.c) for k, m in self._fleet_prior.items()}
+        if full or prior == 2:
+            self._read_all(now)
+            return
         if prior == 1:  # the engines projected with the prior read too (they only become fewer)
+            self._prior_values = {k: (m.a, m.b, m.c) for k, m in self._fleet_prior.items()}
             self._borrowing = {n for n in self._borrowing if n in self.engines and borrows_ttft(self.engines[n])}
-            names = set(touched) | self._borrowing
+            touched = list(set(touched) | self._borrowing)
+        self._read(touched, now)
+        if self.check_views:  # tests: the touched engines were all that changed
+            fleet = fleet_ttft(self.engines.values())
+            for name, e in self.engines.items():
+                assert self._granted[name][0] == self._inputs(e, now, fleet, True), f"{name} changed untouched"
+
+    def _read_all(self, now: float) -> None:
+        """Every engine's facts read, and what is read from the whole fleet with them (the TTFT
+        prior, maintenance, the monitoring's state, membership)."""
+        self._full_view_at = now
+        self._maintenance = frozenset(self.router.maintenance)
+        self._fleet_prior = fleet_ttft(self.engines.values())  # what an engine not measured yet is projected with
+        self._prior_values = {k: (m.a, m.b, m.c) for k, m in self._fleet_prior.items()}
+        self._prior_engine = {(e.cfg.role, e.cfg.dialect): e for e in self.engines.values()
+                              if self._fleet_prior.get((e.cfg.role, e.cfg.dialect)) is e.ttft_model}
+        self._borrowing = {n for n, e in self.engines.items() if borrows_ttft(e)}
+        self._unavailable_fleet = self._fleet_reason(now)
+        if len(self._granted) != len(self.engines) or self._granted.keys() != self.engines.keys():
+            self._members += 1
+            for name in [n for n in self._granted if n not in self.engines]:  # removed by a reload
+                del self._granted[name]
+                self._changed_at.pop(name, None)
+                self._bare.pop(name, None)
+        self._read(self.engines, now)
+
+    def _read(self, names: Iterable[str], now: float) -> None:
+        """These engines' facts read from their live state (an engine's facts keep their object
+        while unchanged; a new one gets the next change number)."""
         for name in names:
             inputs = self._inputs(self.engines[name], now, self._fleet_prior, True)
             kept = self._granted.get(name)
@@ -230,10 +244,6 @@ class SchedulerState(ABC):
             self._fact_seq += 1
             self._changed_at[name] = self._fact_seq
             self._changed_at.move_to_end(name)
-        if self.check_views and not full:  # tests: the touched engines were all that changed
-            fleet = fleet_ttft(self.engines.values())
-            for name, e in self.engines.items():
-                assert self._granted[name][0] == self._inputs(e, now, fleet, True), f"{name} changed untouched"
 
     def _prior_moved(self, touched: Iterable[str]) -> int:
         """Whether the fleet's TTFT prior (:func:`fleet_ttft`: per role and dialect the model of the
