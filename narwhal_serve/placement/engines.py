@@ -133,19 +133,12 @@ def fleet_ttft(engines: Iterable[EngineState]) -> dict[tuple[str, str], PrefillM
     no measurement of its own and no prior from its operator is projected with (a generic prior
     would make it look faster or slower than the fleet it joins; at a thousand engines most are
     such, and a too slow prior refused their long prompts as over the budget on their own)."""
-    best: dict[tuple[str, str], EngineState] = {}
+    out: dict[tuple[str, str], PrefillModel] = {}
     for e in engines:
-        kind = (e.cfg.role, e.cfg.dialect)
-        if e.ttft_model.samples and (kind not in best or better_prior(e, best[kind])):
-            best[kind] = e
-    return {kind: e.ttft_model for kind, e in best.items()}
-
-
-def better_prior(e: EngineState, than: EngineState) -> bool:
-    """Whether ``e``'s TTFT model is the fleet's prior rather than ``than``'s: more samples, or as
-    many and the first name (an order that does not depend on the fleet's)."""
-    n, m = len(e.ttft_model.samples), len(than.ttft_model.samples)
-    return n > m or (n == m and e.cfg.name < than.cfg.name)
+        m, kind = e.ttft_model, (e.cfg.role, e.cfg.dialect)
+        if m.samples and (kind not in out or len(m.samples) > len(out[kind].samples)):
+            out[kind] = m
+    return out
 
 
 def borrows_ttft(e: EngineState) -> bool:

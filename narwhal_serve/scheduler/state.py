@@ -23,7 +23,7 @@ from narwhal_serve.admission.ledger import Ticket
 from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.ha.state import RouterState
-from narwhal_serve.placement.engines import EngineState, better_prior, borrows_ttft, fleet_ttft
+from narwhal_serve.placement.engines import EngineState, borrows_ttft, fleet_ttft
 from narwhal_serve.prediction.ttft import PrefillModel
 from narwhal_serve.prediction.decode import OutputLengths
 from narwhal_serve.scheduler.ha import RouterHA
@@ -45,10 +45,6 @@ from narwhal_serve.tenants.tally import TenantTally
 # touched: their tickets, reports, KV changes); what changes with time alone (a breaker's open
 # period ending) or without a touch (the fleet's TTFT prior) reaches the leases within it
 FULL_VIEW_S = 0.25
-# the fleet's TTFT prior moving by more than this (relative, any coefficient) has the engines that
-# borrow it read at once (all of them, at a thousand engines before most have measured their own);
-# a smaller move waits for the next full read (exact when views are checked)
-PRIOR_MOVE = 0.05
 
 
 @dataclass
@@ -126,6 +122,7 @@ class SchedulerState(ABC):
         self._prior_values: dict[tuple[str, str], tuple[float, float, float]] = {}  # as last granted
         self._prior_engine: dict[tuple[str, str], EngineState] = {}  # whose model the prior is
         self._borrowing: set[str] = set()  # engines projected with the fleet's prior (a superset)
+        self._place: dict[str, int] = {}  # each engine's place in the fleet's order
         self._waves: set[str] = set()
         self._unavailable_fleet: str | None = None
         self._client: httpx.AsyncClient | None = None
@@ -226,6 +223,7 @@ class SchedulerState(ABC):
         self._unavailable_fleet = self._fleet_reason(now)
         if len(self._granted) != len(self.engines) or self._granted.keys() != self.engines.keys():
             self._members += 1
+            self._place = {name: i for i, name in enumerate(self.engines)}
             for name in [n for n in self._granted if n not in self.engines]:  # removed by a reload
                 del self._granted[name]
                 self._changed_at.pop(name, None)
@@ -245,10 +243,16 @@ class SchedulerState(ABC):
             self._changed_at[name] = self._fact_seq
             self._changed_at.move_to_end(name)
 
+    def _better_prior(self, e: EngineState, than: EngineState) -> bool:
+        """:func:`fleet_ttft`'s choice between two engines: more samples, or as many and first in
+        the fleet's order."""
+        n, m = len(e.ttft_model.samples), len(than.ttft_model.samples)
+        return n > m or (n == m and self._place[e.cfg.name] < self._place[than.cfg.name])
+
     def _prior_moved(self, touched: Iterable[str]) -> int:
         """Whether the fleet's TTFT prior (:func:`fleet_ttft`: per role and dialect the model of the
-        engine with the most samples, :func:`better_prior`) moved with the touched engines' models
-        by more than PRIOR_MOVE since the engines borrowing it were last read (1), found without
+        engine with the most samples, the first in the fleet's order of those) moved with the
+        touched engines' models since the engines borrowing it were last read (1), found without
         reading the fleet: the best engine is one touched that is better, or the same one
         refitted; 2 when only the whole fleet can say (the best one reset by drift, or gone)."""
         moved = False
@@ -258,17 +262,15 @@ class SchedulerState(ABC):
                 continue
             kind = (e.cfg.role, e.cfg.dialect)
             best = self._prior_engine.get(kind)
-            if best is None or (best is not e and better_prior(e, best)):
+            if best is None or (best is not e and self._better_prior(e, best)):
                 self._prior_engine[kind] = e
                 self._fleet_prior = {**self._fleet_prior, kind: e.ttft_model}  # (a new dict: views keep theirs)
                 moved = True
-        near = 0.0 if self.check_views else PRIOR_MOVE
         for k, b in self._prior_engine.items():
             m = b.ttft_model
             if not m.samples or self._fleet_prior.get(k) is not m or b.cfg.name not in self.engines:
                 return 2
-            was = self._prior_values.get(k)
-            moved = moved or was is None or any(abs(x - y) > near * max(abs(y), 1e-9) for x, y in zip((m.a, m.b, m.c), was))
+            moved = moved or self._prior_values.get(k) != (m.a, m.b, m.c)
         return 1 if moved else 0
 
     def granted_since(self, seq: int) -> list[EngineFacts]:
