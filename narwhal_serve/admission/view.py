@@ -123,8 +123,9 @@ class _Derived:
             self.order: RouteOrder[EngineFacts] | None = None
             self.window = (math.inf, -math.inf)
             self.holders: dict[int, frozenset[str]] = {}
-            # the view before's holders, and the engines changed since (read through, corrected)
-            self.before: tuple[dict[int, frozenset[str]], Mapping[str, EngineFacts]] | None = None
+            # the views before's holders, each with the engines changed after it (read through,
+            # corrected), the latest first; at most HOLDERS_BEFORE
+            self.before: tuple[tuple[dict[int, frozenset[str]], Mapping[str, EngineFacts]], ...] = ()
             self._place: dict[str, int] | None = None
             self.sets: list[tuple[str, AbstractSet[int]]] | None = None  # names and prefix sets, for scans
         return self
@@ -152,7 +153,8 @@ class _Derived:
             new.order = order.updated({n: f for n, f in changed.items() if n in order})
             new.window = (max([lo] + [f.eligible_until for n, f in changed.items() if n not in order]),
                           min([hi] + [f.eligible_until for n, f in changed.items() if n in order]))
-        new.holders, new.before, new._place, new.sets = {}, (self.holders, changed), self._place, None
+        new.holders, new._place, new.sets = {}, self._place, None
+        new.before = ((self.holders, changed),) + self.before[:HOLDERS_BEFORE - 1]
         return new
 
     def holding(self, block: int) -> frozenset[str]:
@@ -160,8 +162,12 @@ class _Derived:
         if held is None:
             if len(self.holders) >= HOLDERS_MEMO:
                 self.holders.clear()
-            if self.before is not None and (was := self.before[0].get(block)) is not None:
-                held = _holding_with(was, self.before[1], block)
+            for i, (holders, _) in enumerate(self.before):
+                if (was := holders.get(block)) is not None:
+                    for j in range(i, -1, -1):  # the changes since, the oldest first
+                        was = _holding_with(was, self.before[j][1], block)
+                    held = was
+                    break
             else:
                 if self.sets is None:  # (names and sets side by side: a scan reads no attributes)
                     assert self.engines is not None
@@ -209,6 +215,7 @@ def _cold(engines: tuple[EngineFacts, ...]) -> tuple[float, float] | None:
 
 
 HOLDERS_MEMO = 4096  # blocks whose holders a view remembers
+HOLDERS_BEFORE = 8  # views before whose memos a view reads through (each with its changes since)
 HOLDERS_SCAN = 64  # fewer candidate holders than this are looked at directly (no fleet-wide look)
 
 
