@@ -74,7 +74,34 @@ def _followed(e: EngineState, placement: PlacementConfig) -> bool:
     return e.cfg.kv_events is not None and placement.prefix_aware
 
 
-class KVEventFeeds:
+async def _cancelled(tasks: Iterable[asyncio.Task[None]]) -> None:
+    tasks = list(tasks)
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+
+
+class _Feeds:
+    """What both kinds of feed do alike."""
+
+    def start(self, engines: Iterable[EngineState]) -> None:
+        raise NotImplementedError
+
+    def drop(self, name: str) -> None:
+        raise NotImplementedError
+
+    def restart(self, e: EngineState) -> None:
+        """The engine's process changed (a managed engine's new replica): follow its new sockets."""
+        self.drop(e.cfg.name)
+        if e.cfg.kv_events is None:
+            e.prefix_exact = False
+            return
+        self.start([e])
+
+
+class KVEventFeeds(_Feeds):
     """One subscriber task per engine, in this process."""
 
     def __init__(self, placement: PlacementConfig, touch: Callable[[str], None] = _untouched) -> None:
@@ -94,14 +121,6 @@ class KVEventFeeds:
             task = asyncio.get_running_loop().create_task(follow_forever(sub), name=f"kv-events-{e.cfg.name}")
             self._tasks[e.cfg.name] = task
 
-    def restart(self, e: EngineState) -> None:
-        """The engine's process changed (a managed engine's new replica): follow its new sockets."""
-        self.drop(e.cfg.name)
-        if e.cfg.kv_events is None:
-            e.prefix_exact = False
-            return
-        self.start([e])
-
     def drop(self, name: str) -> None:
         task = self._tasks.pop(name, None)
         self.subs.pop(name, None)
@@ -111,11 +130,7 @@ class KVEventFeeds:
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
         self._tasks.clear()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await _cancelled(tasks)
 
     def view(self, name: str) -> dict[str, Any] | None:
         sub = self.subs.get(name)
@@ -126,7 +141,7 @@ class KVEventFeeds:
         return False
 
 
-class ShardedKVFeeds:
+class ShardedKVFeeds(_Feeds):
     """The engines' KV events followed by shards (:mod:`narwhal_serve.kvevents.shard`): per shard one
     task sends it what to follow or drop, in order, and one takes its changes (a long poll) and
     applies them to the engines' prefix sets.  A shard that restarted (a new incarnation), or one a
@@ -179,13 +194,6 @@ class ShardedKVFeeds:
         self.touch(e.cfg.name)
         self.followed[e.cfg.name] = (i, gen, e)
         self._commands[i].put_nowait(("follow", e.cfg.name, str(gen), ev.endpoint, ev.replay_endpoint or "", ev.topic))
-
-    def restart(self, e: EngineState) -> None:
-        self.drop(e.cfg.name)
-        if e.cfg.kv_events is None:
-            e.prefix_exact = False
-            return
-        self.start([e])
 
     def drop(self, name: str) -> None:
         got = self.followed.pop(name, None)
@@ -290,11 +298,7 @@ class ShardedKVFeeds:
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await _cancelled(tasks)
 
     def view(self, name: str) -> dict[str, Any] | None:
         got = self.followed.get(name)
