@@ -154,26 +154,40 @@ class _Derived:
             new.window = (max([lo] + [f.eligible_until for n, f in changed.items() if n not in order]),
                           min([hi] + [f.eligible_until for n, f in changed.items() if n in order]))
         new.holders, new._place, new.sets = {}, self._place, None
+        if self.sets is not None:  # the same engines in the same places: only the changed ones' sets are new
+            place = self.place()
+            new._place, new.sets = place, list(self.sets)
+            for name, f in changed.items():
+                new.sets[place[name]] = (name, f.prefix)
         new.before = ((self.holders, changed),) + self.before[:HOLDERS_BEFORE - 1]
         return new
 
-    def holding(self, block: int) -> frozenset[str]:
+    def known(self, block: int) -> frozenset[str] | None:
+        """The holders of ``block`` as remembered here or in the views before (corrected by the
+        changes since); None when none remembers."""
         held = self.holders.get(block)
         if held is None:
-            if len(self.holders) >= HOLDERS_MEMO:
-                self.holders.clear()
             for i, (holders, _) in enumerate(self.before):
                 if (was := holders.get(block)) is not None:
                     for j in range(i, -1, -1):  # the changes since, the oldest first
                         was = _holding_with(was, self.before[j][1], block)
-                    held = was
+                    held = self._remember(block, was)
                     break
-            else:
-                if self.sets is None:  # (names and sets side by side: a scan reads no attributes)
-                    assert self.engines is not None
-                    self.sets = [(e.cfg.name, e.prefix) for e in self.engines]
-                held = frozenset([n for n, p in self.sets if block in p])
-            self.holders[block] = held
+        return held
+
+    def _remember(self, block: int, held: frozenset[str]) -> frozenset[str]:
+        if len(self.holders) >= HOLDERS_MEMO:
+            self.holders.clear()
+        self.holders[block] = held
+        return held
+
+    def holding(self, block: int) -> frozenset[str]:
+        held = self.known(block)
+        if held is None:
+            if self.sets is None:  # (names and sets side by side: a scan reads no attributes)
+                assert self.engines is not None
+                self.sets = [(e.cfg.name, e.prefix) for e in self.engines]
+            held = self._remember(block, frozenset([n for n, p in self.sets if block in p]))
         return held
 
 
@@ -288,13 +302,23 @@ class FleetView:
         while held and lo < hi:
             mid = (lo + hi + 1) // 2
             b = prefix[mid]
-            deeper = self.holding(b) & held if len(held) > HOLDERS_SCAN else \
-                frozenset(n for n in held if b in facts[n].prefix)
+            deeper = self._among(b, held, facts)
             if deeper:
                 lo, held = mid, deeper
             else:
                 hi = mid - 1
         return held
+
+    def _among(self, block: int, held: frozenset[str], facts: Mapping[str, EngineFacts]) -> frozenset[str]:
+        """The engines of ``held`` holding ``block``: from the holders remembered; else, with
+        ``held`` most of the fleet, from a look at the fleet (remembered for the next decision);
+        else from a look at ``held`` alone."""
+        d = self._d()
+        if len(held) > HOLDERS_SCAN:
+            known = d.known(block)
+            if known is not None or 2 * len(held) > len(self.engines):
+                return self.holding(block) & held
+        return frozenset(n for n in held if block in facts[n].prefix)
 
     def cold_tpot(self) -> tuple[float, float] | None:
         """The best measured TPOT model (what an engine with none yet is ranked with)."""

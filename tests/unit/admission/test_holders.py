@@ -1,0 +1,69 @@
+"""A view's holders of a block and its deepest holders of a prompt, through a chain of grants'
+deltas (each view reading through its predecessors' remembered holders, its sets carried over
+with the changed engines' new ones, and a holder's own changes over it), equal the engines'
+prefix sets looked at one by one."""
+
+from __future__ import annotations
+
+import random
+
+from narwhal_serve.admission.view import HOLDERS_SCAN, EngineFacts, FleetView
+from narwhal_serve.config import EngineConfig
+from narwhal_serve.engines.metrics import EngineLoad
+
+BLOCKS = 40
+
+
+def _facts(i: int, prefix: frozenset[int]) -> EngineFacts:
+    return EngineFacts(cfg=EngineConfig(name=f"u{i}", url=f"http://127.0.0.1:{9000 + i}"), eligible_until=10.0,
+                       inflight=0, load=EngineLoad(), pending_prefill_tokens=0, ttft_a=0.01, ttft_b=1e-4,
+                       slots=None, service_s=None, prefix=prefix)
+
+
+def _prefix(rng: random.Random) -> frozenset[int]:
+    """A cache's blocks: a prompt's first ``n`` (caches fill and evict from a prefix's end), or a few
+    at random (an engine whose blocks are not one prefix)."""
+    if rng.random() < 0.8:
+        return frozenset(range(rng.randint(0, BLOCKS)))
+    return frozenset(rng.sample(range(BLOCKS), rng.randint(0, 6)))
+
+
+def _deepest(engines: dict[str, EngineFacts], prompt: tuple[int, ...]) -> frozenset[str]:
+    """``FleetView.deepest`` by definition: halving the depth over every engine's set."""
+    held = frozenset(n for n, f in engines.items() if prompt and prompt[0] in f.prefix)
+    lo, hi = 0, len(prompt) - 1
+    while held and lo < hi:
+        mid = (lo + hi + 1) // 2
+        deeper = frozenset(n for n in held if prompt[mid] in engines[n].prefix)
+        if deeper:
+            lo, held = mid, deeper
+        else:
+            hi = mid - 1
+    return held
+
+
+def test_holders_through_a_chain_of_deltas_equal_a_look_at_every_engine() -> None:
+    rng = random.Random(3)
+    size = 3 * HOLDERS_SCAN  # past the size where a view looks at its candidates directly
+    current = {f"u{i}": _facts(i, _prefix(rng)) for i in range(size)}
+    view = FleetView(engines=tuple(current.values()), unavailable=None, predictive=True)
+    for step in range(120):
+        changed = rng.sample(sorted(current), rng.choice([0, 1, 3, 20, size // 2]))
+        for name in changed:
+            current[name] = current[name].with_prefix(_prefix(rng))
+        delta = FleetView(engines=tuple(current[n] for n in changed), unavailable=None, predictive=True)
+        merged = view.merged(delta, ())
+        assert merged is not None
+        view = merged
+        own = {}  # the holder's own placements since, over the view
+        for name in rng.sample(sorted(current), rng.choice([0, 0, 2])):
+            own[name] = current[name].with_prefix(current[name].prefix | {rng.randrange(BLOCKS)})
+        looked = FleetView(engines=view.engines, unavailable=None, predictive=True, changed=own,
+                           _derived=view._derived) if own else view
+        seen = {**current, **own}
+        for _ in range(6):
+            block = rng.randrange(BLOCKS)
+            assert looked.holding(block) == frozenset(n for n, f in seen.items() if block in f.prefix)
+            start = rng.randrange(BLOCKS)
+            prompt = tuple(range(start, min(BLOCKS, start + rng.randint(1, BLOCKS))))
+            assert looked.deepest(prompt) == _deepest(seen, prompt), (step, prompt)
