@@ -18,3 +18,71 @@ leases run, and the one ticket ledger after it (pure: no Ray, no I/O).
 * :mod:`.wire` — What a lease and the scheduler tell each other across the Ray hop: the ingress's
   part of a report (its placements, permits in use and given back) and ...
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from narwhal_serve.exports import lazy_exports
+
+# the package's public names (what the rest of Narwhal uses), each with the module that defines it:
+# imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
+_EXPORTS = {
+    "AdmissionController": "controller",
+    "AdmissionLease": "lease",
+    "Ask": "core",
+    "CounterDelta": "counters",
+    "Counters": "counters",
+    "EngineFacts": "core",
+    "Enqueued": "controller",
+    "FleetView": "view",
+    "Grant": "controller",
+    "LeaseGrant": "wire",
+    "LeasePart": "wire",
+    "LocalPlacement": "wire",
+    "MAX_RESERVATIONS": "retry",
+    "NONE": "controller",
+    "Permits": "controller",
+    "Placement": "core",
+    "Refusal": "controller",
+    "Reservation": "retry",
+    "Ticket": "ledger",
+    "decide": "core",
+    "earliest": "retry",
+    "rank": "core",
+    "retry_count": "retry",
+    "unbalanced": "counters",
+}
+__all__ = [
+    "AdmissionController", "AdmissionLease", "Ask", "CounterDelta", "Counters", "EngineFacts", "Enqueued",
+    "FleetView", "Grant", "LeaseGrant", "LeasePart", "LocalPlacement", "MAX_RESERVATIONS", "NONE", "Permits",
+    "Placement", "Refusal", "Reservation", "Ticket", "decide", "earliest", "rank", "retry_count",
+    "unbalanced",
+]
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+
+if TYPE_CHECKING:
+    from narwhal_serve.admission.controller import AdmissionController as AdmissionController
+    from narwhal_serve.admission.lease import AdmissionLease as AdmissionLease
+    from narwhal_serve.admission.core import Ask as Ask
+    from narwhal_serve.admission.counters import CounterDelta as CounterDelta
+    from narwhal_serve.admission.counters import Counters as Counters
+    from narwhal_serve.admission.core import EngineFacts as EngineFacts
+    from narwhal_serve.admission.controller import Enqueued as Enqueued
+    from narwhal_serve.admission.view import FleetView as FleetView
+    from narwhal_serve.admission.controller import Grant as Grant
+    from narwhal_serve.admission.wire import LeaseGrant as LeaseGrant
+    from narwhal_serve.admission.wire import LeasePart as LeasePart
+    from narwhal_serve.admission.wire import LocalPlacement as LocalPlacement
+    from narwhal_serve.admission.retry import MAX_RESERVATIONS as MAX_RESERVATIONS
+    from narwhal_serve.admission.controller import NONE as NONE
+    from narwhal_serve.admission.controller import Permits as Permits
+    from narwhal_serve.admission.core import Placement as Placement
+    from narwhal_serve.admission.controller import Refusal as Refusal
+    from narwhal_serve.admission.retry import Reservation as Reservation
+    from narwhal_serve.admission.ledger import Ticket as Ticket
+    from narwhal_serve.admission.core import decide as decide
+    from narwhal_serve.admission.retry import earliest as earliest
+    from narwhal_serve.admission.core import rank as rank
+    from narwhal_serve.admission.retry import retry_count as retry_count
+    from narwhal_serve.admission.counters import unbalanced as unbalanced

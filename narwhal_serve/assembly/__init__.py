@@ -5,8 +5,23 @@ Pure functions and classes over parsed JSON dicts (no I/O, no Ray/HTTP imports).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from narwhal_serve.exports import lazy_exports
+
 from .exposure import expose
 from .fold import Assembler
 from .tokens import check_prompt_token_ids, check_token_ids
 
-__all__ = ["Assembler", "check_prompt_token_ids", "check_token_ids", "expose"]
+# the package's public names (what the rest of Narwhal uses), each with the module that defines it:
+# imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
+_EXPORTS = {
+    "computed_usage": "usage",
+}
+__all__ = [
+    "Assembler", "check_prompt_token_ids", "check_token_ids", "computed_usage", "expose",
+]
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+
+if TYPE_CHECKING:
+    from narwhal_serve.assembly.usage import computed_usage as computed_usage

@@ -6,7 +6,7 @@ Some sections live in their own modules: :mod:`.launch` (a managed engine's laun
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
@@ -17,6 +17,7 @@ from narwhal_serve.config.launch import slot_names
 from narwhal_serve.config.sim import SimEngineConfig as SimEngineConfig
 from narwhal_serve.config.tenants import TenantSpec as TenantSpec
 from narwhal_serve.config.tenants import TenantsConfig as TenantsConfig
+from narwhal_serve.exports import lazy_exports
 
 
 class ServingConfig(_Strict):
@@ -352,3 +353,23 @@ def format_validation_error(exc: Exception) -> str:
         else:
             lines.append(f"config key '{loc}': {err['msg']}")
     return "invalid Narwhal config: " + "; ".join(lines)
+
+
+# the package's public names (what the rest of Narwhal uses), each with the module that defines it:
+# imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
+_EXPORTS = {
+    "FAULT_NAMES": "sim",
+    "SCRIPT_NAMES": "sim",
+}
+__all__ = [
+    "AdminConfig", "AdmissionConfig", "DeploymentKnobs", "EngineConfig", "FAULT_NAMES", "HAConfig",
+    "KVEventsEndpoint", "LaunchSpec", "LeaseConfig", "MonitoringConfig", "NarwhalConfig",
+    "ObservabilityConfig", "PhaseConcurrency", "PlacementConfig", "PriorityClass", "SCRIPT_NAMES",
+    "ServingConfig", "SimEngineConfig", "SimFleetConfig", "TenantSpec", "TenantsConfig",
+    "format_validation_error", "slot_names",
+]
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+
+if TYPE_CHECKING:
+    from narwhal_serve.config.sim import FAULT_NAMES as FAULT_NAMES
+    from narwhal_serve.config.sim import SCRIPT_NAMES as SCRIPT_NAMES

@@ -14,3 +14,50 @@ SSE and /metrics plumbing to them.
 * :mod:`.vllm` — vLLM dialect (docs/contract.md, "Engine dialects and token identity"): token IDs on
   every chunk, P/D by the two-step kv_transfer_params protocol.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from narwhal_serve.exports import lazy_exports
+
+# the package's public names (what the rest of Narwhal uses), each with the module that defines it:
+# imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
+_EXPORTS = {
+    "EngineFailure": "errors",
+    "EngineLoad": "metrics",
+    "FaultKind": "errors",
+    "LegCursor": "legs",
+    "PATHS": "dialect",
+    "SSEDecoder": "sse",
+    "TRANSPORT_ERRORS": "client",
+    "dialect_of": "legs",
+    "engine_client": "client",
+    "open_route": "legs",
+    "parse_engine_metrics": "metrics",
+    "post_json": "client",
+    "prioritized": "legs",
+    "stream_chunks": "client",
+}
+__all__ = [
+    "EngineFailure", "EngineLoad", "FaultKind", "LegCursor", "PATHS", "SSEDecoder", "TRANSPORT_ERRORS",
+    "dialect_of", "engine_client", "open_route", "parse_engine_metrics", "post_json", "prioritized",
+    "stream_chunks",
+]
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+
+if TYPE_CHECKING:
+    from narwhal_serve.engines.errors import EngineFailure as EngineFailure
+    from narwhal_serve.engines.metrics import EngineLoad as EngineLoad
+    from narwhal_serve.engines.errors import FaultKind as FaultKind
+    from narwhal_serve.engines.legs import LegCursor as LegCursor
+    from narwhal_serve.engines.dialect import PATHS as PATHS
+    from narwhal_serve.engines.sse import SSEDecoder as SSEDecoder
+    from narwhal_serve.engines.client import TRANSPORT_ERRORS as TRANSPORT_ERRORS
+    from narwhal_serve.engines.legs import dialect_of as dialect_of
+    from narwhal_serve.engines.client import engine_client as engine_client
+    from narwhal_serve.engines.legs import open_route as open_route
+    from narwhal_serve.engines.metrics import parse_engine_metrics as parse_engine_metrics
+    from narwhal_serve.engines.client import post_json as post_json
+    from narwhal_serve.engines.legs import prioritized as prioritized
+    from narwhal_serve.engines.client import stream_chunks as stream_chunks

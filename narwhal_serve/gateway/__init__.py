@@ -17,3 +17,26 @@
 * :mod:`.tokenize` — ``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes, from the router's
   own tokenizer.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from narwhal_serve.exports import lazy_exports
+
+# the package's public names (what the rest of Narwhal uses), each with the module that defines it:
+# imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
+_EXPORTS = {
+    "Refused": "admit",
+    "Reporter": "reporter",
+    "build_api": "app",
+}
+__all__ = [
+    "Refused", "Reporter", "build_api",
+]
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+
+if TYPE_CHECKING:
+    from narwhal_serve.gateway.admit import Refused as Refused
+    from narwhal_serve.gateway.reporter import Reporter as Reporter
+    from narwhal_serve.gateway.app import build_api as build_api

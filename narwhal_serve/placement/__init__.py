@@ -10,3 +10,65 @@
 * :mod:`.prefix` — Prefix-aware placement: which engine already holds a request's prompt prefix (its
   KV blocks).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from narwhal_serve.exports import lazy_exports
+
+# the package's public names (what the rest of Narwhal uses), each with the module that defines it:
+# imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
+_EXPORTS = {
+    "Breaker": "health",
+    "CREDIT_EWMA": "prefix",
+    "EngineState": "engines",
+    "MAX_CANDIDATES": "picker",
+    "PROFILE_OUTPUT_TOKENS": "drift",
+    "PROFILE_PROMPT_CHARS": "drift",
+    "PrefixIndex": "prefix",
+    "ProfileErrors": "drift",
+    "RouteOrder": "order",
+    "SetUnion": "prefix",
+    "adopt_fleet_prior": "engines",
+    "borrows_ttft": "engines",
+    "fleet_ttft": "engines",
+    "index_capacity": "prefix",
+    "matched_blocks": "prefix",
+    "may_open": "health",
+    "next_id_block_hash": "prefix",
+    "rel_error": "drift",
+    "request_prefix": "prefix",
+    "resume_targets": "picker",
+    "was_hit": "prefix",
+}
+__all__ = [
+    "Breaker", "CREDIT_EWMA", "EngineState", "MAX_CANDIDATES", "PROFILE_OUTPUT_TOKENS",
+    "PROFILE_PROMPT_CHARS", "PrefixIndex", "ProfileErrors", "RouteOrder", "SetUnion", "adopt_fleet_prior",
+    "borrows_ttft", "fleet_ttft", "index_capacity", "matched_blocks", "may_open", "next_id_block_hash",
+    "rel_error", "request_prefix", "resume_targets", "was_hit",
+]
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+
+if TYPE_CHECKING:
+    from narwhal_serve.placement.health import Breaker as Breaker
+    from narwhal_serve.placement.prefix import CREDIT_EWMA as CREDIT_EWMA
+    from narwhal_serve.placement.engines import EngineState as EngineState
+    from narwhal_serve.placement.picker import MAX_CANDIDATES as MAX_CANDIDATES
+    from narwhal_serve.placement.drift import PROFILE_OUTPUT_TOKENS as PROFILE_OUTPUT_TOKENS
+    from narwhal_serve.placement.drift import PROFILE_PROMPT_CHARS as PROFILE_PROMPT_CHARS
+    from narwhal_serve.placement.prefix import PrefixIndex as PrefixIndex
+    from narwhal_serve.placement.drift import ProfileErrors as ProfileErrors
+    from narwhal_serve.placement.order import RouteOrder as RouteOrder
+    from narwhal_serve.placement.prefix import SetUnion as SetUnion
+    from narwhal_serve.placement.engines import adopt_fleet_prior as adopt_fleet_prior
+    from narwhal_serve.placement.engines import borrows_ttft as borrows_ttft
+    from narwhal_serve.placement.engines import fleet_ttft as fleet_ttft
+    from narwhal_serve.placement.prefix import index_capacity as index_capacity
+    from narwhal_serve.placement.prefix import matched_blocks as matched_blocks
+    from narwhal_serve.placement.health import may_open as may_open
+    from narwhal_serve.placement.prefix import next_id_block_hash as next_id_block_hash
+    from narwhal_serve.placement.drift import rel_error as rel_error
+    from narwhal_serve.placement.prefix import request_prefix as request_prefix
+    from narwhal_serve.placement.picker import resume_targets as resume_targets
+    from narwhal_serve.placement.prefix import was_hit as was_hit

@@ -4,3 +4,54 @@
   running batch, output lengths, and what is left of a running ...
 * :mod:`.ttft` — TTFT projection for predictive admission, fitted to measured data.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from narwhal_serve.exports import lazy_exports
+
+# the package's public names (what the rest of Narwhal uses), each with the module that defines it:
+# imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
+_EXPORTS = {
+    "DEFAULT_OUTPUT_PRIOR": "decode",
+    "ErrorWindow": "ttft",
+    "OutputLengths": "decode",
+    "PRIOR_A": "ttft",
+    "PRIOR_B": "ttft",
+    "PRIOR_TPOT_A": "decode",
+    "PrefillModel": "ttft",
+    "Projection": "ttft",
+    "TpotModel": "decode",
+    "expected_output": "decode",
+    "linear_ttft": "ttft",
+    "project_linear": "ttft",
+    "remaining_tokens": "decode",
+    "slot_wait_s": "ttft",
+    "tpot_at": "decode",
+    "with_margin": "ttft",
+}
+__all__ = [
+    "DEFAULT_OUTPUT_PRIOR", "ErrorWindow", "OutputLengths", "PRIOR_A", "PRIOR_B", "PRIOR_TPOT_A",
+    "PrefillModel", "Projection", "TpotModel", "expected_output", "linear_ttft", "project_linear",
+    "remaining_tokens", "slot_wait_s", "tpot_at", "with_margin",
+]
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+
+if TYPE_CHECKING:
+    from narwhal_serve.prediction.decode import DEFAULT_OUTPUT_PRIOR as DEFAULT_OUTPUT_PRIOR
+    from narwhal_serve.prediction.ttft import ErrorWindow as ErrorWindow
+    from narwhal_serve.prediction.decode import OutputLengths as OutputLengths
+    from narwhal_serve.prediction.ttft import PRIOR_A as PRIOR_A
+    from narwhal_serve.prediction.ttft import PRIOR_B as PRIOR_B
+    from narwhal_serve.prediction.decode import PRIOR_TPOT_A as PRIOR_TPOT_A
+    from narwhal_serve.prediction.ttft import PrefillModel as PrefillModel
+    from narwhal_serve.prediction.ttft import Projection as Projection
+    from narwhal_serve.prediction.decode import TpotModel as TpotModel
+    from narwhal_serve.prediction.decode import expected_output as expected_output
+    from narwhal_serve.prediction.ttft import linear_ttft as linear_ttft
+    from narwhal_serve.prediction.ttft import project_linear as project_linear
+    from narwhal_serve.prediction.decode import remaining_tokens as remaining_tokens
+    from narwhal_serve.prediction.ttft import slot_wait_s as slot_wait_s
+    from narwhal_serve.prediction.decode import tpot_at as tpot_at
+    from narwhal_serve.prediction.ttft import with_margin as with_margin

@@ -11,3 +11,56 @@
 * :mod:`.stats` — What the router did for one finished request, as the relay measured it: read by
   the scheduler's models, the tenants' tallies, the request log and the ...
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from narwhal_serve.exports import lazy_exports
+
+# the package's public names (what the rest of Narwhal uses), each with the module that defines it:
+# imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
+_EXPORTS = {
+    "CHARS_PER_TOKEN": "estimate",
+    "DONE_EVENT": "sse",
+    "KNOWN_REASONS": "outcomes",
+    "Outcome": "outcomes",
+    "ParsedRequest": "requests",
+    "PlacedRequest": "placement",
+    "RelayStats": "stats",
+    "Route": "requests",
+    "RouteChoice": "placement",
+    "TERMINAL": "outcomes",
+    "check_messages": "requests",
+    "decode_json": "requests",
+    "error_events": "sse",
+    "estimate_tokens": "estimate",
+    "model_not_found": "requests",
+    "parse_request": "requests",
+    "sse_event": "sse",
+}
+__all__ = [
+    "CHARS_PER_TOKEN", "DONE_EVENT", "KNOWN_REASONS", "Outcome", "ParsedRequest", "PlacedRequest",
+    "RelayStats", "Route", "RouteChoice", "TERMINAL", "check_messages", "decode_json", "error_events",
+    "estimate_tokens", "model_not_found", "parse_request", "sse_event",
+]
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+
+if TYPE_CHECKING:
+    from narwhal_serve.protocol.estimate import CHARS_PER_TOKEN as CHARS_PER_TOKEN
+    from narwhal_serve.protocol.sse import DONE_EVENT as DONE_EVENT
+    from narwhal_serve.protocol.outcomes import KNOWN_REASONS as KNOWN_REASONS
+    from narwhal_serve.protocol.outcomes import Outcome as Outcome
+    from narwhal_serve.protocol.requests import ParsedRequest as ParsedRequest
+    from narwhal_serve.protocol.placement import PlacedRequest as PlacedRequest
+    from narwhal_serve.protocol.stats import RelayStats as RelayStats
+    from narwhal_serve.protocol.requests import Route as Route
+    from narwhal_serve.protocol.placement import RouteChoice as RouteChoice
+    from narwhal_serve.protocol.outcomes import TERMINAL as TERMINAL
+    from narwhal_serve.protocol.requests import check_messages as check_messages
+    from narwhal_serve.protocol.requests import decode_json as decode_json
+    from narwhal_serve.protocol.sse import error_events as error_events
+    from narwhal_serve.protocol.estimate import estimate_tokens as estimate_tokens
+    from narwhal_serve.protocol.requests import model_not_found as model_not_found
+    from narwhal_serve.protocol.requests import parse_request as parse_request
+    from narwhal_serve.protocol.sse import sse_event as sse_event

@@ -32,3 +32,34 @@ counters.
 * :mod:`.tickets` — The scheduler's tickets: each admitted request's charges on the engines (the
   ledger's, ``admission/ledger.py``, applied to the engines' live counts), ...
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from narwhal_serve.exports import lazy_exports
+
+# the package's public names (what the rest of Narwhal uses), each with the module that defines it:
+# imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
+_EXPORTS = {
+    "AdmitRequest": "messages",
+    "AdmitResult": "messages",
+    "Report": "messages",
+    "SchedulerApi": "api",
+    "SchedulerService": "service",
+    "exact_index": "kvfeeds",
+    "scraped": "monitor",
+}
+__all__ = [
+    "AdmitRequest", "AdmitResult", "Report", "SchedulerApi", "SchedulerService", "exact_index", "scraped",
+]
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+
+if TYPE_CHECKING:
+    from narwhal_serve.scheduler.messages import AdmitRequest as AdmitRequest
+    from narwhal_serve.scheduler.messages import AdmitResult as AdmitResult
+    from narwhal_serve.scheduler.messages import Report as Report
+    from narwhal_serve.scheduler.api import SchedulerApi as SchedulerApi
+    from narwhal_serve.scheduler.service import SchedulerService as SchedulerService
+    from narwhal_serve.scheduler.kvfeeds import exact_index as exact_index
+    from narwhal_serve.scheduler.monitor import scraped as scraped

@@ -11,6 +11,38 @@
 * :mod:`.sizer` — per request: exact IDs off the event loop, or the estimate, and which it was.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from narwhal_serve.exports import lazy_exports
+
 from narwhal_serve.protocol.estimate import CHARS_PER_TOKEN, estimate_tokens
 
-__all__ = ["CHARS_PER_TOKEN", "estimate_tokens"]
+# the package's public names (what the rest of Narwhal uses), each with the module that defines it:
+# imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
+_EXPORTS = {
+    "Encoded": "hf",
+    "NotExact": "chat",
+    "PromptSizer": "sizer",
+    "Sized": "sizer",
+    "TokenCache": "cache",
+    "Tokenizer": "sizer",
+    "outside_vocabulary": "sizer",
+    "text_prompt": "hf",
+}
+__all__ = [
+    "CHARS_PER_TOKEN", "Encoded", "NotExact", "PromptSizer", "Sized", "TokenCache", "Tokenizer",
+    "estimate_tokens", "outside_vocabulary", "text_prompt",
+]
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+
+if TYPE_CHECKING:
+    from narwhal_serve.tokenization.hf import Encoded as Encoded
+    from narwhal_serve.tokenization.chat import NotExact as NotExact
+    from narwhal_serve.tokenization.sizer import PromptSizer as PromptSizer
+    from narwhal_serve.tokenization.sizer import Sized as Sized
+    from narwhal_serve.tokenization.cache import TokenCache as TokenCache
+    from narwhal_serve.tokenization.sizer import Tokenizer as Tokenizer
+    from narwhal_serve.tokenization.sizer import outside_vocabulary as outside_vocabulary
+    from narwhal_serve.tokenization.hf import text_prompt as text_prompt
