@@ -31,10 +31,12 @@ _EXPORTS = {
     "AdmissionController": "controller",
     "AdmissionLease": "lease",
     "Ask": "core",
+    "ChangedRow": "view",
     "CounterDelta": "counters",
     "Counters": "counters",
     "EngineFacts": "core",
     "Enqueued": "controller",
+    "FactsRow": "view",
     "FleetView": "view",
     "Grant": "controller",
     "LeaseGrant": "wire",
@@ -54,10 +56,10 @@ _EXPORTS = {
     "unbalanced": "counters",
 }
 __all__ = [
-    "AdmissionController", "AdmissionLease", "Ask", "CounterDelta", "Counters", "EngineFacts", "Enqueued",
-    "FleetView", "Grant", "LeaseGrant", "LeasePart", "LocalPlacement", "MAX_RESERVATIONS", "NONE", "Permits",
-    "Placement", "Refusal", "Reservation", "Ticket", "decide", "earliest", "rank", "retry_count",
-    "unbalanced",
+    "AdmissionController", "AdmissionLease", "Ask", "ChangedRow", "CounterDelta", "Counters", "EngineFacts",
+    "Enqueued", "FactsRow", "FleetView", "Grant", "LeaseGrant", "LeasePart", "LocalPlacement",
+    "MAX_RESERVATIONS", "NONE", "Permits", "Placement", "Refusal", "Reservation", "Ticket", "decide",
+    "earliest", "rank", "retry_count", "unbalanced",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
@@ -65,10 +67,12 @@ if TYPE_CHECKING:
     from narwhal_serve.admission.controller import AdmissionController as AdmissionController
     from narwhal_serve.admission.lease import AdmissionLease as AdmissionLease
     from narwhal_serve.admission.core import Ask as Ask
+    from narwhal_serve.admission.view import ChangedRow as ChangedRow
     from narwhal_serve.admission.counters import CounterDelta as CounterDelta
     from narwhal_serve.admission.counters import Counters as Counters
     from narwhal_serve.admission.core import EngineFacts as EngineFacts
     from narwhal_serve.admission.controller import Enqueued as Enqueued
+    from narwhal_serve.admission.view import FactsRow as FactsRow
     from narwhal_serve.admission.view import FleetView as FleetView
     from narwhal_serve.admission.controller import Grant as Grant
     from narwhal_serve.admission.wire import LeaseGrant as LeaseGrant

@@ -245,7 +245,7 @@ class AdmissionLease:
             self.spare = in_use_then - self.in_use - self._to_return
         view: FleetView | None = grant.view
         if grant.view_base:  # changes since the view it names (the scheduler sends it only if it is ours)
-            view = self.view.merged(grant.view, grant.names, grant.prefixes) if self.view is not None and \
+            view = self.view.merged(grant.view, grant.names, grant.prefixes, grant.rows) if self.view is not None and \
                 self.view_seq == grant.view_base else None
         if view is None:  # not ours: keep the view, and say we have none (the next grant is whole)
             self.view_seq = 0

@@ -5,9 +5,9 @@ placement of an admitted request.  Frozen: views cross the Ray hop in lease gran
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from narwhal_serve.admission.retry import Reservation
 from narwhal_serve.config import EngineConfig
@@ -57,6 +57,25 @@ class EngineFacts:
         d["prefix"] = prefix
         return out
 
+    def row(self) -> "FactsRow":
+        """These facts as plain values, without the engine's config and prefix set (what a grant's
+        delta carries: a tuple pickles at a tenth of a dataclass's cost, and the lease has the
+        config and, unless it changed, the set)."""
+        d = self.__dict__
+        load = self.load
+        return tuple([(load.running, load.waiting, load.kv_usage, load.kv_tokens) if k == "load" else d[k]
+                      for k in _ROW])
+
+    @staticmethod
+    def from_row(cfg: EngineConfig, row: "FactsRow", prefix: AbstractSet[int]) -> "EngineFacts":
+        """The facts :meth:`row` made, with the engine's config and prefix set."""
+        out = object.__new__(EngineFacts)
+        d = out.__dict__
+        d.update(zip(_ROW, row))
+        d["load"] = EngineLoad(*d["load"])
+        d["cfg"], d["prefix"] = cfg, prefix
+        return out
+
     def in_flight(self) -> int:
         """Requests at the engine now: the router's own (exact), plus others' as last scraped."""
         return self.inflight + self.external
@@ -71,6 +90,13 @@ class EngineFacts:
             decode_tokens=max(0.0, self.decode_tokens + d.decode_tokens),
             prefix=SetUnion(self.prefix, d.prefix) if d.prefix else self.prefix,  # no copy per admission
         )
+
+
+_ROW = tuple(f.name for f in fields(EngineFacts) if f.name not in ("cfg", "prefix"))
+FactsRow = tuple[object, ...]  # EngineFacts.row
+# A grant's changed engine: its name, its config where the lease does not hold that one (else
+# None), its facts' row
+ChangedRow = tuple[str, EngineConfig | None, FactsRow]
 
 
 @dataclass(frozen=True)
@@ -325,17 +351,28 @@ class FleetView:
         return self._d().cold
 
     def merged(self, delta: "FleetView", names: tuple[str, ...],
-               prefixes: Mapping[str, AbstractSet[int]] | None = None) -> "FleetView | None":
+               prefixes: Mapping[str, AbstractSet[int]] | None = None,
+               rows: Sequence[ChangedRow] = ()) -> "FleetView | None":
         """The view ``delta`` (the engines changed since this one) whole again: its engines with
-        this one's for the rest, in the order of ``names`` (empty: this view's).  With
-        ``prefixes``, the delta's engines came without their prefix sets: each gets its set from
-        it, or keeps this view's.  Decisions keep this view's route order, with the engines
-        changed re-sorted.  None when an engine is in neither (not a delta of this view)."""
+        this one's for the rest, in the order of ``names`` (empty: this view's).  With ``rows``,
+        the changed engines come as rows (``delta``'s own engines are none): each keeps this
+        view's config unless its row has one.  With ``prefixes``, they came without their prefix
+        sets: each gets its set from it, or keeps this view's.  Decisions keep this view's route
+        order, with the engines changed re-sorted.  None when an engine is in neither (not a
+        delta of this view)."""
         d = self._d()
+        changed: dict[str, EngineFacts] = {}
+        for name, cfg, row in rows:
+            old = d.by_name.get(name)
+            if cfg is None:
+                if old is None:
+                    return None
+                cfg = old.cfg
+            p = (prefixes or {}).get(name, old.prefix if old is not None else frozenset())
+            changed[name] = EngineFacts.from_row(cfg, row, p)
         if prefixes is None:
-            changed = {e.cfg.name: e for e in delta.engines}
+            changed.update((e.cfg.name, e) for e in delta.engines)
         else:
-            changed = {}
             for e in delta.engines:
                 old = d.by_name.get(e.cfg.name)
                 p = prefixes.get(e.cfg.name, old.prefix if old is not None else frozenset())

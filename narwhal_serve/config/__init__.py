@@ -94,6 +94,11 @@ class AdmissionConfig(_Strict):
     # Each ingress replica admits under a lease of permits from the scheduler, with no scheduler
     # call per request; off: every request asks the scheduler (the pre-lease path, for comparison)
     ingress_leases: bool = True
+    # How long an ingress's report gathers events before it goes (its answer renews the lease's
+    # view). Longer: fewer reports and grants for the scheduler to handle, views older by as much
+    # (docs/performance.md, "Scale: what one scheduler holds"). Releases go at once while requests
+    # wait in the scheduler's queue.
+    report_linger_s: float = Field(0.005, ge=0, le=0.25)
     # Priority classes, highest first (docs/contract.md, "Priority classes"): queued requests leave in class
     # order, lower classes keep headroom for higher ones, and engines that schedule by priority get it
     classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from narwhal_serve.config import AdmissionConfig
 from narwhal_serve.admission.core import FleetView
 from narwhal_serve.admission.lease import AdmissionLease
 from narwhal_serve.protocol.outcomes import Outcome
@@ -25,10 +26,11 @@ from narwhal_serve.scheduler.messages import Report
 
 log = logging.getLogger(__name__)
 
-# how long a report gathers events before it goes (10 ms measured no better: the gated loop's
-# round trip already batches under load, docs/performance.md).  Releases go at once while requests
-# wait in the scheduler's queue (a freed permit admits the next one there).
-LINGER_S = 0.005
+# how long a report gathers events before it goes: admission.report_linger_s's default (10 ms
+# measured no better for latency: the gated loop's round trip already batches under load,
+# docs/performance.md).  Releases go at once while requests wait in the scheduler's queue (a
+# freed permit admits the next one there).
+LINGER_S: float = AdmissionConfig.model_fields["report_linger_s"].default
 
 
 class Reporter:

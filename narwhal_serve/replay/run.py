@@ -235,6 +235,7 @@ class Replay:
         api.svc = svc
         send = api.report if costs is None else costs.hop(api.report)
         reporters = [Reporter(send, lease=AdmissionLease(f"ingress-{k}") if cfg.admission.ingress_leases else None,
+                              linger_s=cfg.admission.report_linger_s,
                               clock=loop.time, mono=loop.time) for k in range(self.opts.ingresses)]
         for r in reporters:
             if costs is not None and r.lease is not None:

@@ -9,11 +9,16 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from narwhal_serve.admission.controller import NONE, AdmissionController, Permits
-from narwhal_serve.admission.view import FleetView
+from narwhal_serve.admission.view import ChangedRow, FleetView
+from narwhal_serve.config import EngineConfig
 
 LEASE_TTL_S = 2.0  # an ingress stops admitting locally this long after its last answered report
 ORPHAN_S = 30.0  # a lease not heard from this long is forgotten: its spare permits come back
 SPARE_CAP = 64  # most spare permits of one kind a lease holds
+
+Held = tuple[EngineConfig, AbstractSet[int]]  # what a lease holds of an engine besides its facts' values
+# a grant's view: the view, the prefix sets and the rows of a delta (None and () for a whole one)
+GrantView = tuple[FleetView, dict[str, AbstractSet[int]] | None, tuple[ChangedRow, ...]]
 
 
 @dataclass
@@ -25,7 +30,7 @@ class LeaseRecord:
     epoch: int = 0
     view_seq: int = 0  # the last view granted (numbers unique to this scheduler)
     facts_seq: int = 0  # the scheduler's change number of the facts in it (SchedulerState.granted_since)
-    prefixes: dict[str, AbstractSet[int]] = field(default_factory=dict)  # the prefix sets it holds
+    held: dict[str, Held] = field(default_factory=dict)  # each engine's config and prefix set it holds
     members: int = -1  # the scheduler's membership count when it was granted
 
 
@@ -86,21 +91,21 @@ class LeaseLedger:
 
     def view_for(self, rec: LeaseRecord, have: int, numbers: Callable[[], tuple[int, int]],
                  names: Callable[[], tuple[str, ...]],
-                 view: Callable[[int | None, dict[str, AbstractSet[int]]], tuple[FleetView, dict[str, AbstractSet[int]] | None]],
-                 ) -> tuple[FleetView, int, int, tuple[str, ...], dict[str, AbstractSet[int]] | None]:
-        """(view, its number, base, names, prefix sets) for a grant: the engines changed since the
-        view the lease has (``have``), when that is the last one granted it (``view(since, held)``:
-        the engines changed after its change number, and the prefix sets it does not hold;
-        ``names`` when the fleet's membership changed since); else the whole view (``view(None,
-        held)``: a lost grant, a new record).  ``numbers``: the scheduler's change number and
-        membership count, once the view is built."""
+                 view: Callable[[int | None, dict[str, Held]], GrantView],
+                 ) -> tuple[GrantView, int, int, tuple[str, ...]]:
+        """((view, prefix sets, rows), its number, base, names) for a grant: the engines changed
+        since the view the lease has (``have``), when that is the last one granted it
+        (``view(since, held)``: the engines changed after its change number, as rows, and the
+        prefix sets it does not hold; ``names`` when the fleet's membership changed since); else
+        the whole view (``view(None, held)``: a lost grant, a new record).  ``numbers``: the
+        scheduler's change number and membership count, once the view is built."""
         self._views += 1
         base = rec.view_seq if have and have == rec.view_seq else 0
-        out, prefixes = view(rec.facts_seq if base else None, rec.prefixes)
+        out = view(rec.facts_seq if base else None, rec.held)
         facts_seq, members = numbers()
         changed_names = names() if base and members != rec.members else ()
         rec.view_seq, rec.facts_seq, rec.members = self._views, facts_seq, members
-        return out, rec.view_seq, base, changed_names, prefixes
+        return out, rec.view_seq, base, changed_names
 
     def orphans(self, now: float) -> list[tuple[str, LeaseRecord]]:
         """Leases silent for ORPHAN_S: forgotten, their permits unreserved; their tickets to reap."""

@@ -148,13 +148,13 @@ class SchedulerService(AdminOps):
         rec, _ = grant_for
         granted, target = self.leases.grant(rec, bool(self.admission.queue))
         shares, targets = self.tenants.grant(rep.lease.lease_id, now, len(self.leases.leases))
-        view, seq, base, names, prefixes = self.leases.view_for(
+        (view, prefixes, rows), seq, base, names = self.leases.view_for(
             rec, rep.lease.view_seq, lambda: (self._fact_seq, self._members), lambda: tuple(self.engines),
             lambda since, held: self.grant_view(now, since, held))
         return LeaseGrant(rep.lease.lease_id, rep.lease.generation, view, now,
                           self.ha.ingress_ttl(LEASE_TTL_S), granted, target, epoch=rec.epoch,
                           tenant_granted=shares, tenant_targets=targets, tenant_facts=self.tenants.facts(now),
-                          view_seq=seq, view_base=base, names=names, prefixes=prefixes)
+                          view_seq=seq, view_base=base, names=names, prefixes=prefixes, rows=rows)
 
     def metrics_text(self) -> str:
         return render_metrics(self.snapshot(), self.histograms)

@@ -18,6 +18,7 @@ import httpx
 
 from narwhal_serve.admission.controller import AdmissionController
 from narwhal_serve.admission.core import EngineFacts, FleetView
+from narwhal_serve.admission.view import ChangedRow, FactsRow
 from narwhal_serve.admission.counters import Counters
 from narwhal_serve.admission.ledger import Ticket
 from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation
@@ -30,7 +31,7 @@ from narwhal_serve.scheduler.ha import RouterHA
 from narwhal_serve.scheduler.health import Profiler, Prober
 from narwhal_serve.kvevents.shard import ShardLink
 from narwhal_serve.scheduler.kvfeeds import KVEventFeeds, ShardedKVFeeds
-from narwhal_serve.scheduler.leases import LeaseLedger
+from narwhal_serve.scheduler.leases import GrantView, Held, LeaseLedger
 from narwhal_serve.scheduler.managed import ManagedFleet, initial_engines
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
 from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, Tally
@@ -112,7 +113,7 @@ class SchedulerState(ABC):
         # (in order: the most recent last), the fleet's change count; read again when touched
         self._granted: dict[str, tuple[tuple[object, ...], EngineFacts]] = {}
         self._changed_at: OrderedDict[str, int] = OrderedDict()
-        self._bare: dict[str, tuple[EngineFacts, EngineFacts]] = {}  # facts, and them without the prefix set
+        self._bare: dict[str, tuple[EngineFacts, FactsRow]] = {}  # facts, and them as a row
         self._fact_seq = 0
         self._members = 0  # the fleet's membership changes
         self._touched: set[str] = set()
@@ -295,29 +296,31 @@ class SchedulerState(ABC):
         facts = [self._facts(self._inputs(e, now, fleet, False)) for e in self.engines.values()]
         return self._fleet_view(now, facts, queued_tokens, self.unavailable(now))
 
-    def grant_view(self, now: float, since: int | None, held: dict[str, AbstractSet[int]]
-                   ) -> tuple[FleetView, dict[str, AbstractSet[int]] | None]:
+    def grant_view(self, now: float, since: int | None, held: dict[str, Held]) -> GrantView:
         """A lease's view: whole (``since`` None), or the engines changed after change number
-        ``since``, without their prefix sets, and the sets that are not the ones the lease holds
-        (``held``, by engine: updated to what it will hold)."""
+        ``since`` as rows (EngineFacts.row) with their configs where the lease does not hold
+        those, and the prefix sets that are not the ones it holds (``held``, by engine: updated to
+        what it will hold)."""
         self._refresh_granted(now)
         unavailable = self._unavailable_now(self._unavailable_fleet)
         if since is None:
             view = self.view(now, frozen=True)
             held.clear()
-            held.update((f.cfg.name, f.prefix) for f in view.engines)
-            return view, None
+            held.update((f.cfg.name, (f.cfg, f.prefix)) for f in view.engines)
+            return view, None, ()
         prefixes: dict[str, AbstractSet[int]] = {}
-        bare = []
+        rows: list[ChangedRow] = []
         for f in self.granted_since(since):
             name = f.cfg.name
-            if held.get(name) is not f.prefix:
-                prefixes[name] = held[name] = f.prefix
+            kept = held.get(name)
+            if kept is None or kept[1] is not f.prefix:
+                prefixes[name] = f.prefix
+            held[name] = (f.cfg, f.prefix)
             b = self._bare.get(name)
             if b is None or b[0] is not f:
-                b = self._bare[name] = (f, f.with_prefix(frozenset()))
-            bare.append(b[1])
-        return self._fleet_view(now, bare, None, unavailable), prefixes
+                b = self._bare[name] = (f, f.row())
+            rows.append((name, None if kept is not None and kept[0] is f.cfg else f.cfg, b[1]))
+        return self._fleet_view(now, (), None, unavailable), prefixes, tuple(rows)
 
     def _fleet_view(self, now: float, facts: Sequence[EngineFacts], queued_tokens: int | None,
                     unavailable: str | None) -> FleetView:

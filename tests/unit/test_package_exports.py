@@ -40,7 +40,7 @@ def test_a_package_exports_what_the_rest_imports_from_it(package: str) -> None:
     # is the module once that is imported)
     modules = {f.stem for f in (ROOT / "narwhal_serve" / package).iterdir()}
     missing = _used_from_outside()[package] - exported - modules
-    assert not missing, f"narwhal_serve.{package} does not export {sorted(missing)} (add them to its _EXPORTS)"
+    assert not missing, f"narwhal_serve.{package} does not export {sorted(missing)} (add them to its _EXPORTS, __all__ and TYPE_CHECKING imports)"
     for name in sorted(exported):  # each resolves, to the object its module defines
         value = getattr(mod, name)
         home = getattr(mod, "_EXPORTS", {}).get(name)

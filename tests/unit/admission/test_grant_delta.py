@@ -101,7 +101,9 @@ def test_a_lease_synced_by_deltas_holds_the_schedulers_view_and_decides_as_on_it
             assert here.predicted_s == there.predicted_s
     deltas = [g for g in h.grants if g.view_base]
     assert len(deltas) == 200  # every grant after the first was a delta ...
-    assert sum(len(g.view.engines) for g in deltas) < 0.5 * 40 * 200  # ... carrying a fraction of the fleet
+    assert all(not g.view.engines for g in deltas)  # ... carrying their engines as rows ...
+    assert sum(len(g.rows) for g in deltas) < 0.5 * 40 * 200  # ... a fraction of the fleet ...
+    assert sum(1 for g in deltas for _, cfg, _ in g.rows if cfg is not None) == 0  # ... configs held already
 
 
 def test_a_lost_grant_makes_the_next_one_whole() -> None:
@@ -145,3 +147,21 @@ def test_what_a_view_derives_for_decisions_stays_home() -> None:
     size = len(pickle.dumps(view))
     decide(view, Ask(prompt_tokens=100, ttft_budget_s=5.0), clock.t, 0)  # builds its order and index
     assert len(pickle.dumps(view)) == size
+
+
+def test_a_delta_carries_an_engines_config_only_when_it_changed() -> None:
+    svc, clock = _service(6)
+    h = Holder(svc, clock)
+    h.sync()
+    svc.engines["e0"].load = EngineLoad(running=2)
+    svc.engines["e0"].last_ok = clock.t
+    svc.views_stale()
+    g = h.sync()
+    assert g.view_base and [(name, cfg) for name, cfg, _ in g.rows] == [("e0", None)]
+    new = svc.engines["e2"].cfg.model_copy(update={"max_num_seqs": 7})  # a reload changed it, same name
+    svc.engines["e2"].cfg = new
+    svc.views_stale()
+    g = h.sync()
+    assert g.view_base and [(name, cfg) for name, cfg, _ in g.rows] == [("e2", new)]
+    assert h.lease.view is not None and h.lease.view.facts()["e2"].cfg == new
+    assert _facts(h.lease.view) == _facts(svc.view(clock.t, frozen=True))
