@@ -37,22 +37,22 @@ def _kv_tokens(line: str) -> int:
         return 0
 
 
+_READ = (*_NAMES, _CACHE_INFO)  # a line is read only if it starts with one of these (most of a page is histograms)
+
+
 def parse_engine_metrics(text: str) -> EngineLoad:
-    """Sum each known gauge over its label sets; unknown lines are ignored."""
+    """Sum each known gauge over its label sets (its name ends at ``{`` or a space; the line's last
+    field is its value); unknown lines are ignored."""
     acc = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
     kv_tokens = 0
-    for line in text.splitlines():
-        if not line or line[0] == "#":
+    for line in text.split("\n"):
+        if not line.startswith(_READ):
             continue
         if line.startswith(_CACHE_INFO):
             kv_tokens += _kv_tokens(line)  # one line per engine core (data parallel: summed)
             continue
-        name_end = len(line)
-        for i, c in enumerate(line):
-            if c == "{" or c == " ":
-                name_end = i
-                break
-        key = _NAMES.get(line[:name_end])
+        ends = [i for i in (line.find("{"), line.find(" ")) if i >= 0]
+        key = _NAMES.get(line[:min(ends)] if ends else line)
         if key is None:
             continue
         try:
