@@ -323,19 +323,18 @@ class FleetView:
         engine holding a block holds the ones before it, as caches fill and evict prefixes from
         their ends): a few looks at the engines that matter, not the fleet."""
         held = self.holding(prefix[0]) if prefix else frozenset()
-        facts = self.facts()
         lo, hi = 0, len(prefix) - 1  # prefix[lo] is held by every engine in ``held``
         while held and lo < hi:
             mid = (lo + hi + 1) // 2
             b = prefix[mid]
-            deeper = self._among(b, held, facts)
+            deeper = self._among(b, held)
             if deeper:
                 lo, held = mid, deeper
             else:
                 hi = mid - 1
         return held
 
-    def _among(self, block: int, held: frozenset[str], facts: Mapping[str, EngineFacts]) -> frozenset[str]:
+    def _among(self, block: int, held: frozenset[str]) -> frozenset[str]:
         """The engines of ``held`` holding ``block``: from the holders remembered; else, with
         ``held`` most of the fleet, from a look at the fleet (remembered for the next decision);
         else from a look at ``held`` alone."""
@@ -344,7 +343,8 @@ class FleetView:
             known = d.known(block)
             if known is not None or 2 * len(held) > len(self.engines):
                 return self.holding(block) & held
-        return frozenset(n for n in held if block in facts[n].prefix)
+        changed, by_name = self.changed, d.by_name  # (plain dict reads: no Mapping's methods per engine)
+        return frozenset([n for n in held if block in (changed.get(n) or by_name[n]).prefix])
 
     def cold_tpot(self) -> tuple[float, float] | None:
         """The best measured TPOT model (what an engine with none yet is ranked with)."""

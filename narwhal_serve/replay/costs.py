@@ -9,12 +9,13 @@ so an un-costed replay pays nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import pickle
 import sys
 import time
 import types
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -28,10 +29,20 @@ class Cost:
     samples: list[int] = field(default_factory=list)  # per call, for the parts whose percentiles matter
 
 
+GC_PART = "process.gc"  # the garbage collector's passes, over the whole process's heap
+
+
 @dataclass
 class Costs:
+    """Each part's CPU without the garbage collector's passes that fell in its calls: in a replay
+    one process holds the scheduler, the shards' indexes and every lease, and a pass over that
+    heap is no part's own cost (a real ingress's heap is its lease's view).  The passes are
+    their own row (``process.gc``), counted while :meth:`watching_gc`."""
+
     parts: dict[str, Cost] = field(default_factory=dict)
     sampled: frozenset[str] = frozenset({"ingress.decide", "scheduler.admit"})
+    gc_ns: int = 0  # CPU of the collector's passes so far
+    _gc_at: int = 0
 
     def add(self, part: str, ns: int) -> None:
         c = self.parts.setdefault(part, Cost())
@@ -40,20 +51,40 @@ class Costs:
         if part in self.sampled:
             c.samples.append(ns)
 
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_at = time.thread_time_ns()
+        else:
+            ns = time.thread_time_ns() - self._gc_at
+            self.gc_ns += ns
+            self.add(GC_PART, ns)
+
+    @contextlib.contextmanager
+    def watching_gc(self) -> Iterator[None]:
+        gc.callbacks.append(self._on_gc)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(self._on_gc)
+
+    def since(self, gc_ns: int, t_ns: int) -> int:
+        """CPU since ``t_ns`` (``thread_time_ns``), without the collector's passes since ``gc_ns``."""
+        return time.thread_time_ns() - t_ns - (self.gc_ns - gc_ns)
+
     def timed(self, part: str, fn: Callable[..., T]) -> Callable[..., T]:
         def wrapper(*args: Any, **kwargs: Any) -> T:
-            t = time.thread_time_ns()
+            g, t = self.gc_ns, time.thread_time_ns()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.add(part, time.thread_time_ns() - t)
+                self.add(part, self.since(g, t))
 
         return wrapper
 
     def timed_async(self, part: str, fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         """The CPU of each step of the coroutine (its waits not counted), as one call."""
         async def wrapper(*args: Any, **kwargs: Any) -> T:
-            steps = _Steps(fn(*args, **kwargs))
+            steps = _Steps(fn(*args, **kwargs), self)
             try:
                 out: T = await steps
                 return out
@@ -64,12 +95,12 @@ class Costs:
 
     def carried(self, obj: T, sender: str, receiver: str) -> T:
         """``obj`` across a Ray hop: pickled by ``sender`` and read by ``receiver`` (``<side>.hop``)."""
-        t = time.thread_time_ns()
+        g, t = self.gc_ns, time.thread_time_ns()
         data = pickle.dumps(obj, protocol=5)
-        self.add(f"{sender}.hop", time.thread_time_ns() - t)
-        t = time.thread_time_ns()
+        self.add(f"{sender}.hop", self.since(g, t))
+        g, t = self.gc_ns, time.thread_time_ns()
         out: T = pickle.loads(data)
-        self.add(f"{receiver}.hop", time.thread_time_ns() - t)
+        self.add(f"{receiver}.hop", self.since(g, t))
         return out
 
     def hop(self, send: Callable[[Any], Awaitable[T]]) -> Callable[[Any], Awaitable[T]]:
@@ -99,8 +130,8 @@ class Costs:
 
 
 class _Steps:
-    def __init__(self, coro: Awaitable[Any]) -> None:
-        self.coro = coro
+    def __init__(self, coro: Awaitable[Any], costs: Costs) -> None:
+        self.coro, self.costs = coro, costs
         self.ns = 0
 
     def __await__(self) -> Generator[Any, Any, Any]:
@@ -108,16 +139,16 @@ class _Steps:
         send: Any = None
         throw: BaseException | None = None
         while True:
-            t = time.thread_time_ns()
+            g, t = self.costs.gc_ns, time.thread_time_ns()
             try:
                 out = it.send(send) if throw is None else it.throw(throw)
             except StopIteration as stop:
-                self.ns += time.thread_time_ns() - t
+                self.ns += self.costs.since(g, t)
                 return stop.value
             except BaseException:
-                self.ns += time.thread_time_ns() - t
+                self.ns += self.costs.since(g, t)
                 raise
-            self.ns += time.thread_time_ns() - t
+            self.ns += self.costs.since(g, t)
             try:
                 send, throw = (yield out), None
             except BaseException as exc:  # (a cancellation goes into the coroutine)

@@ -13,6 +13,7 @@ the router as the relay would report them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Sequence
@@ -256,8 +257,9 @@ class Replay:
             loop.call_at(t0 + (req.at_s - first) / self.opts.speed, self._arrive, i, req, None, reporters, prompts,
                          svc, t0)
         ticker = loop.create_task(self._progress())
-        if trace:
-            await self._done.wait()
+        with costs.watching_gc() if costs is not None else contextlib.nullcontext():
+            if trace:
+                await self._done.wait()
         self.wall_s = time.perf_counter() - wall
         self.virtual_s = loop.time() - t0
         self.utilisation = {name: e.utilisation(loop.time()) for name, e in self.engines.items()}

@@ -160,3 +160,27 @@ def test_costs_measure_every_part_and_change_nothing() -> None:
     assert rows["ingress.decide"]["calls"] >= sum(1 for s in costed if s.status == 200) // 2
     assert rows["ingress.decide"]["p50_us"] is not None and rows["ingress.decide"]["p99_us"] >= rows["ingress.decide"]["p50_us"]
     assert rp.kv_blocks > 0
+
+
+def test_a_collectors_pass_is_its_own_row_not_the_part_it_fell_in() -> None:
+    import gc
+
+    from narwhal_serve.replay.costs import GC_PART, Costs
+
+    costs = Costs()
+    junk = [[i] for i in range(300_000)]  # a heap worth a pass
+
+    def part(collect: bool) -> None:
+        if collect:
+            gc.collect()
+
+    timed = costs.timed("part", part)
+    with costs.watching_gc():
+        timed(True)
+    timed(False)  # after the watch: no pass counted
+    rows = {r["part"]: r for r in costs.report(1, 1.0)}
+    assert rows[GC_PART]["calls"] >= 1 and costs.gc_ns > 0
+    # the part's own CPU is what it spent outside the pass (nearly nothing), not the pass's
+    assert costs.parts["part"].ns < costs.gc_ns
+    assert gc.callbacks.count(costs._on_gc) == 0
+    del junk
