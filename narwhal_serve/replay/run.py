@@ -331,12 +331,15 @@ class Replay:
     def _serve(self, route: RouteChoice, ticket: str, ids: list[int], hashes: list[int], req: TraceRequest,
                res: Served, rep: Reporter, sent: float) -> None:
         first_at: list[float] = []
+        ends: list[tuple[float, int]] = []  # an end that reached the hop before its first token got across
         loop, hop = asyncio.get_running_loop(), self.opts.hop_s
 
         def first(t: float) -> None:
             first_at.append(t)
             res.ttft = t - sent
             rep.first_token(ticket, route.engines)
+            for at, tokens in ends:  # (after this one: one stream's messages keep their order)
+                loop.call_at(at, end, at, tokens)
 
         def end(t: float, tokens: int) -> None:
             self._streams.pop(ticket, None)
@@ -352,10 +355,12 @@ class Replay:
                 first(t)
 
         def on_end(t: float, tokens: int) -> None:
-            if hop:
-                loop.call_at(t + hop, end, t + hop, tokens)
-            else:
+            if not hop:
                 end(t, tokens)
+            elif first_at:
+                loop.call_at(t + hop, end, t + hop, tokens)
+            else:  # the first token is still crossing: timers due at the same instant run in any order
+                ends.append((t + hop, tokens))
 
         def send(engine: ReplayEngine, job: ReplayJob, hops: int = 1) -> None:
             if hop:

@@ -184,3 +184,24 @@ def test_a_collectors_pass_is_its_own_row_not_the_part_it_fell_in() -> None:
     assert costs.parts["part"].ns < costs.gc_ns
     assert gc.callbacks.count(costs._on_gc) == 0
     del junk
+
+
+@pytest.mark.parametrize("hop_s", [0.004, 0.015, 0.03])
+def test_a_one_token_answers_end_follows_its_first_token_across_the_hop(hop_s: float) -> None:
+    """The first token and the end leave the engine at the same instant for a one-token answer;
+    across a hop both are due at the same instant again, and the loop runs such timers in any
+    order.  The end must still reach the router after the first token (one stream's messages
+    keep their order), or the request never ends and the run never does (it hung at 15 ms)."""
+    import threading
+
+    trace = [TraceRequest(i / 20.0, 200 + (i * 37) % 300, 1 + i % 2) for i in range(120)]
+    out: list[tuple[list[Served], Replay]] = []
+    run = threading.Thread(target=lambda: out.append(_run(trace, FleetSpec(unified=2, engine=ENGINE), hop_s=hop_s)),
+                           daemon=True)  # (a run that never ends is a failure here, not a hung suite)
+    run.start()
+    run.join(60)
+    assert out, "the replay never ended: a request's end reached the router before its first token"
+    served, rp = out[0]
+    done = [s for s in served if s.status == 200]
+    assert len(done) > 100 and all(s.ok and s.ttft is not None and s.ttft <= s.e2e for s in done)
+    _settled(rp)
