@@ -29,7 +29,7 @@ from tests.integration.helpers import balanced, status, wait_ready, wait_status
 from tests.support.net import free_port_run
 
 APP = "replaycheck"
-START_S, SLICE_S, SPEED, OUTPUT_DIV = 600.0, 180.0, 3.0, 8  # (outputs ÷ 8: fewer tokens for two cores to stream)
+START_S, SLICE_S, SPEED, OUTPUT_DIV = 600.0, 180.0, 3.0, 16  # (outputs ÷ 16: fewer tokens for two cores to stream)
 TTFT_S = 1.0
 TIMING = {"prefill_overhead_s": 0.005, "prefill_per_token_s": 0.00009, "tpot_base_s": 0.02,
           "tpot_per_running_s": 0.001, "max_num_seqs": 16, "max_model_len": 65536, "num_gpu_blocks": 16384}
