@@ -61,8 +61,11 @@ async def test_one_holder_and_takeover_within_ttl_plus_one_renewal(redis_server:
         took = await renew_until(b, "active", TTL + RENEW + 1.0)
         assert took <= TTL + 2 * RENEW + 0.3
         assert a.lease_mode() == "fenced" and b.epoch() == first + 1
-        await a.renew_once()
-        assert a.lease_mode() == "standby" and a.epoch() == 0  # never back under its old epoch
+        for _ in range(10):  # (a call that times out on a loaded machine changes nothing: until one is answered)
+            await a.renew_once()
+            if a.lease.last_error is None:
+                break
+        assert a.lease_mode() == "standby" and a.epoch() == 0  # answered: never back under its old epoch
     finally:
         await a.release()
         await b.release()
