@@ -60,17 +60,17 @@ class LeaseGrant:
     tenant_granted: dict[str, Amounts] = field(default_factory=dict)
     tenant_targets: dict[str, Amounts] = field(default_factory=dict)
     tenant_facts: tuple[TenantFacts, ...] = ()
-    # The view's number for this lease, and the one it is a delta of (0: whole). A delta's
-    # ``view.engines`` holds only the engines whose facts changed since that view
-    # (FleetView.since); ``names``: every engine, in the fleet's order, when those changed.
+    # The view's number for this lease, and the one it is a delta of (0: whole). A delta carries
+    # only the engines whose facts changed since that view (``rows``; its ``view.engines`` is
+    # empty); ``names``: every engine, in the fleet's order, when those changed.
     view_seq: int = 0
     view_base: int = 0
     names: tuple[str, ...] = ()
-    # A delta's engines come without their prefix sets (pickling a set of a thousand block hashes
-    # costs about 0.1 ms each side): these are the sets changed since that view, by engine; an
-    # engine not in it keeps the set it has (FleetView.merged)
+    # A delta's rows come without prefix sets (pickling a set of a thousand block hashes costs
+    # about 0.1 ms each side): these are the sets changed since that view, by engine; an engine
+    # not in it keeps the set it has (FleetView.merged)
     prefixes: dict[str, AbstractSet[int]] | None = None
-    # A delta's engines, as rows (its ``view.engines`` is then empty): each one's facts as plain
-    # values, with its config only where the lease does not hold that one (EngineFacts.row: a
-    # thousand engines' facts and configs pickled as dataclasses cost about 8 µs each, each side)
+    # A delta's engines, as rows: each one's facts as plain values, with its config only where
+    # the lease does not hold that one (EngineFacts.row: a thousand engines' facts and configs
+    # pickled as dataclasses cost about 8 µs each, each side)
     rows: tuple[ChangedRow, ...] = ()

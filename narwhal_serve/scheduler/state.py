@@ -113,7 +113,7 @@ class SchedulerState(ABC):
         # (in order: the most recent last), the fleet's change count; read again when touched
         self._granted: dict[str, tuple[tuple[object, ...], EngineFacts]] = {}
         self._changed_at: OrderedDict[str, int] = OrderedDict()
-        self._bare: dict[str, tuple[EngineFacts, FactsRow]] = {}  # facts, and them as a row
+        self._rows: dict[str, tuple[EngineFacts, FactsRow]] = {}  # granted facts, and them as a row
         self._fact_seq = 0
         self._members = 0  # the fleet's membership changes
         self._touched: set[str] = set()
@@ -228,7 +228,7 @@ class SchedulerState(ABC):
             for name in [n for n in self._granted if n not in self.engines]:  # removed by a reload
                 del self._granted[name]
                 self._changed_at.pop(name, None)
-                self._bare.pop(name, None)
+                self._rows.pop(name, None)
         self._read(self.engines, now)
 
     def _read(self, names: Iterable[str], now: float) -> None:
@@ -316,9 +316,9 @@ class SchedulerState(ABC):
             if kept is None or kept[1] is not f.prefix:
                 prefixes[name] = f.prefix
             held[name] = (f.cfg, f.prefix)
-            b = self._bare.get(name)
+            b = self._rows.get(name)
             if b is None or b[0] is not f:
-                b = self._bare[name] = (f, f.row())
+                b = self._rows[name] = (f, f.row())
             rows.append((name, None if kept is not None and kept[0] is f.cfg else f.cfg, b[1]))
         return self._fleet_view(now, (), None, unavailable), prefixes, tuple(rows)
 

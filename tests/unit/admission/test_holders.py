@@ -6,6 +6,7 @@ prefix sets looked at one by one."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from narwhal_serve.admission.view import HOLDERS_SCAN, EngineFacts, FleetView
 from narwhal_serve.config import EngineConfig
@@ -50,14 +51,14 @@ def test_holders_through_a_chain_of_deltas_equal_a_look_at_every_engine() -> Non
     for step in range(120):
         changed = rng.sample(sorted(current), rng.choice([0, 1, 3, 20, size // 2]))
         for name in changed:
-            current[name] = current[name].with_prefix(_prefix(rng))
+            current[name] = replace(current[name], prefix=_prefix(rng))
         delta = FleetView(engines=tuple(current[n] for n in changed), unavailable=None, predictive=True)
         merged = view.merged(delta, ())
         assert merged is not None
         view = merged
         own = {}  # the holder's own placements since, over the view
         for name in rng.sample(sorted(current), rng.choice([0, 0, 2])):
-            own[name] = current[name].with_prefix(current[name].prefix | {rng.randrange(BLOCKS)})
+            own[name] = replace(current[name], prefix=current[name].prefix | {rng.randrange(BLOCKS)})
         looked = FleetView(engines=view.engines, unavailable=None, predictive=True, changed=own,
                            _derived=view._derived) if own else view
         seen = {**current, **own}
