@@ -97,7 +97,7 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
         held_slots = held_requests if d is e else reserved_at(view.reservations, d.cfg.name, now, ask.ttft_budget_s)[1]
     wait = _slot_wait(d, expected_out, held_slots)
     raw = project_linear(e.ttft_a, e.ttft_b, x - own + held_tokens, own, wait, e.ttft_c, r + held_requests)
-    projection = replace(raw, projected_s=with_margin(raw.projected_s, e.ttft_margin))
+    projection = Projection(raw.prompt_alone_s, with_margin(raw.projected_s, e.ttft_margin))  # (not replace(): 7 µs)
     batch = float(d.in_flight() + 1)
     if d.slots:
         batch = min(batch, float(d.slots))

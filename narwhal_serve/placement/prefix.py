@@ -173,6 +173,9 @@ class PrefixIndex:
         self.capacity = capacity
         self._pending: Counter[int] = Counter()
         self._blocks: OrderedDict[int, None] = OrderedDict()
+        # frozen(): the most recent blocks (until the blocks change), and with the pending ones (until
+        # the pending ones change what it holds: a request pending on blocks held already changes nothing)
+        self._recent: frozenset[int] | None = frozenset()
         self._frozen: frozenset[int] | None = frozenset()
         self._frozen_limit = 0
 
@@ -187,38 +190,40 @@ class PrefixIndex:
             self._blocks.move_to_end(h)
         while len(self._blocks) > self.capacity:
             self._blocks.popitem(last=False)
-        self._frozen = None
+        self._recent = self._frozen = None
 
     def remove(self, hashes: Iterable[int]) -> None:
         for h in hashes:
             if self._blocks.pop(h, 0) is None:
-                self._frozen = None
+                self._recent = self._frozen = None
 
     def resize(self, capacity: int) -> None:
         if capacity != self.capacity:
             self.capacity = capacity
             while len(self._blocks) > max(0, capacity):
                 self._blocks.popitem(last=False)
-            self._frozen = None
+            self._recent = self._frozen = None
 
     def clear(self) -> None:
         self._blocks.clear()
-        self._frozen = None  # (pending blocks stay)
+        self._recent = self._frozen = None  # (pending blocks stay)
 
     def pend(self, hashes: Iterable[int]) -> None:
         """A request placed here with these blocks, its prefill not done yet."""
+        pending, recent = self._pending, self._recent
         for h in hashes:
-            self._pending[h] += 1
-            self._frozen = None
+            if not pending[h] and (recent is None or h not in recent):
+                self._frozen = None
+            pending[h] += 1
 
     def unpend(self, hashes: Iterable[int]) -> None:
+        pending, recent = self._pending, self._recent
         for h in hashes:
-            n = self._pending.get(h, 0) - 1
+            n = pending.get(h, 0) - 1
             if n > 0:
-                self._pending[h] = n
-            else:
-                self._pending.pop(h, None)
-            self._frozen = None
+                pending[h] = n
+            elif pending.pop(h, None) is not None and (recent is None or h not in recent):
+                self._frozen = None
 
     def stored(self, h: int) -> bool:
         """Held (placed, or named by the engine's events), pending or not."""
@@ -235,9 +240,10 @@ class PrefixIndex:
     def frozen(self, limit: int) -> frozenset[int]:
         """A copy of the ``limit`` most recently placed blocks and the pending ones, for a fleet view
         that crosses the Ray hop (cached until the next change)."""
-        if self._frozen is None or self._frozen_limit != limit:
+        if self._recent is None or self._frozen_limit != limit:
             n = min(limit, len(self._blocks))
-            recent = frozenset(itertools.islice(reversed(self._blocks), n)) if n else frozenset()
-            self._frozen = recent | frozenset(self._pending) if self._pending else recent
-            self._frozen_limit = limit
+            self._recent = frozenset(itertools.islice(reversed(self._blocks), n)) if n else frozenset()
+            self._frozen, self._frozen_limit = None, limit
+        if self._frozen is None:
+            self._frozen = self._recent | frozenset(self._pending) if self._pending else self._recent
         return self._frozen

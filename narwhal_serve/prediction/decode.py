@@ -21,9 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from narwhal_serve.prediction.ttft import fit_with_prior, refit_due
+from narwhal_serve.prediction.ttft import Gram, fit_with_prior, refit_due
 
 PRIOR_TPOT_A = 0.02  # seconds per token with one sequence running
 PRIOR_TPOT_B = 0.0  # seconds per token per further sequence in the batch
@@ -42,6 +40,7 @@ class TpotModel:
     b: float = -1.0
     samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
     unfit: int = field(default=0, repr=False, compare=False)  # samples since the last fit
+    gram: Gram = field(default_factory=lambda: Gram(2), repr=False, compare=False)  # the samples' sums
 
     def __post_init__(self) -> None:
         if self.a < 0:
@@ -53,13 +52,12 @@ class TpotModel:
         return tpot_at(self.a, self.b, batch)
 
     def observe(self, batch: float, tpot: float) -> None:
-        self.samples.append((max(1.0, batch), max(0.0, tpot)))
+        self.gram.push(self.samples, (max(1.0, batch), max(0.0, tpot)))
         self.unfit += 1
         if not refit_due(len(self.samples), self.unfit):
             return
         self.unfit = 0
-        data = np.array(self.samples, dtype=float).reshape(-1, 2)
-        sol = fit_with_prior(data[:, :1], data[:, 1], ((self.prior_a, 1.0), (self.prior_b, PRIOR_BATCH_SPAN)))
+        sol = fit_with_prior(self.gram, ((self.prior_a, 1.0), (self.prior_b, PRIOR_BATCH_SPAN)))
         self.a = max(0.0, float(sol[0]))
         self.b = max(0.0, float(sol[1]))
 

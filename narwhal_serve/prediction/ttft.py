@@ -21,8 +21,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import Any
 
 PRIOR_A = 0.02  # seconds
 PRIOR_B = 0.0002  # seconds per prompt token
@@ -47,21 +46,77 @@ def refit_due(n_samples: int, unfit: int) -> bool:
     return n_samples <= EAGER_FIT or unfit >= REFIT_EVERY
 
 
-def fit_with_prior(features: np.ndarray, y: np.ndarray, prior: tuple[tuple[float, float], ...]) -> np.ndarray:
-    """Least squares of ``y`` on ``[1, features]``, regularized toward ``prior`` (per coefficient:
-    its value and the spread of data that would hold it as firmly), with a weight that fades as
-    data arrive (``PRIOR_WEIGHT`` pseudo-observations with none)."""
-    n, k = len(y), len(prior)
+class Gram:
+    """Σ z·zᵀ over a window's samples, z = (1, *sample): every sum a least-squares fit of a sample's
+    last value on the ones before it needs, kept as samples enter and leave the window, so a fit
+    costs a 3×3 solve and not a pass over up to WINDOW samples (at a thousand engines each refits
+    on nearly every measurement).  Recounted from the window after WINDOW changes, so rounding
+    never accumulates."""
+
+    __slots__ = ("k", "sums", "moves")
+
+    def __init__(self, k: int) -> None:
+        self.k = k  # values per sample
+        self.sums = [0.0] * ((k + 1) * (k + 2) // 2)  # the upper triangle, row by row
+        self.moves = 0
+
+    def push(self, window: deque[Any], sample: tuple[float, ...]) -> None:
+        """``sample`` appended to ``window`` (a bounded deque), the sums following it."""
+        if window.maxlen is not None and len(window) == window.maxlen:
+            self._add(window[0], -1.0)
+        window.append(sample)
+        self.moves += 1
+        if self.moves >= len(window):
+            self.sums = [0.0] * len(self.sums)
+            self.moves = 0
+            for z in window:
+                self._add(z, 1.0)
+        else:
+            self._add(sample, 1.0)
+
+    def _add(self, sample: tuple[float, ...], sign: float) -> None:
+        z = (1.0, *sample)
+        s, at = self.sums, 0
+        for i, zi in enumerate(z):
+            zi *= sign
+            for zj in z[i:]:
+                s[at] += zi * zj
+                at += 1
+
+    def at(self, i: int, j: int) -> float:
+        """Σ z_i·z_j (i ≤ j)."""
+        n = self.k + 1
+        return self.sums[i * n - i * (i - 1) // 2 + (j - i)]
+
+
+def fit_with_prior(g: Gram, prior: tuple[tuple[float, float], ...]) -> list[float]:
+    """Least squares of each sample's last value on ``[1, the values before it]`` over the window
+    ``g`` sums, regularized toward ``prior`` (per coefficient: its value and the spread of data
+    that would hold it as firmly), with a weight that fades as data arrive (``PRIOR_WEIGHT``
+    pseudo-observations with none).  Solved from the normal equations, scaled to a unit diagonal
+    (the prior keeps them positive definite), by elimination with partial pivoting."""
+    k, y = len(prior), g.k
+    n = g.at(0, 0)
     lam = PRIOR_WEIGHT / (1.0 + n / 8.0) / 2
-    rows = [np.column_stack([np.ones(n), features])]
-    ys = [y]
+    m = [[g.at(min(i, j), max(i, j)) for j in range(k)] for i in range(k)]
+    rhs = [g.at(i, y) for i in range(k)]
     for i, (value, span) in enumerate(prior):
-        row = np.zeros((1, k))
-        row[0, i] = np.sqrt(lam) * span
-        rows.append(row)
-        ys.append(np.array([np.sqrt(lam) * span * value]))
-    sol, *_ = np.linalg.lstsq(np.vstack(rows), np.concatenate(ys), rcond=None)
-    return np.asarray(sol, dtype=float)
+        w = lam * span * span
+        m[i][i] += w
+        rhs[i] += w * value
+    d = [math.sqrt(m[i][i]) for i in range(k)]
+    a = [[m[i][j] / (d[i] * d[j]) for j in range(k)] + [rhs[i] / d[i]] for i in range(k)]
+    for c in range(k):
+        p = max(range(c, k), key=lambda r: abs(a[r][c]))
+        a[c], a[p] = a[p], a[c]
+        for r in range(c + 1, k):
+            f = a[r][c] / a[c][c]
+            for j in range(c, k + 1):
+                a[r][j] -= f * a[c][j]
+    z = [0.0] * k
+    for i in range(k - 1, -1, -1):
+        z[i] = (a[i][k] - sum(a[i][j] * z[j] for j in range(i + 1, k))) / a[i][i]
+    return [z[i] / d[i] for i in range(k)]
 
 
 @dataclass
@@ -73,6 +128,7 @@ class PrefillModel:
     c: float = PRIOR_C
     samples: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
     unfit: int = field(default=0, repr=False, compare=False)  # samples since the last fit
+    gram: Gram = field(default_factory=lambda: Gram(3), repr=False, compare=False)  # the samples' sums
 
     def __post_init__(self) -> None:
         if self.a < 0:
@@ -84,16 +140,15 @@ class PrefillModel:
         return linear_ttft(self.a, self.b, tokens_ahead_and_own, self.c, requests_ahead)
 
     def observe(self, x: float, ttft: float, r: float = 0.0) -> None:
-        self.samples.append((x, r, ttft))
+        self.gram.push(self.samples, (x, r, ttft))
         self.unfit += 1
         if refit_due(len(self.samples), self.unfit):
             self._fit()
 
     def _fit(self) -> None:
         self.unfit = 0
-        data = np.array(self.samples, dtype=float).reshape(-1, 3)
-        sol = fit_with_prior(data[:, :2], data[:, 2], ((self.prior_a, 1.0), (self.prior_b, PRIOR_SLOPE_SPAN),
-                                                       (PRIOR_C, PRIOR_REQUEST_SPAN)))
+        sol = fit_with_prior(self.gram, ((self.prior_a, 1.0), (self.prior_b, PRIOR_SLOPE_SPAN),
+                                         (PRIOR_C, PRIOR_REQUEST_SPAN)))
         self.a = max(0.0, float(sol[0]))
         self.b = max(1e-7, float(sol[1]))
         self.c = max(0.0, float(sol[2]))

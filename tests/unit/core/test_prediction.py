@@ -102,3 +102,56 @@ def test_the_margins_quantile_is_numpys_to_the_bit() -> None:
             xs = [rng.lognormvariate(0, 1) - 1 for _ in range(n)]
             for q in (0.0, 0.5, 0.9, 0.95, 0.99, 1.0, rng.random()):
                 assert quantile(sorted(xs), q) == float(np.quantile(np.array(xs), q))
+
+
+def _lstsq_fit(samples: list[tuple[float, ...]], prior: tuple[tuple[float, float], ...]) -> np.ndarray:
+    """The definition: least squares on [1, features] with the prior's rows appended."""
+    from narwhal_serve.prediction.ttft import PRIOR_WEIGHT
+
+    data = np.array(samples, dtype=float)
+    n, k = len(data), len(prior)
+    lam = PRIOR_WEIGHT / (1.0 + n / 8.0) / 2
+    rows, ys = [np.column_stack([np.ones(n), data[:, :-1]])], [data[:, -1]]
+    for i, (value, span) in enumerate(prior):
+        row = np.zeros((1, k))
+        row[0, i] = np.sqrt(lam) * span
+        rows.append(row)
+        ys.append(np.array([np.sqrt(lam) * span * value]))
+    return np.linalg.lstsq(np.vstack(rows), np.concatenate(ys), rcond=None)[0]
+
+
+def test_the_fit_from_running_sums_is_the_least_squares_fit() -> None:
+    """The models keep their window's sums as samples come and go (ttft.Gram) and solve the
+    normal equations: the same coefficients as a least-squares solve over the window, through
+    many slides of the window (rounding recounted), bunched, constant and huge features."""
+    from collections import deque
+
+    from narwhal_serve.prediction.ttft import PRIOR_REQUEST_SPAN, PRIOR_SLOPE_SPAN, WINDOW, Gram, fit_with_prior
+
+    rng = np.random.default_rng(7)
+    prior = ((0.02, 1.0), (0.0002, PRIOR_SLOPE_SPAN), (0.0, PRIOR_REQUEST_SPAN))
+    cases = {
+        "spread": lambda i: (float(rng.integers(10, 60_000)), float(rng.integers(0, 9))),
+        "bunched": lambda i: (40_000.0 + float(rng.integers(0, 3)), 0.0),
+        "constant": lambda i: (512.0, 1.0),
+        "huge": lambda i: (float(rng.integers(10**6, 10**7)), float(rng.integers(0, 500))),
+    }
+    for name, draw in cases.items():
+        window: deque[tuple[float, ...]] = deque(maxlen=WINDOW)
+        g = Gram(3)
+        for i in range(3 * WINDOW + 17):
+            x, r = draw(i)
+            g.push(window, (x, r, 0.01 + 3e-5 * x + 0.002 * r + float(rng.normal(0, 0.01))))
+            if i < 40 or i % 97 == 0 or i == 3 * WINDOW + 16:
+                got, want = fit_with_prior(g, prior), _lstsq_fit(list(window), prior)
+                for x_at in (0.0, 1_000.0, 50_000.0):  # the predictions agree, whatever the scale
+                    p_got = got[0] + got[1] * x_at + got[2] * 2
+                    p_want = want[0] + want[1] * x_at + want[2] * 2
+                    assert abs(p_got - p_want) <= 1e-9 * max(1.0, abs(p_want)), (name, i, got, want)
+    tpot: deque[tuple[float, ...]] = deque(maxlen=WINDOW)
+    g2 = Gram(2)
+    for i in range(WINDOW + 5):
+        b = float(rng.integers(1, 64))
+        g2.push(tpot, (b, 0.02 + 0.001 * b))
+        got2, want2 = fit_with_prior(g2, ((0.02, 1.0), (0.0, 8.0))), _lstsq_fit(list(tpot), ((0.02, 1.0), (0.0, 8.0)))
+        assert np.allclose(got2, want2, rtol=1e-9, atol=1e-12), (i, got2, want2)

@@ -1,0 +1,67 @@
+"""A prefix index's frozen copy (what a lease's view carries across the Ray hop) is rebuilt only
+when what it holds changed, and is always what a copy made anew would be."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from narwhal_serve.placement.prefix import PrefixIndex
+
+
+def anew(blocks: list[int], pending: Counter[int], limit: int) -> frozenset[int]:
+    """The definition: the ``limit`` most recently placed blocks, and every pending one."""
+    return frozenset(list(reversed(blocks))[:limit]) | {h for h, n in pending.items() if n > 0}
+
+
+def test_the_frozen_copy_is_a_fresh_copy_after_any_sequence_of_changes() -> None:
+    rng = random.Random(11)
+    for capacity, limit in ((12, 8), (12, 20), (40, 16)):
+        idx, blocks, pending = PrefixIndex(capacity), [], Counter[int]()
+        for step in range(3000):
+            op = rng.choice(("insert", "remove", "pend", "unpend", "pend", "unpend", "read", "clear"[:5 if step % 97 else 0]))
+            hs = [rng.randrange(0, 30) for _ in range(rng.randrange(1, 6))]
+            if op == "insert":
+                idx.insert(hs)
+                for h in hs:
+                    if h in blocks:
+                        blocks.remove(h)
+                    blocks.append(h)
+                del blocks[:max(0, len(blocks) - capacity)]
+            elif op == "remove":
+                idx.remove(hs)
+                blocks = [b for b in blocks if b not in hs]
+            elif op == "pend":
+                idx.pend(hs)
+                pending.update(hs)
+            elif op == "unpend":
+                hs = [h for h in dict.fromkeys(hs) if pending[h] > 0]  # (a request unpends what it pended)
+                idx.unpend(hs)
+                pending.subtract(hs)
+            elif op == "clear":
+                idx.clear()
+                blocks = []
+            before = idx.frozen(limit)
+            assert before == anew(blocks, pending, limit), (capacity, limit, step, op)
+            assert idx.frozen(limit) is before  # cached until the next change
+
+
+def test_a_request_pending_on_blocks_held_keeps_the_copy() -> None:
+    """A request placed on blocks the engine holds changes nothing a view reads: the same object
+    (a grant sends no new set for it); a new block, or its last pending request gone, a new copy."""
+    idx = PrefixIndex(64)
+    idx.insert(list(range(10)))
+    first = idx.frozen(32)
+    idx.pend([2, 3, 4])
+    assert idx.frozen(32) is first
+    idx.unpend([2, 3, 4])
+    assert idx.frozen(32) is first
+    idx.pend([3, 99])
+    second = idx.frozen(32)
+    assert second is not first and 99 in second
+    idx.pend([99])  # a second request on the same pending block
+    assert idx.frozen(32) is second
+    idx.unpend([99])
+    assert idx.frozen(32) is second  # one still pending
+    idx.unpend([99, 3])
+    assert idx.frozen(32) == first and 99 not in idx.frozen(32)
