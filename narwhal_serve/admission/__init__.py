@@ -46,11 +46,13 @@ _EXPORTS = {
     "NONE": "controller",
     "Permits": "controller",
     "Placement": "core",
+    "PrefixChange": "view",
     "Refusal": "controller",
     "Reservation": "retry",
     "Ticket": "ledger",
     "decide": "core",
     "earliest": "retry",
+    "prefix_change": "view",
     "rank": "core",
     "retry_count": "retry",
     "unbalanced": "counters",
@@ -58,8 +60,8 @@ _EXPORTS = {
 __all__ = [
     "AdmissionController", "AdmissionLease", "Ask", "ChangedRow", "CounterDelta", "Counters", "EngineFacts",
     "Enqueued", "FactsRow", "FleetView", "Grant", "LeaseGrant", "LeasePart", "LocalPlacement",
-    "MAX_RESERVATIONS", "NONE", "Permits", "Placement", "Refusal", "Reservation", "Ticket", "decide",
-    "earliest", "rank", "retry_count", "unbalanced",
+    "MAX_RESERVATIONS", "NONE", "Permits", "Placement", "PrefixChange", "Refusal", "Reservation", "Ticket",
+    "decide", "earliest", "prefix_change", "rank", "retry_count", "unbalanced",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
@@ -82,11 +84,13 @@ if TYPE_CHECKING:
     from narwhal_serve.admission.controller import NONE as NONE
     from narwhal_serve.admission.controller import Permits as Permits
     from narwhal_serve.admission.core import Placement as Placement
+    from narwhal_serve.admission.view import PrefixChange as PrefixChange
     from narwhal_serve.admission.controller import Refusal as Refusal
     from narwhal_serve.admission.retry import Reservation as Reservation
     from narwhal_serve.admission.ledger import Ticket as Ticket
     from narwhal_serve.admission.core import decide as decide
     from narwhal_serve.admission.retry import earliest as earliest
+    from narwhal_serve.admission.view import prefix_change as prefix_change
     from narwhal_serve.admission.core import rank as rank
     from narwhal_serve.admission.retry import retry_count as retry_count
     from narwhal_serve.admission.counters import unbalanced as unbalanced

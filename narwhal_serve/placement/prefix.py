@@ -212,9 +212,10 @@ class PrefixIndex:
         """A request placed here with these blocks, its prefill not done yet."""
         pending, recent = self._pending, self._recent
         for h in hashes:
-            if not pending[h] and (recent is None or h not in recent):
+            n = pending.get(h, 0)  # (not pending[h]: a Counter's missing key is a call in Python)
+            if not n and (recent is None or h not in recent):
                 self._frozen = None
-            pending[h] += 1
+            pending[h] = n + 1
 
     def unpend(self, hashes: Iterable[int]) -> None:
         pending, recent = self._pending, self._recent

@@ -9,7 +9,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from narwhal_serve.admission.controller import NONE, AdmissionController, Permits
-from narwhal_serve.admission.view import ChangedRow, FleetView
+from narwhal_serve.admission.view import ChangedRow, FleetView, PrefixChange
 from narwhal_serve.config import EngineConfig
 
 LEASE_TTL_S = 2.0  # an ingress stops admitting locally this long after its last answered report
@@ -17,8 +17,8 @@ ORPHAN_S = 30.0  # a lease not heard from this long is forgotten: its spare perm
 SPARE_CAP = 64  # most spare permits of one kind a lease holds
 
 Held = tuple[EngineConfig, AbstractSet[int]]  # what a lease holds of an engine besides its facts' values
-# a grant's view: the view, the prefix sets and the rows of a delta (None and () for a whole one)
-GrantView = tuple[FleetView, dict[str, AbstractSet[int]] | None, tuple[ChangedRow, ...]]
+# a grant's view: the view, the prefix sets' changes and the rows of a delta (None and () for a whole one)
+GrantView = tuple[FleetView, dict[str, PrefixChange] | None, tuple[ChangedRow, ...]]
 
 
 @dataclass

@@ -11,14 +11,14 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import httpx
 
 from narwhal_serve.admission.controller import AdmissionController
 from narwhal_serve.admission.core import EngineFacts, FleetView
-from narwhal_serve.admission.view import ChangedRow, FactsRow
+from narwhal_serve.admission.view import ChangedRow, FactsRow, PrefixChange, prefix_change
 from narwhal_serve.admission.counters import Counters
 from narwhal_serve.admission.ledger import Ticket
 from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation
@@ -40,6 +40,14 @@ from narwhal_serve.tenants.book import TenantBook
 from narwhal_serve.tenants.fair import FairShare
 from narwhal_serve.tenants.promises import Promise
 from narwhal_serve.tenants.tally import TenantTally
+
+
+class PriorCoeffs(NamedTuple):
+    """A TTFT model's coefficients as read at one moment (the fleet's prior granted to leases)."""
+
+    a: float
+    b: float
+    c: float
 
 
 # the facts granted to leases are read for every engine at least this often (else only for the engines
@@ -119,11 +127,11 @@ class SchedulerState(ABC):
         self._touched: set[str] = set()
         self._full_view_at = -math.inf
         self._maintenance: frozenset[str] = frozenset()
-        self._fleet_prior: Mapping[tuple[str, str], PrefillModel] = {}
-        self._prior_values: dict[tuple[str, str], tuple[float, float, float]] = {}  # as last granted
-        self._prior_engine: dict[tuple[str, str], EngineState] = {}  # whose model the prior is
-        self._borrowing: set[str] = set()  # engines projected with the fleet's prior (a superset)
-        self._place: dict[str, int] = {}  # each engine's place in the fleet's order
+        # the fleet's TTFT prior as of the last read of every engine (what the granted facts of an
+        # engine not measured yet carry until the next: a prior refitted with every measurement of the
+        # engine it comes from would otherwise change every such engine's facts, at a thousand engines
+        # most of them, each time)
+        self._fleet_prior: Mapping[tuple[str, str], PriorCoeffs] = {}
         self._waves: set[str] = set()
         self._unavailable_fleet: str | None = None
         self._client: httpx.AsyncClient | None = None
@@ -160,7 +168,7 @@ class SchedulerState(ABC):
         engine's facts are read again for the next grant."""
         self._full_view_at = -math.inf
 
-    def _inputs(self, e: EngineState, now: float, fleet: Mapping[tuple[str, str], PrefillModel],
+    def _inputs(self, e: EngineState, now: float, fleet: Mapping[tuple[str, str], PrefillModel | PriorCoeffs],
                 frozen: bool) -> tuple[object, ...]:
         """What an engine's facts are made of (read from its live state)."""
         stale = self.cfg.monitoring.stale_after_s
@@ -196,35 +204,23 @@ class SchedulerState(ABC):
         (:meth:`granted_since`); an unchanged one keeps its facts object."""
         touched = [n for n in self._touched if n in self.engines]
         self._touched = set()
-        full = now - self._full_view_at >= FULL_VIEW_S or len(self._granted) != len(self.engines)
-        prior = 0 if full or not self._borrowing else self._prior_moved(touched)
-        if full or prior == 2:
+        if now - self._full_view_at >= FULL_VIEW_S or len(self._granted) != len(self.engines):
             self._read_all(now)
             return
-        if prior == 1:  # the engines projected with the prior read too (they only become fewer)
-            self._prior_values = {k: (m.a, m.b, m.c) for k, m in self._fleet_prior.items()}
-            self._borrowing = {n for n in self._borrowing if n in self.engines and borrows_ttft(self.engines[n])}
-            touched = list(set(touched) | self._borrowing)
         self._read(touched, now)
         if self.check_views:  # tests: the touched engines were all that changed
-            fleet = fleet_ttft(self.engines.values())
             for name, e in self.engines.items():
-                assert self._granted[name][0] == self._inputs(e, now, fleet, True), f"{name} changed untouched"
+                assert self._granted[name][0] == self._inputs(e, now, self._fleet_prior, True), f"{name} changed untouched"
 
     def _read_all(self, now: float) -> None:
         """Every engine's facts read, and what is read from the whole fleet with them (the TTFT
         prior, maintenance, the monitoring's state, membership)."""
         self._full_view_at = now
         self._maintenance = frozenset(self.router.maintenance)
-        self._fleet_prior = fleet_ttft(self.engines.values())  # what an engine not measured yet is projected with
-        self._prior_values = {k: (m.a, m.b, m.c) for k, m in self._fleet_prior.items()}
-        self._prior_engine = {(e.cfg.role, e.cfg.dialect): e for e in self.engines.values()
-                              if self._fleet_prior.get((e.cfg.role, e.cfg.dialect)) is e.ttft_model}
-        self._borrowing = {n for n, e in self.engines.items() if borrows_ttft(e)}
+        self._fleet_prior = {k: PriorCoeffs(m.a, m.b, m.c) for k, m in fleet_ttft(self.engines.values()).items()}
         self._unavailable_fleet = self._fleet_reason(now)
         if len(self._granted) != len(self.engines) or self._granted.keys() != self.engines.keys():
             self._members += 1
-            self._place = {name: i for i, name in enumerate(self.engines)}
             for name in [n for n in self._granted if n not in self.engines]:  # removed by a reload
                 del self._granted[name]
                 self._changed_at.pop(name, None)
@@ -243,36 +239,6 @@ class SchedulerState(ABC):
             self._fact_seq += 1
             self._changed_at[name] = self._fact_seq
             self._changed_at.move_to_end(name)
-
-    def _better_prior(self, e: EngineState, than: EngineState) -> bool:
-        """:func:`fleet_ttft`'s choice between two engines: more samples, or as many and first in
-        the fleet's order."""
-        n, m = len(e.ttft_model.samples), len(than.ttft_model.samples)
-        return n > m or (n == m and self._place[e.cfg.name] < self._place[than.cfg.name])
-
-    def _prior_moved(self, touched: Iterable[str]) -> int:
-        """Whether the fleet's TTFT prior (:func:`fleet_ttft`: per role and dialect the model of the
-        engine with the most samples, the first in the fleet's order of those) moved with the
-        touched engines' models since the engines borrowing it were last read (1), found without
-        reading the fleet: the best engine is one touched that is better, or the same one
-        refitted; 2 when only the whole fleet can say (the best one reset by drift, or gone)."""
-        moved = False
-        for name in touched:
-            e = self.engines[name]
-            if not e.ttft_model.samples:
-                continue
-            kind = (e.cfg.role, e.cfg.dialect)
-            best = self._prior_engine.get(kind)
-            if best is None or (best is not e and self._better_prior(e, best)):
-                self._prior_engine[kind] = e
-                self._fleet_prior = {**self._fleet_prior, kind: e.ttft_model}  # (a new dict: views keep theirs)
-                moved = True
-        for k, b in self._prior_engine.items():
-            m = b.ttft_model
-            if not m.samples or self._fleet_prior.get(k) is not m or b.cfg.name not in self.engines:
-                return 2
-            moved = moved or self._prior_values.get(k) != (m.a, m.b, m.c)
-        return 1 if moved else 0
 
     def granted_since(self, seq: int) -> list[EngineFacts]:
         """The engines whose granted facts changed after change number ``seq`` (O(changed))."""
@@ -299,8 +265,8 @@ class SchedulerState(ABC):
     def grant_view(self, now: float, since: int | None, held: dict[str, Held]) -> GrantView:
         """A lease's view: whole (``since`` None), or the engines changed after change number
         ``since`` as rows (EngineFacts.row) with their configs where the lease does not hold
-        those, and the prefix sets that are not the ones it holds (``held``, by engine: updated to
-        what it will hold)."""
+        those, and the changes of the prefix sets that are not the ones it holds (``held``, by
+        engine: updated to what it will hold; view.prefix_change)."""
         self._refresh_granted(now)
         unavailable = self._unavailable_now(self._unavailable_fleet)
         if since is None:
@@ -308,13 +274,13 @@ class SchedulerState(ABC):
             held.clear()
             held.update((f.cfg.name, (f.cfg, f.prefix)) for f in view.engines)
             return view, None, ()
-        prefixes: dict[str, AbstractSet[int]] = {}
+        prefixes: dict[str, PrefixChange] = {}
         rows: list[ChangedRow] = []
         for f in self.granted_since(since):
             name = f.cfg.name
             kept = held.get(name)
             if kept is None or kept[1] is not f.prefix:
-                prefixes[name] = f.prefix
+                prefixes[name] = prefix_change(None if kept is None else kept[1], f.prefix)
             held[name] = (f.cfg, f.prefix)
             b = self._rows.get(name)
             if b is None or b[0] is not f:

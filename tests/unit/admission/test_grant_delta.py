@@ -165,3 +165,46 @@ def test_a_delta_carries_an_engines_config_only_when_it_changed() -> None:
     assert g.view_base and [(name, cfg) for name, cfg, _ in g.rows] == [("e2", new)]
     assert h.lease.view is not None and h.lease.view.facts()["e2"].cfg == new
     assert _facts(h.lease.view) == _facts(svc.view(clock.t, frozen=True))
+
+
+def test_a_prefix_set_changed_a_little_crosses_as_its_change() -> None:
+    """A set of hundreds of blocks that gained or lost a few crosses as those (view.prefix_change),
+    one mostly new or emptied crosses whole, and the lease holds exactly the scheduler's sets."""
+    from narwhal_serve.admission.view import prefix_change, with_prefix_change
+
+    rng = random.Random(3)
+    for _ in range(300):  # the change and the set made again from it, whatever the two sets
+        pool = range(rng.randint(1, 400))
+        held = frozenset(rng.sample(pool, rng.randint(0, len(pool))))
+        new = frozenset(rng.sample(pool, rng.randint(0, len(pool)))) if rng.random() < 0.5 else \
+            (held - set(rng.sample(sorted(held), min(len(held), 3)))) | {rng.randint(400, 500)}
+        change = prefix_change(held, new)
+        assert with_prefix_change(held, change) == new
+        assert prefix_change(None, new) is new
+    svc, clock = _service(8)
+    for i, e in enumerate(svc.engines.values()):
+        e.prefix.insert([i * 10**6 + b for b in range(400)])
+    h = Holder(svc, clock)
+    h.sync()
+    fresh = 10**7
+    for step in range(80):
+        for name in rng.sample(list(svc.engines), 3):
+            e = svc.engines[name]
+            if rng.random() < 0.1:
+                e.prefix.clear()  # (a restarted engine)
+            elif rng.random() < 0.1:
+                e.prefix.insert(list(range(fresh, fresh + 600)))  # mostly new
+                fresh += 600
+            else:
+                e.prefix.insert(list(range(fresh, fresh + rng.randint(1, 30))))  # a request's blocks stored
+                fresh += 30
+                e.prefix.remove(rng.sample(sorted(e.prefix.held()), min(len(e.prefix), 5)))  # some evicted
+            svc.touch(name)
+        clock.t += 0.01
+        h.sync()
+        assert h.lease.view is not None and _facts(h.lease.view) == _facts(svc.view(clock.t, frozen=True)), step
+    changes = [c for g in h.grants[1:] for c in (g.prefixes or {}).values()]
+    assert all(g.view_base for g in h.grants[1:])
+    small = [c for c in changes if isinstance(c, tuple)]
+    assert len(small) > len(changes) // 2 and any(not isinstance(c, tuple) for c in changes)
+    assert sum(len(a) + len(r) for a, r in small) < 0.2 * sum(len(f.prefix) for f in h.lease.view.engines) * len(small) / 8

@@ -64,3 +64,27 @@ def test_cold_engines_are_projected_with_the_fleets_model_and_start_from_it() ->
     b = svc.engines["b"].ttft_model
     assert (b.prior_a, b.prior_b) == (a.a, a.b) and len(b.samples) == 1
     assert abs(b.b - 1e-5) < 3e-6
+
+
+def test_leases_are_granted_the_prior_as_read_with_every_engine() -> None:
+    """The prior granted to leases moves with the reads of every engine (each FULL_VIEW_S), not
+    with each refit of the engine it comes from: a refit changes that engine's facts only, and the
+    engines borrowing it keep their facts (the same objects: no row re-sent) until the next read."""
+    from narwhal_serve.scheduler.state import FULL_VIEW_S
+
+    svc = _service()
+    for i in range(12):
+        _measure(svc.engines, "a", 500 + 1000 * i, 0.01 + 1e-5 * (500 + 1000 * i))
+    first = {f.cfg.name: f for f in svc.view(NOW, frozen=True).engines}
+    a = svc.engines["a"].ttft_model
+    assert (first["b"].ttft_a, first["b"].ttft_b) == (a.a, a.b)
+    for i in range(6):  # a slows down: refitted with each measurement
+        _measure(svc.engines, "a", 8000 + 500 * i, 0.05 + 4e-5 * (8000 + 500 * i))
+    svc.touch("a")
+    later = {f.cfg.name: f for f in svc.view(NOW + FULL_VIEW_S / 2, frozen=True).engines}
+    assert later["a"].ttft_b == a.b != first["a"].ttft_b
+    assert later["b"] is first["b"] and later["c"] is first["c"]  # still the prior as read
+    assert svc.view(NOW + FULL_VIEW_S / 2).engines[1].ttft_b == a.b  # the scheduler's own view: as it is
+    read = {f.cfg.name: f for f in svc.view(NOW + FULL_VIEW_S, frozen=True).engines}
+    assert (read["b"].ttft_a, read["b"].ttft_b, read["b"].ttft_c) == (a.a, a.b, a.c) == (read["c"].ttft_a, read["c"].ttft_b, read["c"].ttft_c)
+    assert read["d"].ttft_b == 0.001
