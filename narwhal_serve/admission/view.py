@@ -149,7 +149,7 @@ class _Derived:
     (:meth:`evolved`), at the cost of those.  A view's receiver makes its own: it is not sent over
     the Ray hop."""
 
-    __slots__ = ("engines", "by_name", "cold", "order", "window", "holders", "before", "_place", "sets")
+    __slots__ = ("engines", "by_name", "cold", "order", "window", "holders", "before", "_place", "sets", "prefix_of")
 
     def __init__(self) -> None:
         self.engines: tuple[EngineFacts, ...] | None = None
@@ -170,7 +170,14 @@ class _Derived:
             self.before: tuple[tuple[dict[int, frozenset[str]], Mapping[str, EngineFacts]], ...] = ()
             self._place: dict[str, int] | None = None
             self.sets: list[tuple[str, AbstractSet[int]]] | None = None  # names and prefix sets, for scans
+            self.prefix_of: dict[str, AbstractSet[int]] | None = None  # each engine's prefix set by name
         return self
+
+    def prefixes(self) -> dict[str, AbstractSet[int]]:
+        """Each engine's prefix set by name (a scan of some engines reads one dict, no attributes)."""
+        if self.prefix_of is None:
+            self.prefix_of = {name: f.prefix for name, f in self.by_name.items()}
+        return self.prefix_of
 
     def place(self) -> dict[str, int]:
         """Each engine's place in the fleet's order."""
@@ -196,6 +203,7 @@ class _Derived:
             new.window = (max([lo] + [f.eligible_until for n, f in changed.items() if n not in order]),
                           min([hi] + [f.eligible_until for n, f in changed.items() if n in order]))
         new.holders, new._place, new.sets = {}, self._place, None
+        new.prefix_of = None if self.prefix_of is None else {**self.prefix_of, **{n: f.prefix for n, f in changed.items()}}
         if self.sets is not None:  # the same engines in the same places: only the changed ones' sets are new
             place = self.place()
             new._place, new.sets = place, list(self.sets)
@@ -359,8 +367,15 @@ class FleetView:
             known = d.known(block)
             if known is not None or 2 * len(held) > len(self.engines):
                 return self.holding(block) & held
-        changed, by_name = self.changed, d.by_name  # (plain dict reads: no Mapping's methods per engine)
-        return frozenset([n for n in held if block in (changed.get(n) or by_name[n]).prefix])
+        prefix = d.prefixes()
+        out = {n for n in held if block in prefix[n]}
+        for n, f in self.changed.items():  # the holder's own changes
+            if n in held:
+                if block in f.prefix:
+                    out.add(n)
+                else:
+                    out.discard(n)
+        return frozenset(out)
 
     def cold_tpot(self) -> tuple[float, float] | None:
         """The best measured TPOT model (what an engine with none yet is ranked with)."""

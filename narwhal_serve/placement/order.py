@@ -69,6 +69,25 @@ class _Source:
         return [(b, n) for _, n in out]
 
 
+# ``top(only=...)`` over a unified fleet sorts the engines of ``only`` when they are few
+# (``ONLY_SHARE · |only| ≤ size``), else walks the fleet's order for the first of theirs: a key
+# read in the walk costs about a twentieth of one sorted (a hundred holders of a common prompt
+# start at 1,000 engines: 0.1 ms sorted, at most 0.05 ms walked)
+ONLY_SHARE = 16
+
+
+def _first(keys: list[tuple[float, int]], ns: Collection[int], k: int) -> list[tuple[float, int]]:
+    """The first ``k`` keys (in order) of routes in ``ns``, and every one tied with the k-th (the
+    rotation picks among ties)."""
+    out: list[tuple[float, int]] = []
+    for key in keys:
+        if key[1] in ns:
+            if len(out) >= k and key[0] != out[-1][0]:
+                break
+            out.append(key)
+    return out
+
+
 def _moved(keys: list[tuple[float, int]], moves: list[tuple[float, float, int]]) -> list[tuple[float, int]]:
     """``keys`` with route ``n`` moved from bucket ``was`` to ``now`` for each ``(was, now, n)`` (a
     copy; ``keys`` itself when nothing moves)."""
@@ -151,12 +170,18 @@ class RouteOrder(Generic[E]):
     def __contains__(self, name: object) -> bool:
         return name in self._engine
 
-    def _sources(self, changed: Mapping[str, E], only: Collection[str] | None) -> list[_Source]:
-        if only is not None and not self._prefills:  # a few engines of a unified fleet: just theirs
+    def _sources(self, changed: Mapping[str, E], only: Collection[str] | None, k: int) -> list[_Source]:
+        if only is not None and not self._prefills and ONLY_SHARE * len(only) <= self.size:
+            # a few engines of a unified fleet: just theirs, sorted
             unified = sorted((bucket(f) if (f := changed.get(name)) is not None else self._bucket[name], self._n[name])
                              for name in only if name in self._n and self._n[name] < self.first_pd)
             return [_Source(unified)]
         moved = {name: bucket(f) for name, f in changed.items() if name in self._engine}
+        if only is not None and not self._prefills:
+            # many (a prompt start most engines hold): the fleet's order, the first k of theirs
+            keys = _moved(self._unified, [(self._bucket[name], b, self._n[name]) for name, b in moved.items()
+                                          if self._n.get(name, self.size) < self.first_pd])
+            return [_Source(_first(keys, {self._n[name] for name in only if name in self._n}, k))]
         if only is not None:
             unified = sorted((moved.get(name, self._bucket[name]), self._n[name]) for name in only
                              if name in self._n and self._n[name] < self.first_pd)
@@ -187,7 +212,7 @@ class RouteOrder(Generic[E]):
         if self.size == 0 or k <= 0:
             return []
         r = rotation % self.size
-        sources = self._sources(changed or {}, only)
+        sources = self._sources(changed or {}, only, k)
         out: list[RouteChoice] = []
         b = -math.inf
         while len(out) < k:

@@ -51,6 +51,22 @@ def test_top_is_the_pickers_first_routes_with_changes_and_filters() -> None:
         assert _engines(order.top(k, rotation, changed, only=only)) == _engines([r for r in ref if _first_token(r) in only][:k])
 
 
+def test_top_among_many_of_a_unified_fleet_is_the_pickers_filtered() -> None:
+    """``only`` many of a unified fleet (the holders of a common prompt start): the first of theirs
+    in the fleet's order (``ONLY_SHARE``), as the picker's filtered routes, ties rotated."""
+    rng = random.Random(9)
+    for _ in range(1500):
+        fleet = [replace(e, cfg=e.cfg.model_copy(update={"role": "unified"})) for e in _fleet(rng, rng.randint(1, 60))]
+        order = RouteOrder(fleet)
+        changed = {e.cfg.name: replace(e, inflight=max(0, e.inflight + rng.choice([-3, 1, 2, 40])))
+                   for e in rng.sample(fleet, min(len(fleet), rng.randint(0, 4)))}
+        now = [changed.get(e.cfg.name, e) for e in fleet]
+        rotation, k = rng.randint(0, 100), rng.randint(1, 12)
+        ref = candidate_routes(now, rotation, limit=None)
+        only = set(rng.sample([e.cfg.name for e in fleet], rng.randint(len(fleet) // 16, len(fleet))))
+        assert _engines(order.top(k, rotation, changed, only=only)) == _engines([r for r in ref if _first_token(r) in only][:k])
+
+
 def test_ties_rotate_over_a_large_idle_fleet() -> None:
     fleet = _fleet(random.Random(1), 0)
     fleet = [EngineFacts(cfg=EngineConfig(name=f"u{i}", url=f"http://127.0.0.1:{9000 + i}"), eligible_until=10.0,
