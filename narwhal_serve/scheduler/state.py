@@ -204,7 +204,9 @@ class SchedulerState(ABC):
         (:meth:`granted_since`); an unchanged one keeps its facts object."""
         touched = [n for n in self._touched if n in self.engines]
         self._touched = set()
-        if now - self._full_view_at >= FULL_VIEW_S or len(self._granted) != len(self.engines):
+        if now - self._full_view_at >= FULL_VIEW_S or len(self._granted) != len(self.engines) \
+                or any((e := self.engines[n]).ttft_model.samples and (e.cfg.role, e.cfg.dialect) not in self._fleet_prior
+                       for n in touched):  # (the first measurement of a kind: a prior at once, not the generic one)
             self._read_all(now)
             return
         self._read(touched, now)

@@ -88,3 +88,18 @@ def test_leases_are_granted_the_prior_as_read_with_every_engine() -> None:
     read = {f.cfg.name: f for f in svc.view(NOW + FULL_VIEW_S, frozen=True).engines}
     assert (read["b"].ttft_a, read["b"].ttft_b, read["b"].ttft_c) == (a.a, a.b, a.c) == (read["c"].ttft_a, read["c"].ttft_b, read["c"].ttft_c)
     assert read["d"].ttft_b == 0.001
+
+
+def test_the_first_measurement_of_a_kind_is_granted_at_once() -> None:
+    """Before any measurement leases are granted the generic prior; the fleet's first measurement
+    reaches the engines borrowing it with the next grant, not a FULL_VIEW_S later (a fast fleet
+    would refuse long prompts as over the budget on their own meanwhile)."""
+    svc = _service()
+    cold = {f.cfg.name: f for f in svc.view(NOW, frozen=True).engines}
+    assert cold["b"].ttft_b == PRIOR_B
+    for i in range(3):
+        _measure(svc.engines, "a", 500 + 1000 * i, 0.01 + 1e-5 * (500 + 1000 * i))
+    svc.touch("a")
+    warm = {f.cfg.name: f for f in svc.view(NOW + 0.001, frozen=True).engines}
+    a = svc.engines["a"].ttft_model
+    assert (warm["b"].ttft_a, warm["b"].ttft_b) == (warm["c"].ttft_a, warm["c"].ttft_b) == (a.a, a.b) != (cold["b"].ttft_a, PRIOR_B)
