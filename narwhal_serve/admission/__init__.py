@@ -31,12 +31,12 @@ _EXPORTS = {
     "AdmissionController": "controller",
     "AdmissionLease": "lease",
     "Ask": "core",
-    "ChangedRow": "view",
+    "ChangedRow": "facts",
     "CounterDelta": "counters",
     "Counters": "counters",
     "EngineFacts": "core",
     "Enqueued": "controller",
-    "FactsRow": "view",
+    "FactsRow": "facts",
     "FleetView": "view",
     "Grant": "controller",
     "LeaseGrant": "wire",
@@ -46,13 +46,13 @@ _EXPORTS = {
     "NONE": "controller",
     "Permits": "controller",
     "Placement": "core",
-    "PrefixChange": "view",
+    "PrefixChange": "facts",
     "Refusal": "controller",
     "Reservation": "retry",
     "Ticket": "ledger",
     "decide": "core",
     "earliest": "retry",
-    "prefix_change": "view",
+    "prefix_change": "facts",
     "rank": "core",
     "retry_count": "retry",
     "unbalanced": "counters",
@@ -69,12 +69,12 @@ if TYPE_CHECKING:
     from narwhal_serve.admission.controller import AdmissionController as AdmissionController
     from narwhal_serve.admission.lease import AdmissionLease as AdmissionLease
     from narwhal_serve.admission.core import Ask as Ask
-    from narwhal_serve.admission.view import ChangedRow as ChangedRow
+    from narwhal_serve.admission.facts import ChangedRow as ChangedRow
     from narwhal_serve.admission.counters import CounterDelta as CounterDelta
     from narwhal_serve.admission.counters import Counters as Counters
     from narwhal_serve.admission.core import EngineFacts as EngineFacts
     from narwhal_serve.admission.controller import Enqueued as Enqueued
-    from narwhal_serve.admission.view import FactsRow as FactsRow
+    from narwhal_serve.admission.facts import FactsRow as FactsRow
     from narwhal_serve.admission.view import FleetView as FleetView
     from narwhal_serve.admission.controller import Grant as Grant
     from narwhal_serve.admission.wire import LeaseGrant as LeaseGrant
@@ -84,13 +84,13 @@ if TYPE_CHECKING:
     from narwhal_serve.admission.controller import NONE as NONE
     from narwhal_serve.admission.controller import Permits as Permits
     from narwhal_serve.admission.core import Placement as Placement
-    from narwhal_serve.admission.view import PrefixChange as PrefixChange
+    from narwhal_serve.admission.facts import PrefixChange as PrefixChange
     from narwhal_serve.admission.controller import Refusal as Refusal
     from narwhal_serve.admission.retry import Reservation as Reservation
     from narwhal_serve.admission.ledger import Ticket as Ticket
     from narwhal_serve.admission.core import decide as decide
     from narwhal_serve.admission.retry import earliest as earliest
-    from narwhal_serve.admission.view import prefix_change as prefix_change
+    from narwhal_serve.admission.facts import prefix_change as prefix_change
     from narwhal_serve.admission.core import rank as rank
     from narwhal_serve.admission.retry import retry_count as retry_count
     from narwhal_serve.admission.counters import unbalanced as unbalanced

@@ -31,8 +31,8 @@ from narwhal_serve.prediction.ttft import Projection, linear_ttft, project_linea
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.tenants.fair import OVER_SHARE_HEADROOM
 from narwhal_serve.admission.view import Ask as Ask
-from narwhal_serve.admission.view import EngineDelta as EngineDelta
-from narwhal_serve.admission.view import EngineFacts as EngineFacts
+from narwhal_serve.admission.facts import EngineDelta as EngineDelta
+from narwhal_serve.admission.facts import EngineFacts as EngineFacts
 from narwhal_serve.admission.view import FleetView as FleetView
 from narwhal_serve.admission.view import Placement as Placement
 

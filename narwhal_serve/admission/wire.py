@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from narwhal_serve.admission.controller import NONE, Permits
 from narwhal_serve.admission.core import FleetView, Placement
 from narwhal_serve.admission.retry import Reservation
-from narwhal_serve.admission.view import ChangedRow, PrefixChange
+from narwhal_serve.admission.facts import ChangedRow, PrefixChange
 from narwhal_serve.tenants.amounts import Amounts
 from narwhal_serve.tenants.messages import TenantFacts, TenantPart
 
@@ -67,7 +67,7 @@ class LeaseGrant:
     names: tuple[str, ...] = ()
     # A delta's rows come without prefix sets (pickling a set of a thousand block hashes costs
     # about 0.1 ms each side): these are the sets changed since that view, by engine, each as its
-    # blocks added and removed where those are few (view.prefix_change); an engine not in it keeps
+    # blocks added and removed where those are few (facts.prefix_change); an engine not in it keeps
     # the set it has (FleetView.merged)
     prefixes: dict[str, PrefixChange] | None = None
     # A delta's engines, as rows: each one's facts as plain values, with its config only where

@@ -9,7 +9,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from narwhal_serve.admission.controller import NONE, AdmissionController, Permits
-from narwhal_serve.admission.view import ChangedRow, FleetView, PrefixChange
+from narwhal_serve.admission.facts import ChangedRow, PrefixChange
+from narwhal_serve.admission.view import FleetView
 from narwhal_serve.config import EngineConfig
 
 LEASE_TTL_S = 2.0  # an ingress stops admitting locally this long after its last answered report

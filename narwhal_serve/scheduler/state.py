@@ -18,7 +18,7 @@ import httpx
 
 from narwhal_serve.admission.controller import AdmissionController
 from narwhal_serve.admission.core import EngineFacts, FleetView
-from narwhal_serve.admission.view import ChangedRow, FactsRow, PrefixChange, prefix_change
+from narwhal_serve.admission.facts import ChangedRow, FactsRow, PrefixChange, prefix_change
 from narwhal_serve.admission.counters import Counters
 from narwhal_serve.admission.ledger import Ticket
 from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation
@@ -268,7 +268,7 @@ class SchedulerState(ABC):
         """A lease's view: whole (``since`` None), or the engines changed after change number
         ``since`` as rows (EngineFacts.row) with their configs where the lease does not hold
         those, and the changes of the prefix sets that are not the ones it holds (``held``, by
-        engine: updated to what it will hold; view.prefix_change)."""
+        engine: updated to what it will hold; facts.prefix_change)."""
         self._refresh_granted(now)
         unavailable = self._unavailable_now(self._unavailable_fleet)
         if since is None:

@@ -12,7 +12,8 @@ from dataclasses import fields
 
 from narwhal_serve.admission.core import Ask, Placement, decide
 from narwhal_serve.admission.lease import AdmissionLease
-from narwhal_serve.admission.view import EngineFacts, FleetView
+from narwhal_serve.admission.facts import EngineFacts
+from narwhal_serve.admission.view import FleetView
 from narwhal_serve.admission.wire import LeaseGrant
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.engines.metrics import EngineLoad
@@ -170,7 +171,7 @@ def test_a_delta_carries_an_engines_config_only_when_it_changed() -> None:
 def test_a_prefix_set_changed_a_little_crosses_as_its_change() -> None:
     """A set of hundreds of blocks that gained or lost a few crosses as those (view.prefix_change),
     one mostly new or emptied crosses whole, and the lease holds exactly the scheduler's sets."""
-    from narwhal_serve.admission.view import prefix_change, with_prefix_change
+    from narwhal_serve.admission.facts import prefix_change, with_prefix_change
 
     rng = random.Random(3)
     for _ in range(300):  # the change and the set made again from it, whatever the two sets

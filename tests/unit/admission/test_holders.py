@@ -8,7 +8,9 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from narwhal_serve.admission.view import HOLDERS_SCAN, EngineFacts, FleetView
+from narwhal_serve.admission.derived import HOLDERS_SCAN
+from narwhal_serve.admission.facts import EngineFacts
+from narwhal_serve.admission.view import FleetView
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from narwhal_serve.admission.view import EngineFacts
+from narwhal_serve.admission.facts import EngineFacts
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
 from narwhal_serve.placement.order import RouteOrder
@@ -36,16 +36,23 @@ def _first_token(r: RouteChoice) -> str:
     return r.prefill.name if r.prefill else r.decode.name
 
 
+def _case(rng: random.Random, fleet: list[EngineFacts]
+          ) -> tuple[RouteOrder[EngineFacts], dict[str, EngineFacts], int, int, list[RouteChoice]]:
+    """An order of ``fleet``, a few engines changed since, a rotation and a k, and the picker's
+    routes over the fleet as it is now."""
+    order = RouteOrder(fleet)
+    changed = {e.cfg.name: replace(e, inflight=max(0, e.inflight + rng.choice([-3, 1, 2, 40])))
+               for e in rng.sample(fleet, min(len(fleet), rng.randint(0, 4)))}
+    now = [changed.get(e.cfg.name, e) for e in fleet]
+    rotation, k = rng.randint(0, 100), rng.randint(1, 12)
+    return order, changed, rotation, k, candidate_routes(now, rotation, limit=None)
+
+
 def test_top_is_the_pickers_first_routes_with_changes_and_filters() -> None:
     rng = random.Random(7)
     for _ in range(1500):
         fleet = _fleet(rng, rng.randint(0, 40))
-        order = RouteOrder(fleet)
-        changed = {e.cfg.name: replace(e, inflight=max(0, e.inflight + rng.choice([-3, 1, 2, 40])))
-                   for e in rng.sample(fleet, min(len(fleet), rng.randint(0, 4)))}
-        now = [changed.get(e.cfg.name, e) for e in fleet]
-        rotation, k = rng.randint(0, 100), rng.randint(1, 12)
-        ref = candidate_routes(now, rotation, limit=None)
+        order, changed, rotation, k, ref = _case(rng, fleet)
         assert _engines(order.top(k, rotation, changed)) == _engines(ref[:k])
         only = set(rng.sample([e.cfg.name for e in fleet], min(len(fleet), rng.randint(0, 6))))
         assert _engines(order.top(k, rotation, changed, only=only)) == _engines([r for r in ref if _first_token(r) in only][:k])
@@ -57,12 +64,7 @@ def test_top_among_many_of_a_unified_fleet_is_the_pickers_filtered() -> None:
     rng = random.Random(9)
     for _ in range(1500):
         fleet = [replace(e, cfg=e.cfg.model_copy(update={"role": "unified"})) for e in _fleet(rng, rng.randint(1, 60))]
-        order = RouteOrder(fleet)
-        changed = {e.cfg.name: replace(e, inflight=max(0, e.inflight + rng.choice([-3, 1, 2, 40])))
-                   for e in rng.sample(fleet, min(len(fleet), rng.randint(0, 4)))}
-        now = [changed.get(e.cfg.name, e) for e in fleet]
-        rotation, k = rng.randint(0, 100), rng.randint(1, 12)
-        ref = candidate_routes(now, rotation, limit=None)
+        order, changed, rotation, k, ref = _case(rng, fleet)
         only = set(rng.sample([e.cfg.name for e in fleet], rng.randint(len(fleet) // 16, len(fleet))))
         assert _engines(order.top(k, rotation, changed, only=only)) == _engines([r for r in ref if _first_token(r) in only][:k])
 
