@@ -105,6 +105,10 @@ class LeaseLedger:
         out = view(rec.facts_seq if base else None, rec.held)
         facts_seq, members = numbers()
         changed_names = names() if base and members != rec.members else ()
+        if changed_names:  # engines gone are gone from the lease's view: it holds nothing of theirs
+            current = set(changed_names)
+            for name in [n for n in rec.held if n not in current]:
+                del rec.held[name]
         rec.view_seq, rec.facts_seq, rec.members = self._views, facts_seq, members
         return out, rec.view_seq, base, changed_names
 

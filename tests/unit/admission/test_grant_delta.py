@@ -209,3 +209,27 @@ def test_a_prefix_set_changed_a_little_crosses_as_its_change() -> None:
     small = [c for c in changes if isinstance(c, tuple)]
     assert len(small) > len(changes) // 2 and any(not isinstance(c, tuple) for c in changes)
     assert sum(len(a) + len(r) for a, r in small) < 0.2 * sum(len(f.prefix) for f in h.lease.view.engines) * len(small) / 8
+
+
+def test_an_engine_gone_and_back_is_sent_its_whole_set() -> None:
+    """An engine deregistered (a grant drops it from the lease's view) and registered again with
+    most of its old blocks: its set crosses whole, not as a change from a set the lease no longer
+    holds (the scheduler's record of what a lease holds follows the fleet's membership)."""
+    svc, clock = _service(6)
+    e = svc.engines["e0"]
+    e.prefix.insert(list(range(100)))
+    h = Holder(svc, clock)
+    h.sync()
+    cfg = e.cfg
+    assert svc.deregister_engine("e0")
+    clock.t += 0.01
+    h.sync()
+    assert h.lease.view is not None and "e0" not in h.lease.view.facts()
+    svc.register_engine(cfg.model_copy())  # (parsed anew by the admin route)
+    back = svc.engines["e0"]
+    back.healthy, back.last_ok = True, clock.t
+    back.prefix.insert(list(range(10, 105)))  # its KV events replayed: mostly the blocks it had
+    clock.t += 0.01
+    h.sync()
+    assert h.lease.view is not None and _facts(h.lease.view) == _facts(svc.view(clock.t, frozen=True))
+    assert set(h.lease.view.facts()["e0"].prefix) == set(range(10, 105))
