@@ -21,7 +21,7 @@ class Derived:
     (:meth:`evolved`), at the cost of those.  A view's receiver makes its own: it is not sent over
     the Ray hop."""
 
-    __slots__ = ("engines", "by_name", "cold", "order", "window", "holders", "before", "_place", "sets", "prefix_of")
+    __slots__ = ("engines", "by_name", "cold", "order", "window", "holders", "before", "_place", "prefix_of")
 
     def __init__(self) -> None:
         self.engines: tuple[EngineFacts, ...] | None = None
@@ -41,12 +41,11 @@ class Derived:
             # corrected), the latest first; at most HOLDERS_BEFORE
             self.before: tuple[tuple[dict[int, frozenset[str]], Mapping[str, EngineFacts]], ...] = ()
             self._place: dict[str, int] | None = None
-            self.sets: list[tuple[str, AbstractSet[int]]] | None = None  # names and prefix sets, for scans
             self.prefix_of: dict[str, AbstractSet[int]] | None = None  # each engine's prefix set by name
         return self
 
     def prefixes(self) -> dict[str, AbstractSet[int]]:
-        """Each engine's prefix set by name (a scan of some engines reads one dict, no attributes)."""
+        """Each engine's prefix set by name (a scan of the fleet or of some engines reads no attributes)."""
         if self.prefix_of is None:
             self.prefix_of = {name: f.prefix for name, f in self.by_name.items()}
         return self.prefix_of
@@ -74,13 +73,9 @@ class Derived:
             new.order = order.updated({n: f for n, f in changed.items() if n in order})
             new.window = (max([lo] + [f.eligible_until for n, f in changed.items() if n not in order]),
                           min([hi] + [f.eligible_until for n, f in changed.items() if n in order]))
-        new.holders, new._place, new.sets = {}, self._place, None
+        new.holders, new._place = {}, self._place
+        # (the same engines: only the changed ones' sets are new)
         new.prefix_of = None if self.prefix_of is None else {**self.prefix_of, **{n: f.prefix for n, f in changed.items()}}
-        if self.sets is not None:  # the same engines in the same places: only the changed ones' sets are new
-            place = self.place()
-            new._place, new.sets = place, list(self.sets)
-            for name, f in changed.items():
-                new.sets[place[name]] = (name, f.prefix)
         new.before = ((self.holders, changed),) + self.before[:HOLDERS_BEFORE - 1]
         return new
 
@@ -106,10 +101,7 @@ class Derived:
     def holding(self, block: int) -> frozenset[str]:
         held = self.known(block)
         if held is None:
-            if self.sets is None:  # (names and sets side by side: a scan reads no attributes)
-                assert self.engines is not None
-                self.sets = [(e.cfg.name, e.prefix) for e in self.engines]
-            held = self._remember(block, frozenset([n for n, p in self.sets if block in p]))
+            held = self._remember(block, frozenset([n for n, p in self.prefixes().items() if block in p]))
         return held
 
 
