@@ -27,7 +27,7 @@ from narwhal_serve.errors import backend_unavailable, router_unavailable
 from narwhal_serve.placement.picker import MAX_CANDIDATES
 from narwhal_serve.placement.prefix import matched_blocks
 from narwhal_serve.prediction.decode import expected_output, tpot_at
-from narwhal_serve.prediction.ttft import Projection, linear_ttft, project_linear, slot_wait_s, with_margin
+from narwhal_serve.prediction.ttft import Projection, linear_ttft, projected_pair, slot_wait_s, with_margin
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.tenants.fair import OVER_SHARE_HEADROOM
 from narwhal_serve.admission.view import Ask as Ask
@@ -42,7 +42,7 @@ def _first_token_engine(route: RouteChoice) -> str:
     return route.prefill.name if route.prefill else route.decode.name
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # (not frozen: a frozen one takes 2.5 µs to make, and a decision makes 8 to 16)
 class _Scored:
     index: int
     route: RouteChoice
@@ -96,8 +96,8 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
         held_tokens, held_requests = reserved_at(view.reservations, e.cfg.name, now, ask.ttft_budget_s)
         held_slots = held_requests if d is e else reserved_at(view.reservations, d.cfg.name, now, ask.ttft_budget_s)[1]
     wait = _slot_wait(d, expected_out, held_slots)
-    raw = project_linear(e.ttft_a, e.ttft_b, x - own + held_tokens, own, wait, e.ttft_c, r + held_requests)
-    projection = Projection(raw.prompt_alone_s, with_margin(raw.projected_s, e.ttft_margin))  # (not replace(): 7 µs)
+    alone, raw = projected_pair(e.ttft_a, e.ttft_b, x - own + held_tokens, own, wait, e.ttft_c, r + held_requests)
+    projection = Projection(alone, with_margin(raw, e.ttft_margin))
     batch = float(d.in_flight() + 1)
     if d.slots:
         batch = min(batch, float(d.slots))
@@ -110,7 +110,7 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
         per_request = d.decode_tokens / d.inflight if d.inflight > 0 and d.decode_tokens > 0 else expected_out
         shed = over * per_request * tpot / max(batch, 1.0)
     # ranked by the projection itself; the margin is for judging it against the target
-    cost = (raw.projected_s + expected_out * ranked_tpot) * (1.0 + max(e.penalty, d.penalty))
+    cost = (raw + expected_out * ranked_tpot) * (1.0 + max(e.penalty, d.penalty))
     return _Scored(i, route, projection, x, r, wait, cached, matched, batch, tpot, d.tpot_known, cost, shed)
 
 

@@ -40,7 +40,8 @@ class Ticket:
 def add(into: Deltas, more: Mapping[str, EngineDelta]) -> None:
     """``more`` added into ``into``, engine by engine."""
     for name, d in more.items():
-        into[name] = into.get(name, EngineDelta()) + d
+        was = into.get(name)
+        into[name] = d if was is None else was + d
 
 
 def charge(placement: Placement) -> dict[str, EngineDelta]:
@@ -48,14 +49,17 @@ def charge(placement: Placement) -> dict[str, EngineDelta]:
     by its first-token engine from now on (a *pending prefix*): a request with the same prefix is
     placed behind it there and finds the blocks cached when its own prefill starts, instead of
     spilling cold onto another engine while the first prefill runs."""
-    out = {name: EngineDelta(inflight=1) for name in placement.engines}
-    if placement.first_engine is not None:
-        out[placement.first_engine] = out.get(placement.first_engine, EngineDelta()) + EngineDelta(
-            pending_prefill_tokens=placement.prefill_tokens, pending_prefill_requests=1,
-            prefix=frozenset(placement.prefix),
+    engines, first, decode = placement.engines, placement.first_engine, placement.decode_engine
+    out = {}
+    for name in engines if first is None or first in engines else engines + (first,):
+        pending = name == first
+        out[name] = EngineDelta(  # one each (an admission makes them for every request)
+            inflight=1 if name in engines else 0,
+            pending_prefill_tokens=placement.prefill_tokens if pending else 0,
+            pending_prefill_requests=1 if pending else 0,
+            decode_tokens=placement.expected_out if name == decode else 0.0,
+            prefix=frozenset(placement.prefix) if pending else frozenset(),
         )
-    if placement.decode_engine is not None and placement.decode_engine in out:
-        out[placement.decode_engine] = out[placement.decode_engine] + EngineDelta(decode_tokens=placement.expected_out)
     return out
 
 

@@ -26,6 +26,7 @@ _EXPORTS = {
     "expected_output": "decode",
     "linear_ttft": "ttft",
     "project_linear": "ttft",
+    "projected_pair": "ttft",
     "remaining_tokens": "decode",
     "slot_wait_s": "ttft",
     "tpot_at": "decode",
@@ -34,7 +35,7 @@ _EXPORTS = {
 __all__ = [
     "DEFAULT_OUTPUT_PRIOR", "ErrorWindow", "OutputLengths", "PRIOR_A", "PRIOR_B", "PRIOR_TPOT_A",
     "PrefillModel", "Projection", "TpotModel", "expected_output", "linear_ttft", "project_linear",
-    "remaining_tokens", "slot_wait_s", "tpot_at", "with_margin",
+    "projected_pair", "remaining_tokens", "slot_wait_s", "tpot_at", "with_margin",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from narwhal_serve.prediction.decode import expected_output as expected_output
     from narwhal_serve.prediction.ttft import linear_ttft as linear_ttft
     from narwhal_serve.prediction.ttft import project_linear as project_linear
+    from narwhal_serve.prediction.ttft import projected_pair as projected_pair
     from narwhal_serve.prediction.decode import remaining_tokens as remaining_tokens
     from narwhal_serve.prediction.ttft import slot_wait_s as slot_wait_s
     from narwhal_serve.prediction.decode import tpot_at as tpot_at

@@ -187,10 +187,17 @@ def project_linear(
     c: float = 0.0, pending_requests: float = 0.0,
 ) -> Projection:
     """:func:`project` from a model's coefficients."""
-    return Projection(
-        prompt_alone_s=linear_ttft(a, b, prompt_tokens),
-        projected_s=wait_s + linear_ttft(a, b, pending_tokens + prompt_tokens, c, pending_requests),
-    )
+    return Projection(*projected_pair(a, b, pending_tokens, prompt_tokens, wait_s, c, pending_requests))
+
+
+def projected_pair(
+    a: float, b: float, pending_tokens: float, prompt_tokens: int, wait_s: float = 0.0,
+    c: float = 0.0, pending_requests: float = 0.0,
+) -> tuple[float, float]:
+    """:func:`project_linear`'s prompt-alone and projected TTFT, as plain numbers (a decision
+    projects many routes and keeps one)."""
+    return (linear_ttft(a, b, prompt_tokens),
+            wait_s + linear_ttft(a, b, pending_tokens + prompt_tokens, c, pending_requests))
 
 
 MARGIN_FLOOR_S = 0.25  # errors are relative to at least this (a fast request's jitter is not uncertainty)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("requests", "input_tokens", "output_tokens", "concurrent")
+KINDS = ("requests", "input_tokens", "output_tokens", "concurrent")  # Amounts' fields, in their order
 
 
 @dataclass(frozen=True)

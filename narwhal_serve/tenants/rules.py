@@ -32,7 +32,7 @@ def lacking(have: Amounts, cost: Amounts, spec: TenantSpec) -> tuple[str, ...]:
 
 def limited(a: Amounts, spec: TenantSpec) -> Amounts:
     """``a`` with the kinds the tenant has no budget of set to zero."""
-    return Amounts.of({k: a.get(k) if spec.limit(k) is not None else 0.0 for k in KINDS})
+    return Amounts(*[a.get(k) if spec.limit(k) is not None else 0.0 for k in KINDS])  # (KINDS: Amounts' order)
 
 
 def never_fits(cost: Amounts, spec: TenantSpec) -> str | None:

@@ -53,21 +53,26 @@ class LeaseShares:
             return True
         self._seen.add(tenant)
         f = self.facts.get(tenant)
-        # the router-wide budget as last heard (this lease's share included)
-        router = refilled(spec, f.level, now - f.at) if f is not None else None
-        if f is not None and router is not None and f.pressed:  # promises out: the scheduler keeps their order
+        if f is not None and f.pressed:  # promises out: the scheduler keeps their order
             if retry or reserves:
                 return False
-            est = router - f.promised  # a newcomer queues behind them all
+            est = refilled(spec, f.level, now - f.at) - f.promised  # a newcomer queues behind them all
             return refusal(spec, est, cost, f.slot_wait_s) if lacking(est, cost, spec) else False
         have = self.held.get(tenant, NOTHING)
-        if router is not None and spec.output_tokens_per_minute is not None and router.output_tokens <= 0:
-            # in debt router-wide (another lease's streams): this share does not pay it
-            have = replace(have, output_tokens=min(have.output_tokens, router.output_tokens))
+        # the router-wide budget as last heard (this lease's share included), refilled only where
+        # it is read (a refill never lowers a level: a positive output level heard stays positive)
+        router = None
+        if f is not None and spec.output_tokens_per_minute is not None and f.level.output_tokens <= 0:
+            router = refilled(spec, f.level, now - f.at)
+            if router.output_tokens <= 0:
+                # in debt router-wide (another lease's streams): this share does not pay it
+                have = replace(have, output_tokens=min(have.output_tokens, router.output_tokens))
         if not lacking(have, cost, spec):
             return True
-        if f is None or router is None or retry or reserves:
+        if f is None or retry or reserves:
             return False
+        if router is None:
+            router = refilled(spec, f.level, now - f.at)
         return refusal(spec, router, cost, f.slot_wait_s) if lacking(router, cost, spec) else False
 
     def give_back(self, tenant: str) -> Amounts:

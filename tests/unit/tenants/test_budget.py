@@ -119,3 +119,17 @@ def test_a_client_on_time_is_not_held_up_by_an_earlier_promise_whose_client_neve
     due = T0 + second.retry_after_s  # the ghost never comes back; its room is still in the bucket
     assert check(b, due + 0.01, ticket="on-time", reserves=True) is None
     assert check(b, due + 0.02, ticket="ghost", reserves=True) is None  # (and had it come late, it still fit)
+
+
+def test_a_budget_without_a_kind_charges_none_of_it() -> None:
+    from dataclasses import fields
+
+    from narwhal_serve.tenants.amounts import KINDS
+    from narwhal_serve.tenants.rules import limited
+
+    assert KINDS == tuple(f.name for f in fields(Amounts))  # limited() builds Amounts in KINDS' order
+    cost = Amounts(requests=1.0, input_tokens=300.0, output_tokens=7.0, concurrent=1.0)
+    spec = TenantSpec(name="acme", input_tokens_per_minute=1000, max_concurrent=2)
+    assert limited(cost, spec) == Amounts(input_tokens=300.0, concurrent=1.0)
+    spec = TenantSpec(name="acme", requests_per_minute=5, output_tokens_per_minute=9)
+    assert limited(cost, spec) == Amounts(requests=1.0, output_tokens=7.0)
