@@ -10,7 +10,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from narwhal_serve.config.sim import SimEngineConfig
@@ -103,6 +103,22 @@ class Counters:
 
 
 @dataclass
+class TimerLateness:
+    """How far the host kept this engine's timing: a prefill that wakes late delays every prefill
+    queued behind it (each starts when the one before ends), so on a host short of CPU a simulated
+    engine serves less than its timing says.  ``prefill_late_s / prefill_s`` is that shortfall."""
+
+    prefills: int = 0
+    prefill_s: float = 0.0  # the prefills' modelled time
+    prefill_late_s: float = 0.0  # their wake-ups after their deadlines, summed
+
+    def prefill(self, modelled_s: float, late_s: float) -> None:
+        self.prefills += 1
+        self.prefill_s += modelled_s
+        self.prefill_late_s += max(0.0, late_s)
+
+
+@dataclass
 class Job:
     """One admitted generation: its prompt, what it outputs and whether prefill is skipped."""
 
@@ -126,6 +142,7 @@ class Engine:
             self.kv_events = SimKVPublisher(cfg.kv_events_endpoint, cfg.kv_events_replay_endpoint,
                                             buffer_steps=cfg.kv_events_buffer_steps)
         self.counters = Counters()
+        self.timer = TimerLateness()
         self.recent: deque[dict[str, Any]] = deque(maxlen=50)
         self.total_requests = 0
         self.port = 0
@@ -167,6 +184,7 @@ class Engine:
             "waiting": self.scheduler.waiting,
             "total_requests": self.total_requests,
             "prefix_cache_blocks": len(self.cache),
+            "timer": asdict(self.timer),
             "requests": list(self.recent),
         }
 
@@ -227,8 +245,10 @@ class Engine:
                 # behind one with the same prefix finds its blocks cached when its turn comes
                 async with self._prefill if cfg.prefill_mode == "serial" else contextlib.nullcontext():
                     cached = self.cache.cached_tokens(hashes, bs)
-                    deadline = prefill_deadline(cfg, loop.time(), len(job.prompt_ids) - cached)
+                    start = loop.time()
+                    deadline = prefill_deadline(cfg, start, len(job.prompt_ids) - cached)
                     await asyncio.sleep(max(0.0, deadline - loop.time()))
+                    self.timer.prefill(deadline - start, loop.time() - deadline)
                     job.block_ids = self._cache_prompt(job.prompt_ids, hashes, bs)
             if len(job.prompt_ids) % bs:
                 job.block_ids.append(self.cache.fresh_block_id())

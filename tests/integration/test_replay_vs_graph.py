@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -53,7 +54,7 @@ def _slice() -> list[TraceRequest]:
 
 
 @pytest.fixture(scope="module")
-def app(graph: Graph) -> Iterator[str]:
+def app(graph: Graph) -> Iterator[tuple[str, list[str]]]:
     from ray import serve
 
     from deployments.app import build_app
@@ -67,7 +68,7 @@ def app(graph: Graph) -> Iterator[str]:
     url = f"{graph.url}/{APP}"
     try:
         asyncio.run(wait_ready(url, 200, timeout=60))
-        yield url
+        yield url, [f"http://127.0.0.1:{base + i}" for i in range(len(ENGINES))]
     finally:
         serve.delete(APP)
 
@@ -104,12 +105,41 @@ async def _real(url: str, trace: list[TraceRequest], speed: float = SPEED) -> di
     return summarize(results, Slo(TTFT_S, float("inf")), duration_s=(trace[-1].at_s - t0) / speed or None)
 
 
-async def test_replay_agrees_with_the_graph_on_goodput_refusals_and_p99_ttft(app: str) -> None:
+# The simulated engines keep their timing with timers: on a host short of CPU (two cores for Ray,
+# the router, both engines and the client) their prefills wake late, each delaying the ones queued
+# behind it, and the engines serve less than the timing the replay is given. Beyond this share of
+# their prefill time the real run measured the host, not the router: the comparison is not made.
+LATE_LIMIT = 0.02  # (alone on this VM: 0.8 %; with one core kept busy: 4.3 %, and the two disagreed by 16 % on p99 TTFT)
+
+
+async def _lateness(engines: list[str]) -> dict[str, float]:
+    """The engines' prefill timing so far, summed (sim/engine.py, TimerLateness)."""
+    out = {"prefills": 0.0, "prefill_s": 0.0, "prefill_late_s": 0.0}
+    async with httpx.AsyncClient(timeout=10) as c:
+        for url in engines:
+            timer = (await c.get(url + "/sim/stats")).json()["timer"]
+            for k in out:
+                out[k] += timer[k]
+    return out
+
+
+async def test_replay_agrees_with_the_graph_on_goodput_refusals_and_p99_ttft(app: tuple[str, list[str]]) -> None:
+    app, engines = app
     trace = _slice()
     assert len(trace) > 500
     await wait_status(app, lambda s: all(e["eligible"] for e in s["engines"]), "both engines eligible")
+    before = await _lateness(engines)
     real = await _real(app, trace)
+    after = await _lateness(engines)
     await wait_status(app, balanced, "every request ended and released", timeout=60)
+    timed = {k: after[k] - before[k] for k in after}
+    assert timed["prefills"] >= real["completed"] * 0.9  # (the timer saw the run's prefills)
+    late = timed["prefill_late_s"] / max(timed["prefill_s"], 1e-9)
+    print(f"\nthe engines' prefills ran {late:.1%} late ({timed['prefill_late_s']:.2f} s over "
+          f"{timed['prefill_s']:.2f} s modelled, {timed['prefills']:.0f} prefills)")
+    if late > LATE_LIMIT:
+        pytest.skip(f"this host could not keep the simulated engines' timing: their prefills ran {late:.1%} "
+                    f"late (limit {LATE_LIMIT:.0%}), so the real run measured the host, not the router")
     path_s = await _path_s(app)
     await wait_status(app, balanced, "every probe ended and released", timeout=60)
     assert path_s < 0.1  # (the router's own path is milliseconds)

@@ -118,3 +118,22 @@ async def test_max_num_seqs_queueing_shows_in_metrics(server: SimServer) -> None
         assert (await second).status_code == 200
         assert await _metric(c, "vllm:num_requests_waiting") == 0.0
         assert await _metric(c, "vllm:num_requests_running") == 0.0
+
+
+async def test_stats_tell_how_late_the_host_let_prefills_wake() -> None:
+    """``/sim/stats`` → ``timer``: each prefill's modelled time and its wake-up after its deadline
+    (what a check against a replay reads to know whether the host kept the engine's timing)."""
+    async with sim_client(prefill_overhead_s=0.05, prefill_per_token_s=0.0, tpot_base_s=0.001) as c:
+        body = {"prompt": "hi", "max_tokens": 1}
+        assert (await c.post(COMPLETIONS, json=body)).status_code == 200
+        alone = (await c.get("/sim/stats")).json()["timer"]
+        task = asyncio.create_task(c.post(COMPLETIONS, json=body))
+        while (await c.get("/sim/stats")).json()["running"] == 0:  # its prefill has started
+            await asyncio.sleep(0)
+        time.sleep(0.2)  # the host busy elsewhere: the event loop runs nothing meanwhile
+        assert (await task).status_code == 200
+        held = (await c.get("/sim/stats")).json()["timer"]
+    assert alone["prefills"] == 1 and alone["prefill_s"] == pytest.approx(0.05)
+    assert alone["prefill_late_s"] < 0.05
+    assert held["prefills"] == 2 and held["prefill_s"] == pytest.approx(0.1)
+    assert held["prefill_late_s"] - alone["prefill_late_s"] >= 0.14
