@@ -81,6 +81,9 @@ async def test_answers_carry_openai_rate_limit_headers(router: LocalRouter) -> N
 
 
 async def test_over_budget_gets_429_with_a_retry_after_the_openai_client_honours(router: LocalRouter) -> None:
+    # made before the bucket is drained: its first try must come while the bucket is still empty
+    # (made after, on a busy machine, it could come after the refill and not be refused at all)
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key=KEYS["slow"], max_retries=2)
     async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
         # another tenant's answers, for the per-tenant series below (this test alone makes them)
         assert [(await c.post(CHAT, json=chat(), headers=auth("acme"))).status_code for _ in range(3)] == [200] * 3
@@ -99,7 +102,6 @@ async def test_over_budget_gets_429_with_a_retry_after_the_openai_client_honours
     assert 1 <= int(over.headers["retry-after"]) <= 2 and 0 < int(over.headers["retry-after-ms"]) <= 1100
     assert over.headers["x-ratelimit-remaining-requests"] == "0"
     # the official client: refused, it waits retry-after-ms and is admitted on its retry
-    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key=KEYS["slow"], max_retries=2)
     t0 = time.monotonic()
     raw = await client.chat.completions.with_raw_response.create(model="narwhal-sim", messages=[{"role": "user", "content": "hi"}],
                                                                  max_tokens=3)
