@@ -82,14 +82,14 @@ class AdmissionLease:
     def current_view(self) -> FleetView | None:
         if self.view is None:
             return None
-        view = replace(self.view, changed=dict(self._changed)) if self._changed else self.view
+        view = self.view.but(changed=dict(self._changed)) if self._changed else self.view
         mine = [r for s in self._sent.values() for r in s.part.reserved] + self._reserved
         taken = {i for s in self._sent.values() for i in s.part.consumed} | set(self._consumed)
         if mine or taken:
             known = {r.id for r in view.reservations}
             held = tuple(r for r in view.reservations if r.id not in taken) + tuple(
                 r for r in mine if r.id not in known and r.id not in taken)
-            view = replace(view, reservations=held)
+            view = view.but(reservations=held)
         return view
 
     def resume_targets(self, now: float) -> list[EngineConfig]:
