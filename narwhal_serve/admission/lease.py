@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from narwhal_serve.admission import ledger
 from narwhal_serve.admission.controller import NONE, ONE_REQUEST, Permits, Refusal
 from narwhal_serve.admission.core import Ask, EngineDelta, EngineFacts, FleetView, Placement, decide
+from narwhal_serve.admission.facts import copied
 from narwhal_serve.admission.ledger import Ticket, add
 from narwhal_serve.admission.retry import Reservation, earliest
 from narwhal_serve.admission.wire import LeaseGrant, LeasePart, LocalPlacement
@@ -82,14 +83,14 @@ class AdmissionLease:
     def current_view(self) -> FleetView | None:
         if self.view is None:
             return None
-        view = self.view.but(changed=dict(self._changed)) if self._changed else self.view
+        view = copied(self.view, changed=dict(self._changed)) if self._changed else self.view  # (its derived data shared)
         mine = [r for s in self._sent.values() for r in s.part.reserved] + self._reserved
         taken = {i for s in self._sent.values() for i in s.part.consumed} | set(self._consumed)
         if mine or taken:
             known = {r.id for r in view.reservations}
             held = tuple(r for r in view.reservations if r.id not in taken) + tuple(
                 r for r in mine if r.id not in known and r.id not in taken)
-            view = view.but(reservations=held)
+            view = copied(view, reservations=held)
         return view
 
     def resume_targets(self, now: float) -> list[EngineConfig]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 from narwhal_serve.admission.derived import HOLDERS_SCAN, Derived, FactsOver, holding_with
 from narwhal_serve.admission.facts import ChangedRow, EngineFacts, PrefixChange, with_prefix_change
@@ -41,16 +41,6 @@ class FleetView:
 
     def _d(self) -> Derived:
         return self._derived.of(self.engines)
-
-    def but(self, **changes: object) -> "FleetView":
-        """This view with ``changes`` (fields by name), its derived data shared: a copy of the
-        fields, not ``replace()`` (which runs the frozen ``__init__``: 4 µs, on every decision of
-        a lease with requests in flight)."""
-        assert changes.keys() <= _FIELDS, changes.keys() - _FIELDS
-        out = object.__new__(FleetView)
-        out.__dict__.update(self.__dict__)
-        out.__dict__.update(changes)
-        return out
 
     def facts(self) -> Mapping[str, EngineFacts]:
         """Every engine's facts by name, the holder's changes in."""
@@ -164,9 +154,6 @@ class FleetView:
     def shifted(self, dt: float) -> "FleetView":
         """The view with its times moved by ``dt`` (into another process's clock)."""
         return replace(self, shift=self.shift + dt)
-
-
-_FIELDS = frozenset(f.name for f in fields(FleetView))
 
 
 @dataclass(frozen=True)
