@@ -35,6 +35,9 @@ class FleetView:
     reservations: tuple[Reservation, ...] = ()  # room kept for refused clients' retries (admission/retry.py)
     streams_end_at: float | None = None  # draining: wall time the ingress ends the streams still open
     over_share: frozenset[str] = frozenset()  # tenants over their fair share (tenants/fair.py)
+    # engines whose circuit breaker opened (and is not closed again), with when (the scheduler's
+    # clock): an ingress resumes the streams still on them elsewhere (relay/pipeline.py cut_engine)
+    tripped: tuple[tuple[str, float], ...] = ()
     changed: Mapping[str, EngineFacts] = field(default_factory=dict)
     shift: float = 0.0
     _derived: Derived = field(default_factory=Derived, compare=False, repr=False)

@@ -99,10 +99,19 @@ class CompletionHandler:
         self.streams: set[RelayStreamResponse] = set()  # open SSE answers, ended together when draining ends
         self._drain_end: float | None = None
         self._drain_timer: asyncio.TimerHandle | None = None
+        self._tripped: dict[str, float] = {}  # engines whose breaker opened, and when, as last heard
 
     def on_view(self, view: FleetView) -> None:
-        """A fresh view from the scheduler: when the router drains, end the streams still open at
-        the end of its grace period (each with an error event and ``[DONE]``, never cut)."""
+        """A fresh view from the scheduler: the answers streaming from an engine whose circuit
+        breaker opened since the last view are resumed elsewhere where that is exact
+        (docs/contract.md, "Mid-stream resume"); when the router drains, the streams still open at
+        the end of its grace period end (each with an error event and ``[DONE]``, never cut)."""
+        if view.tripped or self._tripped:
+            relay = self.backend.local_relay
+            for name, at in view.tripped:
+                if relay is not None and self._tripped.get(name) != at:
+                    relay.cut_engine(name, "its circuit breaker opened")
+            self._tripped = dict(view.tripped)
         end = view.streams_end_at
         if end is None or end == self._drain_end:
             return

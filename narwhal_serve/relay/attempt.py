@@ -5,6 +5,7 @@ the last message), the usage watch, and the SSE and error events (``relay/pipeli
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -30,12 +31,20 @@ class DeadlinePassed(Exception):
     """The request's deadline passed while waiting for the engine."""
 
 
-def fault_of(exc: EngineFailure | BadEngineResponse, route: RouteChoice) -> EngineFault:
-    """What a failed attempt says about its engine's health."""
+class BreakerCut(EngineFailure):
+    """The router cut an answer off an engine whose circuit breaker opened, to resume it elsewhere
+    (:meth:`~narwhal_serve.relay.pipeline.Relay.cut_engine`): not a fault of its own."""
+
+
+def faults_of(exc: EngineFailure | BadEngineResponse, route: RouteChoice) -> tuple[EngineFault, ...]:
+    """What a failed attempt says about its engine's health (nothing, for a :class:`BreakerCut`:
+    the breaker is open already)."""
     if isinstance(exc, BadEngineResponse):  # bad token IDs and other unusable answers
-        return EngineFault(route.decode.name, "error", str(exc))
+        return (EngineFault(route.decode.name, "error", str(exc)),)
+    if isinstance(exc, BreakerCut):
+        return ()
     kind: FaultKind = "backpressure" if exc.backpressure else "timeout" if exc.timed_out else "error"
-    return EngineFault(exc.engine, kind, exc.message, exc.retry_after_s)
+    return (EngineFault(exc.engine, kind, exc.message, exc.retry_after_s),)
 
 
 def deadline_info() -> ErrorInfo:
@@ -123,7 +132,7 @@ class Attempt:
 
     __slots__ = ("route", "attempt", "meter", "first_limit", "wait_from", "cursor", "transcript", "excluded",
                  "resumes", "notes", "moved", "health", "resumed_from", "gaps", "prefills", "turnarounds",
-                 "cut_at")
+                 "cut_at", "timer", "cut_by")
 
     def __init__(self, route: RouteChoice, attempt: int, meter: Meter, first_limit: float | None,
                  req: ParsedRequest, excluded: set[str]) -> None:
@@ -144,6 +153,8 @@ class Attempt:
         self.prefills: list[float] = []  # each continuation's request → its first token
         self.turnarounds: list[float] = []  # each failure noticed → its continuation's request
         self.cut_at = 0.0  # when the last failure was noticed
+        self.timer: asyncio.Timeout | None = None  # the limit of the engine read under way
+        self.cut_by: str | None = None  # why the router cuts this answer off its engine (a breaker opened)
 
     def stats(self) -> RelayStats:
         """What this attempt did, for the scheduler's models and the request log."""
@@ -199,6 +210,8 @@ def cut_reason(exc: Exception) -> str:
     """What cut a stream, for narwhal_resumes_total{reason}."""
     if isinstance(exc, BadEngineResponse):
         return "bad_response"
+    if isinstance(exc, BreakerCut):
+        return "breaker_open"
     if isinstance(exc, EngineFailure):
         if exc.timed_out:
             return "stall"

@@ -10,7 +10,7 @@ from narwhal_serve.protocol.stats import RelayStats
 
 
 # What was cut, for narwhal_resumes_total{reason}
-RESUME_REASONS = ("reset", "stall", "engine_error", "bad_response")
+RESUME_REASONS = ("reset", "stall", "engine_error", "bad_response", "breaker_open")
 # How it ended, for narwhal_resumes_total{outcome}: resumed (the continuation's first token came),
 # finished (the cut came after the last token: the end is written by the router), failed (the
 # continuation failed too), and why none was tried: not_exact, no_engine, limit (relay.max_resumes),

@@ -32,6 +32,7 @@ from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
 from narwhal_serve.protocol.sse import DONE_EVENT, error_events, sse_event
 from narwhal_serve.relay.attempt import (
     Attempt,
+    BreakerCut,
     DeadlinePassed,
     Meter,
     UsageWatch,
@@ -39,7 +40,7 @@ from narwhal_serve.relay.attempt import (
     backpressure_refusal,
     cut_reason,
     deadline_info,
-    fault_of,
+    faults_of,
 )
 from narwhal_serve.relay.coalesce import coalesce
 from narwhal_serve.relay.messages import EngineFault, EngineWorked, RelayMessage
@@ -84,6 +85,29 @@ class Relay:
         # shape); in the ingress the SSE response's own reader buffers ahead of the client
         self.coalesce_reads = coalesce_reads
         self.tracing = tracing if tracing is not None and tracing.on else None
+        self._active: dict[Attempt, PlacedRequest] = {}  # answers being relayed (cut_engine)
+
+    def cut_engine(self, name: str, why: str) -> int:
+        """Engine ``name``'s circuit breaker opened: each answer streaming from it past its first
+        token that can be resumed exactly on another engine now is cut and resumed there (reason
+        ``breaker_open``); the others go on where they are (they may well finish).  How many."""
+        now = self.clock()
+        live = self.live_targets() if self.live_targets is not None else []
+        cut = 0
+        for at, placed in self._active.items():
+            if (at.cursor.engine != name or at.wait_from is not None or at.cut_by is not None
+                    or at.transcript.finish_reason is not None):
+                continue
+            if resume_refusal(placed.request, at.transcript, at.route.decode, at.resumes, self.max_resumes, now,
+                              placed.deadline) is not None:
+                continue
+            if resume_target(live, placed.candidates, at.excluded | {name}) is None:
+                continue
+            at.cut_by = why
+            if at.timer is not None and not at.timer.expired():  # the read under way ends now (else the next one does not start)
+                at.timer.reschedule(asyncio.get_running_loop().time())
+            cut += 1
+        return cut
 
     async def _batches(
         self, stream: AsyncIterator[list[dict[str, Any]]], placed: PlacedRequest, at: Attempt
@@ -91,6 +115,9 @@ class Relay:
         """``stream``'s batches, each awaited within the idle timeout, the first-token limit (until
         the first token) and the deadline."""
         while True:
+            if at.cut_by is not None:
+                why, at.cut_by = at.cut_by, None
+                raise BreakerCut(at.cursor.engine, why)
             now = self.clock()
             left = placed.deadline - now
             limit, why = self.idle_timeout_s, f"engine silent for {self.idle_timeout_s:g} s"
@@ -100,15 +127,19 @@ class Relay:
                     limit, why = max(0.0, first_left), f"no first token within {at.first_limit:g} s"
             by_deadline = left <= limit  # which limit this wait runs under
             try:
-                async with asyncio.timeout(max(0.0, min(limit, left))):
+                async with asyncio.timeout(max(0.0, min(limit, left))) as at.timer:
                     batch = await stream.__anext__()
             except StopAsyncIteration:
                 return
             except TimeoutError:
+                if at.cut_by is not None:
+                    continue  # cut_engine ended the read: the loop's top raises it
                 # (the loop's timer may fire a hair before the wall clock reaches the deadline)
                 if by_deadline or self.clock() >= placed.deadline:
                     raise DeadlinePassed() from None
                 raise EngineFailure(at.cursor.engine, why, timed_out=True) from None
+            finally:
+                at.timer = None
             yield batch
 
     async def run(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
@@ -134,6 +165,7 @@ class Relay:
             )
             span = attempt_span(self.tracing, placed, route, attempt)
             failed: str | None = None
+            self._active[at] = placed
             try:
                 work = self._stream if req.stream else self._assemble
                 async for msg in work(placed, at, headers, span):
@@ -151,14 +183,14 @@ class Relay:
                     rejected = InvalidRequest(f"The engine rejected the request: {why}", param=exc.param)
                     yield RelayMessage(error=rejected.info(), final=True, health=tuple(faults))
                     return
-                faults.append(fault_of(exc, at.route))
+                faults.extend(faults_of(exc, at.route))
                 failures.append(str(exc))
                 excluded.add(at.cursor.engine)
                 if exc.backpressure:
                     pushed_back.append(exc.retry_after_s)
             except BadEngineResponse as exc:
                 failed = str(exc)
-                faults.append(fault_of(exc, at.route))
+                faults.extend(faults_of(exc, at.route))
                 failures.append(str(exc))
                 excluded.add(at.cursor.engine)
             except DeadlinePassed:
@@ -169,6 +201,7 @@ class Relay:
                     faults.append(EngineFault(at.cursor.engine, "timeout", "no first token before the deadline"))
                 break
             finally:
+                del self._active[at]
                 end_span(span, failed, **{"narwhal.output_tokens": at.meter.tokens})
         if expired or self.clock() >= placed.deadline:
             err = TerminalExpiry(
@@ -257,7 +290,7 @@ class Relay:
             yield [length_end(req, t)]
             return
         at.resumes += 1
-        at.health.append(fault_of(failure, at.route))
+        at.health.extend(faults_of(failure, at.route))
         at.resumed_from.append(failed_on)
         shaper = Reshaper(req, t, body["prompt"])
         at.route, at.cursor.engine = RouteChoice("single", target), target.name
@@ -334,7 +367,7 @@ class Relay:
                 faults: tuple[EngineFault, ...] = ()
             else:
                 err = exc.info() if isinstance(exc, BadEngineResponse) else BadEngineResponse(str(exc)).info()
-                faults = (fault_of(exc, at.route),)
+                faults = faults_of(exc, at.route)
             news = at.news()
             news["health"] = (*news.get("health", ()), *faults)
             yield RelayMessage(data=b"".join(held) + error_events(err), error=err, final=True, stats=at.stats(),

@@ -25,11 +25,14 @@ def _out_of_work(engines: dict[str, EngineState], now: float) -> int:
     return sum(1 for x in engines.values() if not x.breaker.takes_work(now) or x.drift.out)
 
 
-def apply_health(engines: dict[str, EngineState], events: Iterable[HealthEvent], now: float, cfg: NarwhalConfig) -> None:
+def apply_health(engines: dict[str, EngineState], events: Iterable[HealthEvent], now: float,
+                 cfg: NarwhalConfig) -> list[str]:
     """Feed the engines' breakers in the order things happened: a first token resets an engine's
     failures; a failed attempt counts against it, or starts a backpressure window — never taking
     more engines out of work (breaker open or pushing back) than the fleet can spare:
-    :func:`~narwhal_serve.placement.health.may_open`."""
+    :func:`~narwhal_serve.placement.health.may_open`.  The engines whose breaker these events
+    opened (the streams still on them are resumed elsewhere: docs/contract.md, "Mid-stream resume")."""
+    tripped: list[str] = []
     for f in events:
         if isinstance(f, EngineWorked):
             for name in f.engines:
@@ -37,7 +40,11 @@ def apply_health(engines: dict[str, EngineState], events: Iterable[HealthEvent],
                     e.breaker.on_success()
         elif (e := engines.get(f.engine)) is not None:
             spare = may_open(_out_of_work(engines, now), len(engines), cfg.monitoring)
+            was = e.breaker.state
             e.breaker.on_fault(f.kind, now, cfg.monitoring, f.retry_after_s, f.why, may_open=spare)
+            if was == "closed" and e.breaker.state == "open":
+                tripped.append(f.engine)
+    return tripped
 
 
 class Prober:

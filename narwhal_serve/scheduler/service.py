@@ -125,7 +125,8 @@ class SchedulerService(AdminOps):
         for h in rep.health:  # (a fault may take engines out: apply_health weighs the fleet's spare)
             for name in h.engines if isinstance(h, EngineWorked) else (h.engine,):
                 self.touch(name)
-        apply_health(self.engines, rep.health, now, self.cfg)
+        for name in apply_health(self.engines, rep.health, now, self.cfg):
+            self.tripped[name] = now  # (ingress replicas resume the streams still on it)
         for tid, engines in rep.decode_started:
             self.admission.enter_decode(tid)
             t = self._tickets.get(tid)

@@ -127,6 +127,9 @@ class SchedulerState(ABC):
         self._touched: set[str] = set()
         self._full_view_at = -math.inf
         self._maintenance: frozenset[str] = frozenset()
+        # engines whose breaker opened and is not closed again: when it opened (views carry it, and an
+        # ingress resumes the streams still on such an engine elsewhere)
+        self.tripped: dict[str, float] = {}
         # the fleet's TTFT prior as of the last read of every engine (what the granted facts of an
         # engine not measured yet carry until the next: a prior refitted with every measurement of the
         # engine it comes from would otherwise change every such engine's facts, at a thousand engines
@@ -303,7 +306,13 @@ class SchedulerState(ABC):
             reservations=self._live_reservations(now),
             streams_end_at=self.router.drain_until,
             over_share=self.fair.over(now),
+            tripped=self._tripped(),
         )
+
+    def _tripped(self) -> tuple[tuple[str, float], ...]:
+        for name in [n for n in self.tripped if (e := self.engines.get(n)) is None or e.breaker.state == "closed"]:
+            del self.tripped[name]
+        return tuple(self.tripped.items())
 
     def _live_reservations(self, now: float) -> tuple[Reservation, ...]:
         for rid in [k for k, r in self.reservations.items() if not r.live(now)]:

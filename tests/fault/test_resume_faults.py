@@ -25,7 +25,6 @@ from tests.fault.helpers import (
     engine_of,
     engine_set,
     fleet_set,
-    sse_events,
     timed_post,
     wait_usable,
 )
@@ -115,11 +114,12 @@ async def test_completions_are_resumed_in_their_own_shape(fleet: Fleet) -> None:
     assert resumed_since(before, await assert_quiescent(app)) == {("reset", "resumed"): 1}
 
 
-async def _timed_stream(app: App, body: dict[str, Any], started: asyncio.Event) -> tuple[list[Any], list[float]]:
+async def _timed_stream(app: App, body: dict[str, Any], started: asyncio.Event,
+                        headers: dict[str, str] | None = None) -> tuple[list[Any], list[float]]:
     """An SSE stream's events and each one's arrival time (monotonic)."""
     events: list[Any] = []
     times: list[float] = []
-    async with httpx.AsyncClient(timeout=30) as c, c.stream("POST", app.url + CHAT, json=body) as r:
+    async with httpx.AsyncClient(timeout=30) as c, c.stream("POST", app.url + CHAT, json=body, headers=headers) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if line.startswith("data: "):
@@ -192,3 +192,44 @@ async def test_an_engine_stalling_mid_stream_is_replaced_after_the_idle_timeout(
                 break
     snap = await assert_quiescent(app)
     assert resumed_since(before, snap) == {("stall", "resumed"): 1}
+
+
+async def test_answers_on_an_engine_whose_breaker_opens_are_resumed_on_the_other_at_once(fleet: Fleet) -> None:
+    """Two long greedy answers stream; then one engine fails every new request (HTTP 500) and the
+    short requests sent meanwhile open its breaker (2 failures in a row), each of them retried on the
+    other engine before headers.  The answers streaming from it are cut as the breaker opens — not
+    after the idle timeout, the engine is still producing tokens — and continued exactly on the other."""
+    app = fleet.pair
+    long = greedy(True, max_tokens=600)
+    r, _ = await timed_post(app, {**long, "stream": False, "stream_options": None})
+    ref = r.json()["choices"][0]["token_ids"]
+    assert len(ref) == 600
+    before = await status(app.url)
+    async with fleet_set(app, tpot_base_s=0.01):  # ~6 s an answer
+        started = [asyncio.Event(), asyncio.Event()]
+        tasks = [asyncio.ensure_future(_timed_stream(app, {**long, "user": f"breaker-{i}"}, started[i],
+                                                     {"X-Request-Id": f"breaker-{i}"})) for i in range(2)]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 10)
+        victim = await engine_of(app, "breaker-0")
+        assert victim is not None
+        on_victim = [i for i in range(2) if await engine_of(app, f"breaker-{i}") == victim]
+        async with engine_set(app, victim, faults=["error_500"]):
+            for i in range(40):  # placement spreads them; two that land on the victim in a row open it
+                r, _ = await timed_post(app, greedy(False, max_tokens=2), {"X-Request-Id": f"short-{i}"})
+                assert r.status_code == 200, r.text  # (retried on the other engine before headers)
+                [e] = [e for e in (await status(app.url))["engines"] if e["name"] == victim]
+                if e["breaker_state"] != "closed":
+                    break
+            else:
+                raise AssertionError("the victim's breaker never opened")
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
+    for i, (events, times) in enumerate(results):
+        assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events), i
+        ids = [t for e in events if isinstance(e, dict) for c in e.get("choices") or () for t in c.get("token_ids") or ()]
+        assert ids == ref, i
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert max(gaps) < 1.0, (i, max(gaps))  # the pause at the cut: far below the idle timeout (4 s)
+    snap = await assert_quiescent(app)
+    assert resumed_since(before, snap) == {("breaker_open", "resumed"): len(on_victim)}
+    d = delta(before, snap)
+    assert d.get("failed/bad_engine_response") is None

@@ -119,6 +119,8 @@ async def test_failed_attempts_open_a_breaker_a_probe_closes_it() -> None:
     assert svc.snapshot()["engines"][0]["breaker"] == "open"
     assert 'narwhal_engine_breaker_open{engine="u"} 1' in svc.metrics_text()
     assert 'narwhal_engine_attempt_faults_total{engine="u",kind="error"} 3' in svc.metrics_text()
+    opened_at = clock.t
+    assert svc.view(clock.t).tripped == (("u", opened_at),)  # ingresses resume the streams still on u
 
     answers = [httpx.Response(500), httpx.Response(200, json={"choices": [{"text": "x", "token_ids": [7]}]})]
     bodies: list[bytes] = []
@@ -134,11 +136,13 @@ async def test_failed_attempts_open_a_breaker_a_probe_closes_it() -> None:
     svc.start_probes()
     await asyncio.gather(*svc.prober.tasks)
     assert u.breaker.state == "open" and u.breaker.open_s == 4.0  # the probe failed: open again, longer
+    assert svc.view(clock.t).tripped == (("u", opened_at),)  # (no client work went there since: no new trip)
     clock.t += 4.0
     svc.start_probes()
     await asyncio.gather(*svc.prober.tasks)
     u.last_ok = clock.t  # (metrics fresh on the virtual clock)
     assert u.breaker.state == "closed" and u.eligible(clock.t, 5.0, frozenset())
+    assert svc.view(clock.t).tripped == ()
     assert b'"max_tokens": 1' in bodies[0].replace(b":1", b": 1") and b"return_token_ids" in bodies[0]
     await svc._client.aclose()
 
