@@ -88,6 +88,21 @@ def _replayed(trace: list[TraceRequest], hop_s: float = 0.0, speed: float = SPEE
 PROBES = [TraceRequest(at_s=i * 0.02, input_tokens=64, output_tokens=2) for i in range(48)]
 
 
+# The replay's answer moves with its inputs: a burst near the TTFT target is admitted or refused on
+# a few milliseconds, and the requests queued behind it follow, so on this slice its p99 TTFT jumps
+# between about 760 and 860 ms as the hop moves by tenths of a millisecond (the real run's moves
+# between runs the same way: 827-869 ms in five runs alike). The path is measured to about a
+# millisecond, so the replay runs over a band of hops around it (2 s each) and its median is
+# what the real run is compared with.
+HOP_BAND = (0.5, 0.625, 0.75, 0.875, 1.0, 1.125, 1.25, 1.375, 1.5)
+
+
+def _replayed_band(trace: list[TraceRequest], path_s: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The replay at the measured path (half each way), and at each hop of :data:`HOP_BAND`."""
+    runs = [_replayed(trace, path_s * f / 2) for f in HOP_BAND]
+    return runs[HOP_BAND.index(1.0)], runs
+
+
 async def _path_s(url: str) -> float:
     real = await _real(url, PROBES, speed=1.0)
     virtual = await asyncio.to_thread(_replayed, PROBES, 0.0, 1.0)
@@ -143,17 +158,23 @@ async def test_replay_agrees_with_the_graph_on_goodput_refusals_and_p99_ttft(app
     path_s = await _path_s(app)
     await wait_status(app, balanced, "every probe ended and released", timeout=60)
     assert path_s < 0.1  # (the router's own path is milliseconds)
-    virtual = await asyncio.to_thread(_replayed, trace, path_s / 2)  # (its own loop, on a virtual clock)
-    rows = {k: {"real": real[k] if k != "ttft_p99_ms" else real["ttft_ms"]["p99"],
-                "virtual": virtual[k] if k != "ttft_p99_ms" else virtual["ttft_ms"]["p99"]}
-            for k in ("goodput_rps", "refusal_rate", "ttft_p99_ms")}
+    virtual, band = await asyncio.to_thread(_replayed_band, trace, path_s)  # (its own loop, on a virtual clock)
+
+    def value(summary: dict[str, Any], k: str) -> float:
+        return float(summary["ttft_ms"]["p99"] if k == "ttft_p99_ms" else summary[k])
+
+    rows: dict[str, dict[str, Any]] = {
+        k: {"real": value(real, k), "virtual": float(np.median([value(v, k) for v in band])),
+            "virtual_band": [value(v, k) for v in band]}
+        for k in ("goodput_rps", "refusal_rate", "ttft_p99_ms")}
     rows["ttft_prediction_err_p50"] = {"real": real["ttft_prediction"]["err_p50"],
                                        "virtual": virtual["ttft_prediction"]["err_p50"]}
-    print(f"\nreplay vs graph (the router's path: {path_s * 1000:.1f} ms):", json.dumps(rows))
+    print(f"\nreplay vs graph (the router's path: {path_s * 1000:.1f} ms; virtual: the median over hops of "
+          f"{HOP_BAND[0]}-{HOP_BAND[-1]}x that path):", json.dumps(rows))
     out = os.environ.get("NARWHAL_REPLAY_CHECK_OUT")
     if out:
         Path(out).write_text(json.dumps({"rows": rows, "real": real, "virtual": virtual}, indent=1))
-    assert real["offered"] == virtual["offered"] == len(trace)
+    assert real["offered"] == len(trace) and all(v["offered"] == len(trace) for v in band)
     g, r, t = rows["goodput_rps"], rows["refusal_rate"], rows["ttft_p99_ms"]
     assert abs(g["real"] - g["virtual"]) <= AGREE * g["virtual"], rows
     assert abs(r["real"] - r["virtual"]) <= AGREE, rows
