@@ -101,7 +101,10 @@ def continuation_body(req: ParsedRequest, prompt_ids: list[int], output_ids: lis
         body["logprobs"] = k
     body["prompt"] = [*prompt_ids, *output_ids]
     body["stream"] = True
-    body["stream_options"] = {"include_usage": True}
+    so = b.get("stream_options")
+    # (usage on every chunk, when the client asked for it: the reshaper counts it as one answer's)
+    body["stream_options"] = ({"include_usage": True, "continuous_usage_stats": True}
+                              if isinstance(so, dict) and so.get("continuous_usage_stats") else {"include_usage": True})
     body["return_token_ids"] = True
     body["stream_interval"] = 1
     return body

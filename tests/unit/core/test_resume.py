@@ -369,3 +369,25 @@ async def test_a_second_cut_continues_after_exactly_what_the_client_got() -> Non
     assert bodies["e3"]["prompt"] == [*PROMPT, 1, 2, 3] and bodies["e3"]["max_tokens"] == 2
     assert ids_of(events(msgs)) == [1, 2, 3, 4, 5] and msgs[-1].error is None
     assert [r for m in msgs for r in m.resumes] == [("reset", "resumed"), ("bad_response", "resumed")]
+
+
+async def test_usage_on_every_chunk_continues_after_the_cut_counting_one_answer() -> None:
+    """``stream_options.continuous_usage_stats``: the continuation is asked for it too, and its
+    per-chunk usage counts the original prompt once and every output token so far."""
+    def tok(text: str, tid: int, done: int, finish: str | None = None) -> dict[str, Any]:
+        return {**cmpl_tok(text, tid, finish), "usage": {"prompt_tokens": 5, "completion_tokens": done,
+                                                         "total_tokens": 5 + done}}
+
+    first = sse({**CHAT_ROLE, "usage": usage(3, 0)["usage"]},
+                {**chat_tok("a", 1), "usage": usage(3, 1)["usage"]}, {**chat_tok("b", 2), "usage": usage(3, 2)["usage"]},
+                done=False)
+    eng = Engines(first, continuation(tok("c", 3, 1), tok("d", 4, 2), tok("e", 5, 3, "length"), usage(5, 3)))
+    msgs = await run(eng, placed(return_token_ids=True, temperature=0,
+                                 stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert eng.bodies[-1][2]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    evs = events(msgs)
+    assert ids_of(evs) == [1, 2, 3, 4, 5] and msgs[-1].error is None
+    counted = [e["usage"]["completion_tokens"] for e in evs if isinstance(e, dict) and e.get("choices")
+               and e["choices"][0].get("token_ids")]
+    assert counted == [1, 2, 3, 4, 5]  # one answer's count, through the cut
+    assert all(e["usage"]["prompt_tokens"] == 3 for e in evs if isinstance(e, dict) and e.get("usage"))
