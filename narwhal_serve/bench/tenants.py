@@ -133,7 +133,7 @@ async def run_tenant_scenarios(a: GoodputArgs, run: GoodputRun, budget_s: float 
         raise RuntimeError(f"could not estimate SLO capacity: {cal}")
     plain = run.shape
     run.shape = replace(plain, extra_headers=plain.extra_headers + (("Authorization", f"Bearer {KEYS['a']}"),))
-    for t in (BASELINE, TENANTS, TENANTS3):  # (the baseline has no keys: it ignores the header)
+    for t in (BASELINE, TENANTS, *([TENANTS3] if budget_s > 0 else [])):  # (the baseline has no keys: it ignores the header)
         if a.warmup_s > 0:
             await run.open_run(t, "warmup", 0.3 * capacity, 999, duration_s=a.warmup_s)
     run.shape = plain
