@@ -83,7 +83,7 @@ def measure(engines: int, requests: int, tenants: int = 0) -> dict[str, object]:
     central: list[float] = []
     for i in range(requests):
         t0 = time.perf_counter()
-        decide(svc.view(1000.0), asks[i % len(asks)], 1000.0, i)
+        decide(svc.decision_view(1000.0), asks[i % len(asks)], 1000.0, i)
         central.append(time.perf_counter() - t0)
     return {"engines": engines, "tenants": tenants, "requests": requests, "lease_admission": _pct(local),
             "deferred_to_scheduler": deferred, "scheduler_decide": _pct(central)}

@@ -55,7 +55,7 @@ class AdmissionDesk(TicketBook):
                 return self._refuse(Refusal(budget_error(over), Outcome.REJECTED), req)
             self._budgeted[req.ticket_id] = (req.tenant, cost, self.tenants.last_taken)
         self._rotation += 1
-        view = self.view(now)
+        view = self.decision_view(now)
         verdict = decide(view, req.ask(), now, self._rotation)
         if isinstance(verdict, Refusal):
             self._refund(req.ticket_id)
@@ -116,7 +116,7 @@ class AdmissionDesk(TicketBook):
                 continue
             # ranked again now (it waited); nothing queued is ahead of it any more
             self._rotation += 1
-            placement, _ = rank(self.view(now, queued_tokens=0), req.ask(), now, self._rotation)
+            placement, _ = rank(self.decision_view(now, queued_tokens=0), req.ask(), now, self._rotation)
             if placement is None:
                 self._refund(t.id)
                 self.admission.release(t.id)

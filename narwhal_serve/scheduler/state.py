@@ -259,13 +259,23 @@ class SchedulerState(ABC):
         read O(changed) (:meth:`_refresh_granted`).  Otherwise every engine read now (the
         scheduler's own decisions)."""
         if frozen:
-            self._refresh_granted(now)
-            facts = [self._granted[n][1] for n in self.engines]
+            facts = self._granted_facts(now)
             return self._fleet_view(now, facts, queued_tokens, self._unavailable_now(self._unavailable_fleet))
         self._maintenance = frozenset(self.router.maintenance)
         fleet = fleet_ttft(self.engines.values())
         facts = [self._facts(self._inputs(e, now, fleet, False)) for e in self.engines.values()]
         return self._fleet_view(now, facts, queued_tokens, self.unavailable(now))
+
+    def decision_view(self, now: float, *, queued_tokens: int | None = None) -> FleetView:
+        """The view the scheduler's own decisions (its queue, and every request without admission
+        leases) are made on: the facts granted to leases brought up to date, O(changed) — the same
+        facts a lease decides on, not every engine read again per decision — and the router's state
+        (its lease, admin mode, monitoring) as it is now."""
+        return self._fleet_view(now, self._granted_facts(now), queued_tokens, self.unavailable(now))
+
+    def _granted_facts(self, now: float) -> list[EngineFacts]:
+        self._refresh_granted(now)
+        return [self._granted[n][1] for n in self.engines]
 
     def grant_view(self, now: float, since: int | None, held: dict[str, Held]) -> GrantView:
         """A lease's view: whole (``since`` None), or the engines changed after change number
