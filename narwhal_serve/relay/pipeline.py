@@ -91,23 +91,30 @@ class Relay:
         """Engine ``name``'s circuit breaker opened: each answer streaming from it past its first
         token that can be resumed exactly on another engine now is cut and resumed there (reason
         ``breaker_open``); the others go on where they are (they may well finish).  How many."""
-        now = self.clock()
-        live = self.live_targets() if self.live_targets is not None else []
         cut = 0
         for at, placed in self._active.items():
             if (at.cursor.engine != name or at.wait_from is not None or at.cut_by is not None
                     or at.transcript.finish_reason is not None):
                 continue
-            if resume_refusal(placed.request, at.transcript, at.route.decode, at.resumes, self.max_resumes, now,
-                              placed.deadline) is not None:
-                continue
-            if resume_target(live, placed.candidates, at.excluded | {name}) is None:
+            if self._resume_to(placed, at, at.excluded | {name})[1] is None:
                 continue
             at.cut_by = why
             if at.timer is not None and not at.timer.expired():  # the read under way ends now (else the next one does not start)
                 at.timer.reschedule(asyncio.get_running_loop().time())
             cut += 1
         return cut
+
+    def _resume_to(self, placed: PlacedRequest, at: Attempt,
+                   excluded: set[str]) -> tuple[str | None, EngineConfig | None]:
+        """Where an answer cut now would be continued, never on an engine of ``excluded`` (None,
+        target), or why it would not be (an outcome label of narwhal_resumes_total, None)."""
+        why = resume_refusal(placed.request, at.transcript, at.route.decode, at.resumes, self.max_resumes,
+                             self.clock(), placed.deadline)
+        if why is not None:
+            return why, None
+        target = resume_target(self.live_targets() if self.live_targets is not None else [], placed.candidates,
+                               excluded)
+        return ("no_engine", None) if target is None else (None, target)
 
     async def _batches(
         self, stream: AsyncIterator[list[dict[str, Any]]], placed: PlacedRequest, at: Attempt
@@ -275,12 +282,8 @@ class Relay:
         if t.finish_reason is not None:  # cut after the last token: only the end was lost
             at.notes.append((reason, "finished"))
             return
-        why = resume_refusal(req, t, at.route.decode, at.resumes, self.max_resumes, self.clock(), placed.deadline)
-        target = None if why else resume_target(self.live_targets() if self.live_targets is not None else [],
-                                                placed.candidates, at.excluded)
-        if why is None and target is None:
-            why = "no_engine"
-        if why is not None or target is None:
+        why, target = self._resume_to(placed, at, at.excluded)
+        if target is None:
             at.notes.append((reason, why or "no_engine"))
             raise failure
         assert t.prompt_ids is not None

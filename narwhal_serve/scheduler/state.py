@@ -256,8 +256,8 @@ class SchedulerState(ABC):
 
     def view(self, now: float, *, queued_tokens: int | None = None, frozen: bool = False) -> FleetView:
         """``frozen``: for a lease grant (it crosses the Ray hop: prefix sets copied, not live),
-        read O(changed) (:meth:`_refresh_granted`).  Otherwise every engine read now (the
-        scheduler's own decisions)."""
+        read O(changed) (:meth:`_refresh_granted`).  Otherwise every engine read now (admin
+        checks; the scheduler's own decisions use :meth:`decision_view`)."""
         if frozen:
             facts = self._granted_facts(now)
             return self._fleet_view(now, facts, queued_tokens, self._unavailable_now(self._unavailable_fleet))
