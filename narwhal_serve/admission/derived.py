@@ -1,12 +1,12 @@
 """What a fleet view derives for its decisions and keeps home (:mod:`.view`): the engines by name,
-the route order of the engines eligible, which engines hold a block (remembered, and read through
-the views before), and the holder's changes over the engines.  Not sent over the Ray hop: a view's
+the route order of the engines eligible, which engines hold each block (an index that passes from
+view to view), and the holder's changes over the engines.  Not sent over the Ray hop: a view's
 receiver makes its own, and a view merged from a grant takes its predecessor's, updated."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 
 from narwhal_serve.admission.facts import EngineFacts
@@ -16,12 +16,12 @@ from narwhal_serve.prediction.decode import tpot_at
 
 class Derived:
     """What a view's decisions share, made on first use: the engines by name, the route order of
-    the engines eligible (and the time window it holds for), which engines hold a block.  A view
-    merged from a grant's changes takes its predecessor's, updated for the engines changed
-    (:meth:`evolved`), at the cost of those.  A view's receiver makes its own: it is not sent over
-    the Ray hop."""
+    the engines eligible (and the time window it holds for), which engines hold each block
+    (:class:`Holders`).  A view merged from a grant's changes takes its predecessor's, updated for
+    the engines changed (:meth:`evolved`), at the cost of those.  A view's receiver makes its own:
+    it is not sent over the Ray hop."""
 
-    __slots__ = ("engines", "by_name", "cold", "order", "window", "holders", "before", "_place", "prefix_of")
+    __slots__ = ("engines", "by_name", "cold", "order", "window", "holders", "_place")
 
     def __init__(self) -> None:
         self.engines: tuple[EngineFacts, ...] | None = None
@@ -36,19 +36,9 @@ class Derived:
             self.cold = cold_tpot(engines)
             self.order: RouteOrder[EngineFacts] | None = None
             self.window = (math.inf, -math.inf)
-            self.holders: dict[int, frozenset[str]] = {}
-            # the views before's holders, each with the engines changed after it (read through,
-            # corrected), the latest first; at most HOLDERS_BEFORE
-            self.before: tuple[tuple[dict[int, frozenset[str]], Mapping[str, EngineFacts]], ...] = ()
+            self.holders: Holders | None = None  # made on the first look-up
             self._place: dict[str, int] | None = None
-            self.prefix_of: dict[str, AbstractSet[int]] | None = None  # each engine's prefix set by name
         return self
-
-    def prefixes(self) -> dict[str, AbstractSet[int]]:
-        """Each engine's prefix set by name (a scan of the fleet or of some engines reads no attributes)."""
-        if self.prefix_of is None:
-            self.prefix_of = {name: f.prefix for name, f in self.by_name.items()}
-        return self.prefix_of
 
     def place(self) -> dict[str, int]:
         """Each engine's place in the fleet's order."""
@@ -57,14 +47,16 @@ class Derived:
             self._place = {e.cfg.name: i for i, e in enumerate(self.engines)}
         return self._place
 
-    def evolved(self, engines: tuple[EngineFacts, ...], changed: Mapping[str, EngineFacts]) -> "Derived":
-        """Derived data of ``engines``: these engines, with ``changed`` (by name) new."""
+    def evolved(self, engines: tuple[EngineFacts, ...], changed: Mapping[str, EngineFacts],
+                moves: Mapping[str, tuple[AbstractSet[int], AbstractSet[int]]] | None = None) -> "Derived":
+        """Derived data of ``engines``: these engines, with ``changed`` (by name) new.  The block
+        index passes to the new view, updated by the changed engines' sets: the blocks each lost
+        and gained, from ``moves`` where known there (a grant's prefix changes), else compared
+        (this view makes its own again if it is asked after: views are followed forward)."""
         new = Derived()
         new.engines = engines
         new.by_name = {**self.by_name, **changed}
-        tpot = any((f.tpot_a, f.tpot_b, f.tpot_known) != (o.tpot_a, o.tpot_b, o.tpot_known)
-                   for n, f in changed.items() if (o := self.by_name.get(n)) is not None)
-        new.cold = cold_tpot(engines) if tpot else self.cold
+        new.cold = self._cold_after(engines, changed)
         new.order, new.window = None, (math.inf, -math.inf)
         if self.order is not None:
             # the same engines in the order: the window narrows to what the changed ones allow
@@ -73,36 +65,88 @@ class Derived:
             new.order = order.updated({n: f for n, f in changed.items() if n in order})
             new.window = (max([lo] + [f.eligible_until for n, f in changed.items() if n not in order]),
                           min([hi] + [f.eligible_until for n, f in changed.items() if n in order]))
-        new.holders, new._place = {}, self._place
-        # (the same engines: only the changed ones' sets are new)
-        new.prefix_of = None if self.prefix_of is None else {**self.prefix_of, **{n: f.prefix for n, f in changed.items()}}
-        new.before = ((self.holders, changed),) + self.before[:HOLDERS_BEFORE - 1]
+        new._place = self._place  # (the same engines)
+        new.holders, self.holders = self.holders, None
+        if new.holders is not None:
+            for name, f in changed.items():
+                was = self.by_name[name].prefix
+                if was is not f.prefix:
+                    move = moves.get(name) if moves else None
+                    if move is None:
+                        was, now = _set(was), _set(f.prefix)
+                        move = (was.difference(now), now.difference(was))
+                    new.holders.moved(name, *move)
         return new
 
-    def known(self, block: int) -> frozenset[str] | None:
-        """The holders of ``block`` as remembered here or in the views before (corrected by the
-        changes since); None when none remembers."""
-        held = self.holders.get(block)
-        if held is None:
-            for i, (holders, _) in enumerate(self.before):
-                if (was := holders.get(block)) is not None:
-                    for j in range(i, -1, -1):  # the changes since, the oldest first
-                        was = holding_with(was, self.before[j][1], block)
-                    held = self._remember(block, was)
-                    break
-        return held
-
-    def _remember(self, block: int, held: frozenset[str]) -> frozenset[str]:
-        if len(self.holders) >= HOLDERS_MEMO:
-            self.holders.clear()
-        self.holders[block] = held
-        return held
+    def _cold_after(self, engines: tuple[EngineFacts, ...], changed: Mapping[str, EngineFacts]
+                    ) -> tuple[float, float] | None:
+        """:func:`cold_tpot` of ``engines`` (this view's with ``changed`` new): the best of this
+        view's and the changed engines' models, unless an engine that had this view's best
+        changed its model (then all are looked at again)."""
+        cold, better = self.cold, []
+        for name, f in changed.items():
+            o = self.by_name[name]
+            if (f.tpot_a, f.tpot_b, f.tpot_known) == (o.tpot_a, o.tpot_b, o.tpot_known):
+                continue
+            if o.tpot_known and (o.tpot_a, o.tpot_b) == cold:
+                return cold_tpot(engines)
+            if f.tpot_known:
+                better.append((f.tpot_a, f.tpot_b))
+        return min([cold, *better] if cold is not None else better,
+                   key=lambda ab: tpot_at(ab[0], ab[1], 1.0)) if better else cold
 
     def holding(self, block: int) -> frozenset[str]:
-        held = self.known(block)
+        """The engines whose set holds ``block``."""
+        if self.holders is None:
+            self.holders = Holders({n: f.prefix for n, f in self.by_name.items()})
+        return self.holders.of(block)
+
+
+class Holders:
+    """Which engines hold each block (an inverted index of the engines' prefix sets): its one
+    holder's name, as most blocks have one, else the set of them.  A look-up is one dict read; an
+    engine's set changing costs the blocks it gained and lost."""
+
+    __slots__ = ("_by_block",)
+
+    def __init__(self, sets: Mapping[str, AbstractSet[int]]) -> None:
+        self._by_block: dict[int, str | set[str]] = {}
+        for name, blocks in sets.items():
+            self.moved(name, (), blocks)
+
+    def of(self, block: int) -> frozenset[str]:
+        held = self._by_block.get(block)
         if held is None:
-            held = self._remember(block, frozenset([n for n, p in self.prefixes().items() if block in p]))
-        return held
+            return frozenset()
+        return frozenset((held,)) if isinstance(held, str) else frozenset(held)
+
+    def moved(self, name: str, lost: Iterable[int], gained: AbstractSet[int]) -> None:
+        """Engine ``name``'s set lost the blocks ``lost`` and gained ``gained`` (none of which it held)."""
+        by = self._by_block
+        for b in lost:
+            held = by.get(b)
+            if held == name:
+                del by[b]
+            elif isinstance(held, set):
+                held.discard(name)
+                if len(held) == 1:
+                    by[b] = next(iter(held))
+        if not gained:
+            return
+        # the blocks nobody held in one C call (most of them: a set's difference with a dict looks
+        # up each of the set's members), the rest one by one
+        fresh = _set(gained).difference(by)
+        by.update(dict.fromkeys(fresh, name))
+        for b in gained - fresh if len(fresh) < len(gained) else ():
+            held = by[b]
+            if isinstance(held, str):
+                if held != name:
+                    by[b] = {held, name}
+            else:
+                held.add(name)
+
+    def __len__(self) -> int:
+        return len(self._by_block)
 
 
 class FactsOver(Mapping[str, EngineFacts]):
@@ -131,6 +175,10 @@ class FactsOver(Mapping[str, EngineFacts]):
         return len(self.base.keys() | self.changed.keys())
 
 
+def _set(s: AbstractSet[int]) -> set[int] | frozenset[int]:
+    return s if isinstance(s, (set, frozenset)) else frozenset(s)
+
+
 def holding_with(held: frozenset[str], changed: Mapping[str, EngineFacts], block: int) -> frozenset[str]:
     """``held`` (the holders of ``block`` among some engines' facts) with ``changed`` engines' new
     facts in place of theirs."""
@@ -142,6 +190,3 @@ def cold_tpot(engines: tuple[EngineFacts, ...]) -> tuple[float, float] | None:
     return min(known, key=lambda ab: tpot_at(ab[0], ab[1], 1.0)) if known else None
 
 
-HOLDERS_MEMO = 4096  # blocks whose holders a view remembers
-HOLDERS_BEFORE = 8  # views before whose memos a view reads through (each with its changes since)
-HOLDERS_SCAN = 64  # fewer candidate holders than this are looked at directly (no fleet-wide look)

@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from narwhal_serve.admission.derived import HOLDERS_SCAN, Derived, FactsOver, holding_with
+from narwhal_serve.admission.derived import Derived, FactsOver, holding_with
 from narwhal_serve.admission.facts import ChangedRow, EngineFacts, PrefixChange, with_prefix_change
 from narwhal_serve.admission.retry import Reservation
 from narwhal_serve.placement.order import RouteOrder
@@ -82,37 +82,17 @@ class FleetView:
         """The engines holding the deepest of ``prefix``'s blocks that any engine holds; empty when
         none holds its first.  Found by halving the depth, among the holders found so far (an
         engine holding a block holds the ones before it, as caches fill and evict prefixes from
-        their ends): a few looks at the engines that matter, not the fleet."""
+        their ends): a few look-ups in the view's block index, not a look at the fleet."""
         held = self.holding(prefix[0]) if prefix else frozenset()
         lo, hi = 0, len(prefix) - 1  # prefix[lo] is held by every engine in ``held``
         while held and lo < hi:
             mid = (lo + hi + 1) // 2
-            b = prefix[mid]
-            deeper = self._among(b, held)
+            deeper = self.holding(prefix[mid]) & held
             if deeper:
                 lo, held = mid, deeper
             else:
                 hi = mid - 1
         return held
-
-    def _among(self, block: int, held: frozenset[str]) -> frozenset[str]:
-        """The engines of ``held`` holding ``block``: from the holders remembered; else, with
-        ``held`` most of the fleet, from a look at the fleet (remembered for the next decision);
-        else from a look at ``held`` alone."""
-        d = self._d()
-        if len(held) > HOLDERS_SCAN:
-            known = d.known(block)
-            if known is not None or 2 * len(held) > len(self.engines):
-                return self.holding(block) & held
-        prefix = d.prefixes()
-        out = {n for n in held if block in prefix[n]}
-        for n, f in self.changed.items():  # the holder's own changes
-            if n in held:
-                if block in f.prefix:
-                    out.add(n)
-                else:
-                    out.discard(n)
-        return frozenset(out)
 
     def cold_tpot(self) -> tuple[float, float] | None:
         """The best measured TPOT model (what an engine with none yet is ranked with)."""
@@ -131,6 +111,7 @@ class FleetView:
         d = self._d()
         changed: dict[str, EngineFacts] = {e.cfg.name: e for e in delta.engines}
         sets = prefixes or {}
+        moves = {}  # the blocks a set lost and gained, where the grant says (the block index's update)
         for name, cfg, row in rows:
             old = d.by_name.get(name)
             if cfg is None:
@@ -139,6 +120,8 @@ class FleetView:
                 cfg = old.cfg
             held = old.prefix if old is not None else frozenset()
             change = sets.get(name)
+            if isinstance(change, tuple):
+                moves[name] = (change[1], change[0])
             changed[name] = EngineFacts.from_row(cfg, row, held if change is None else with_prefix_change(held, change))
         if names:  # the fleet changed: everything is derived anew
             if any(n not in changed and n not in d.by_name for n in names):
@@ -152,7 +135,7 @@ class FleetView:
         for name, f in changed.items():
             listed[place[name]] = f
         engines = tuple(listed)
-        return replace(delta, engines=engines, changed={}, shift=0.0, _derived=d.evolved(engines, changed))
+        return replace(delta, engines=engines, changed={}, shift=0.0, _derived=d.evolved(engines, changed, moves))
 
     def shifted(self, dt: float) -> "FleetView":
         """The view with its times moved by ``dt`` (into another process's clock)."""

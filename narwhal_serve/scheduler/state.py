@@ -11,7 +11,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import httpx
@@ -124,6 +124,8 @@ class SchedulerState(ABC):
         self._rows: dict[str, tuple[EngineFacts, FactsRow]] = {}  # granted facts, and them as a row
         self._fact_seq = 0
         self._members = 0  # the fleet's membership changes
+        # the last decision view: the membership it was made in, it, the change number it is up to
+        self._decided: tuple[int, FleetView, int] | None = None
         self._touched: set[str] = set()
         self._full_view_at = -math.inf
         self._maintenance: frozenset[str] = frozenset()
@@ -270,8 +272,18 @@ class SchedulerState(ABC):
         """The view the scheduler's own decisions (its queue, and every request without admission
         leases) are made on: the facts granted to leases brought up to date, O(changed) — the same
         facts a lease decides on, not every engine read again per decision — and the router's state
-        (its lease, admin mode, monitoring) as it is now."""
-        return self._fleet_view(now, self._granted_facts(now), queued_tokens, self.unavailable(now))
+        (its lease, admin mode, monitoring) as it is now.  Each is the one before with the engines
+        changed since (FleetView.merged), so what decisions derive from a view (its route order,
+        its block index) is kept and updated, not made again per decision."""
+        self._refresh_granted(now)
+        fresh = self._fleet_view(now, (), queued_tokens, self.unavailable(now))
+        view, kept = None, self._decided
+        if kept is not None and kept[0] == self._members:
+            view = kept[1].merged(replace(fresh, engines=tuple(self.granted_since(kept[2]))), ())
+        if view is None:
+            view = replace(fresh, engines=tuple(self._granted[n][1] for n in self.engines))
+        self._decided = (self._members, view, self._fact_seq)
+        return view
 
     def _granted_facts(self, now: float) -> list[EngineFacts]:
         self._refresh_granted(now)

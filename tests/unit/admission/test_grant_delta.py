@@ -204,6 +204,11 @@ def test_a_prefix_set_changed_a_little_crosses_as_its_change() -> None:
         clock.t += 0.01
         h.sync()
         assert h.lease.view is not None and _facts(h.lease.view) == _facts(svc.view(clock.t, frozen=True)), step
+        # the view's block index, passed from view to view and updated by the changes, is its sets'
+        view = h.lease.view
+        probe = sorted(set().union(*(f.prefix for f in view.engines)) | set(range(fresh - 700, fresh)))
+        for b in rng.sample(probe, 60):
+            assert view.holding(b) == frozenset(f.cfg.name for f in view.engines if b in f.prefix), (step, b)
     changes = [c for g in h.grants[1:] for c in (g.prefixes or {}).values()]
     assert all(g.view_base for g in h.grants[1:])
     small = [c for c in changes if isinstance(c, tuple)]
@@ -233,3 +238,36 @@ def test_an_engine_gone_and_back_is_sent_its_whole_set() -> None:
     h.sync()
     assert h.lease.view is not None and _facts(h.lease.view) == _facts(svc.view(clock.t, frozen=True))
     assert set(h.lease.view.facts()["e0"].prefix) == set(range(10, 105))
+
+
+def test_the_schedulers_decision_view_is_kept_from_decision_to_decision_and_equals_a_whole_one() -> None:
+    """The scheduler's own decisions (its queue; every request without leases) are made on one view
+    kept from decision to decision (the engines changed since merged in, its route order and block
+    index passed on): its facts, holders and decisions equal a view made whole each time, through
+    traffic, prefix sets changing, and engines leaving and coming back."""
+    rng = random.Random(5)
+    svc, clock = _service(24)
+    h = Holder(svc, clock)
+    fresh, indexes = 10**7, set()
+    for step in range(150):
+        _traffic(rng, svc, clock, h, step)
+        for name in rng.sample(list(svc.engines), 2):
+            e = svc.engines[name]
+            e.prefix.insert(list(range(fresh, fresh + rng.randint(1, 20))))
+            fresh += 20
+            if rng.random() < 0.3:
+                e.prefix.remove(rng.sample(sorted(e.prefix.held()), min(len(e.prefix), 5)))
+            svc.touch(name)
+        kept, whole = svc.decision_view(clock.t), svc.view(clock.t, frozen=True)
+        assert _facts(kept) == _facts(whole), step
+        for b in rng.sample(range(fresh - 400, fresh), 20):
+            assert kept.holding(b) == whole.holding(b), (step, b)
+        indexes.add(id(kept._derived.holders))
+        prompt = tuple(range(fresh - 30, fresh - 30 + rng.randint(1, 30)))
+        ask = Ask(prompt_tokens=500, ttft_budget_s=30.0, prefix=prompt, prefix_block_tokens=16.0)
+        here, there = decide(kept, ask, clock.t, step), decide(whole, ask, clock.t, step)
+        assert type(here) is type(there)
+        if isinstance(here, Placement) and isinstance(there, Placement):
+            assert [r.engines for r in here.routes] == [r.engines for r in there.routes], step
+            assert (here.predicted_s, here.cached_tokens) == (there.predicted_s, there.cached_tokens), step
+    assert len(indexes) == 1  # one block index passed from view to view, not made anew

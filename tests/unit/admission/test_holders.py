@@ -1,14 +1,14 @@
 """A view's holders of a block and its deepest holders of a prompt, through a chain of grants'
-deltas (each view reading through its predecessors' remembered holders, its sets carried over
-with the changed engines' new ones, and a holder's own changes over it), equal the engines'
-prefix sets looked at one by one."""
+deltas (each view's block index passed on and updated by the changed engines' sets, and a
+holder's own changes over it), equal the engines' prefix sets looked at one by one; its best TPOT
+model, kept from view to view, equals a look at every engine's."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import replace
 
-from narwhal_serve.admission.derived import HOLDERS_SCAN
+from narwhal_serve.admission.derived import cold_tpot
 from narwhal_serve.admission.facts import EngineFacts
 from narwhal_serve.admission.view import FleetView
 from narwhal_serve.config import EngineConfig
@@ -47,17 +47,25 @@ def _deepest(engines: dict[str, EngineFacts], prompt: tuple[int, ...]) -> frozen
 
 def test_holders_through_a_chain_of_deltas_equal_a_look_at_every_engine() -> None:
     rng = random.Random(3)
-    size = 3 * HOLDERS_SCAN  # past the size where a view looks at its candidates directly
+    size = 192
     current = {f"u{i}": _facts(i, _prefix(rng)) for i in range(size)}
     view = FleetView(engines=tuple(current.values()), unavailable=None, predictive=True)
     for step in range(120):
         changed = rng.sample(sorted(current), rng.choice([0, 1, 3, 20, size // 2]))
-        for name in changed:
-            current[name] = replace(current[name], prefix=_prefix(rng))
+        for name in changed:  # a new set, or the same set with other facts changed
+            current[name] = replace(current[name], prefix=_prefix(rng)) if rng.random() < 0.8 else \
+                replace(current[name], inflight=current[name].inflight + 1)
+            if rng.random() < 0.3:  # its TPOT model learned, or forgotten
+                current[name] = replace(current[name], tpot_known=rng.random() < 0.8, tpot_a=rng.choice([0.01, 0.02]),
+                                        tpot_b=rng.choice([1e-4, 2e-4, 3e-4]))
         delta = FleetView(engines=tuple(current[n] for n in changed), unavailable=None, predictive=True)
         merged = view.merged(delta, ())
         assert merged is not None
+        if step % 10 == 3:  # a view asked after its successor took its index still answers for its own engines
+            block = rng.randrange(BLOCKS)
+            assert view.holding(block) == frozenset(f.cfg.name for f in view.engines if block in f.prefix)
         view = merged
+        assert view.cold_tpot() == cold_tpot(view.engines)  # (kept from view to view)
         own = {}  # the holder's own placements since, over the view
         for name in rng.sample(sorted(current), rng.choice([0, 0, 2])):
             own[name] = replace(current[name], prefix=current[name].prefix | {rng.randrange(BLOCKS)})
