@@ -82,7 +82,7 @@ class Derived:
                     ) -> tuple[float, float] | None:
         """:func:`cold_tpot` of ``engines`` (this view's with ``changed`` new): the best of this
         view's and the changed engines' models, unless an engine that had this view's best
-        changed its model (then all are looked at again)."""
+        changed its model or two models tie (then all are looked at again)."""
         cold, better = self.cold, []
         for name, f in changed.items():
             o = self.by_name[name]
@@ -92,8 +92,12 @@ class Derived:
                 return cold_tpot(engines)
             if f.tpot_known:
                 better.append((f.tpot_a, f.tpot_b))
-        return min([cold, *better] if cold is not None else better,
-                   key=lambda ab: tpot_at(ab[0], ab[1], 1.0)) if better else cold
+        if not better:
+            return cold
+        ranked = sorted((tpot_at(a, b, 1.0), (a, b)) for a, b in ([cold, *better] if cold is not None else better))
+        if len(ranked) > 1 and ranked[0][0] == ranked[1][0] and ranked[0][1] != ranked[1][1]:
+            return cold_tpot(engines)  # a tie: the first in the fleet's order wins, as there
+        return ranked[0][1]
 
     def holding(self, block: int) -> frozenset[str]:
         """The engines whose set holds ``block``."""
@@ -137,7 +141,7 @@ class Holders:
         # up each of the set's members), the rest one by one
         fresh = _set(gained).difference(by)
         by.update(dict.fromkeys(fresh, name))
-        for b in gained - fresh if len(fresh) < len(gained) else ():
+        for b in _set(gained).difference(fresh) if len(fresh) < len(gained) else ():
             held = by[b]
             if isinstance(held, str):
                 if held != name:

@@ -226,12 +226,13 @@ class SchedulerState(ABC):
         self._maintenance = frozenset(self.router.maintenance)
         self._fleet_prior = {k: PriorCoeffs(m.a, m.b, m.c) for k, m in fleet_ttft(self.engines.values()).items()}
         self._unavailable_fleet = self._fleet_reason(now)
-        if len(self._granted) != len(self.engines) or self._granted.keys() != self.engines.keys():
+        if list(self._granted) != list(self.engines):  # (an engine gone and back is in a new place)
             self._members += 1
             for name in [n for n in self._granted if n not in self.engines]:  # removed by a reload
                 del self._granted[name]
                 self._changed_at.pop(name, None)
                 self._rows.pop(name, None)
+            self._granted = {n: self._granted[n] for n in self.engines if n in self._granted}
         self._read(self.engines, now)
 
     def _read(self, names: Iterable[str], now: float) -> None:

@@ -271,3 +271,20 @@ def test_the_schedulers_decision_view_is_kept_from_decision_to_decision_and_equa
             assert [r.engines for r in here.routes] == [r.engines for r in there.routes], step
             assert (here.predicted_s, here.cached_tokens) == (there.predicted_s, there.cached_tokens), step
     assert len(indexes) == 1  # one block index passed from view to view, not made anew
+
+
+def test_an_engine_gone_and_back_before_the_next_decision_takes_its_new_place_in_the_decision_view() -> None:
+    """Deregistered and registered again between two decisions (the same names, the same count),
+    an engine is last in the fleet's order: the scheduler's kept view follows, as a whole one does
+    (the order breaks ties)."""
+    svc, clock = _service(6)
+    svc.decision_view(clock.t)
+    cfg = svc.engines["e0"].cfg
+    assert svc.deregister_engine("e0")
+    svc.register_engine(cfg)
+    e = svc.engines["e0"]
+    e.healthy, e.last_ok = True, clock.t
+    clock.t += 0.01
+    kept, whole = svc.decision_view(clock.t), svc.view(clock.t, frozen=True)
+    assert [f.cfg.name for f in kept.engines] == [f.cfg.name for f in whole.engines] == \
+        ["e1", "e2", "e3", "e4", "e5", "e0"]

@@ -13,6 +13,7 @@ from narwhal_serve.admission.facts import EngineFacts
 from narwhal_serve.admission.view import FleetView
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
+from narwhal_serve.placement.prefix import SetUnion
 
 BLOCKS = 40
 
@@ -78,3 +79,26 @@ def test_holders_through_a_chain_of_deltas_equal_a_look_at_every_engine() -> Non
             start = rng.randrange(BLOCKS)
             prompt = tuple(range(start, min(BLOCKS, start + rng.randint(1, BLOCKS))))
             assert looked.deepest(prompt) == _deepest(seen, prompt), (step, prompt)
+
+
+def test_a_tie_of_tpot_models_goes_to_the_first_engine_in_the_fleets_order_as_a_look_at_every_engine() -> None:
+    """Two models with the same TPOT at one sequence: the view kept from view to view takes the one
+    of the engine first in the fleet's order, as cold_tpot does (an engine with no model is ranked
+    with it, and at larger batches the two differ)."""
+    e0, e1 = replace(_facts(0, frozenset()), tpot_known=False), \
+        replace(_facts(1, frozenset()), tpot_known=True, tpot_a=0.5, tpot_b=0.25)
+    view = FleetView(engines=(e0, e1), unavailable=None, predictive=True)
+    assert view.cold_tpot() == (0.5, 0.25)
+    learned = replace(e0, tpot_known=True, tpot_a=0.25, tpot_b=0.5)
+    merged = view.merged(FleetView(engines=(learned,), unavailable=None, predictive=True), ())
+    assert merged is not None and merged.cold_tpot() == cold_tpot(merged.engines) == (0.25, 0.5)
+
+
+def test_holders_of_sets_that_are_unions_of_sets() -> None:
+    """An engine's set may be a union over its sets (a holder's placements, blocks pending): the
+    index takes it as any set."""
+    a, b = _facts(0, frozenset({1, 2})), _facts(1, SetUnion(frozenset({1}), frozenset({3})))
+    view = FleetView(engines=(a, b), unavailable=None, predictive=True)
+    assert (view.holding(1), view.holding(2), view.holding(3)) == \
+        (frozenset({"u0", "u1"}), frozenset({"u0"}), frozenset({"u1"}))
+    assert view.deepest((1, 3)) == frozenset({"u1"})
