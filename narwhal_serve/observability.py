@@ -24,7 +24,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -183,10 +183,13 @@ class RequestTrail:
     def traceparent(self) -> str | None:
         return self.obs.tracing.headers_of(self.span).get("traceparent")
 
-    def parsed(self, stream: bool, prompt_tokens: int, prompt_text: str | None, sizing: str | None = None) -> None:
+    def parsed(self, stream: bool, prompt_tokens: int, prompt_text: Callable[[], str | None],
+               sizing: str | None = None) -> None:
+        """``prompt_text``: the prompt as sent, made only when the operator logs it (a 512 KiB
+        prompt's JSON costs milliseconds)."""
         self.stream, self.prompt_tokens, self.prompt_sizing = stream, prompt_tokens, sizing
         if self.obs.cfg.log_prompt_text:
-            self.prompt_text = prompt_text
+            self.prompt_text = prompt_text()
         self._admission_span = self.obs.tracing.start("narwhal.admission", parent=self.span)
 
     def admitted(self, by: str, wait_s: float, predicted_ttft_s: float | None, engines: tuple[str, ...]) -> None:

@@ -159,9 +159,17 @@ class OverheadRun:
         return spent / (time.perf_counter() - t0)
 
     async def refusals(self) -> dict[str, Any] | None:
+        """The refusal path of narwhal-predictive, and of its ``@base`` when that runs too (each
+        alone, one after the other)."""
         t = "narwhal-predictive"
         if t not in self.targets:
             return None
+        out = await self._refusals(t)
+        if f"{t}@base" in self.targets:
+            out["base"] = await self._refusals(f"{t}@base")
+        return out
+
+    async def _refusals(self, t: str) -> dict[str, Any]:
         before = _cpu_snapshot(self.fleet, t)
         rs = await self.closed(t, "refusal", 32, self.a.refusal_s, False, 4, headers=(("X-TTFT-Target", "0.001"),))
         cpu = sum(procs.cpu_delta(before, _cpu_snapshot(self.fleet, t)).values())

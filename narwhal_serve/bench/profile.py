@@ -62,6 +62,7 @@ class ProfileArgs:
     api: Api = "chat"
     model: str = "narwhal-sim"
     py_spy: str = ""
+    ttft_target_s: float | None = None  # sent as X-TTFT-Target: 0.001 profiles the refusal path
 
 
 def _py_spy(explicit: str) -> str | None:
@@ -186,9 +187,12 @@ class ProfileRun:
 
     async def load(self, target: str, label: str, duration_s: float,
                    on_start: Callable[[], None] | None = None) -> list[RequestResult]:
-        """Streaming closed-loop clients at ``target`` (``--concurrency`` of them)."""
+        """Streaming closed-loop clients at ``target`` (``--concurrency`` of them); with
+        ``--ttft-target``, each asks for that TTFT (the engine direct ignores it)."""
+        t = self.a.ttft_target_s
+        headers = () if t is None or target == "direct" else (("X-TTFT-Target", f"{t:g}"),)
         return await self.loads.closed(target, label, self.a.concurrency, duration_s, True, self.a.output_tokens,
-                                       on_start=on_start)
+                                       on_start=on_start, headers=headers)
 
     def tree(self) -> dict[int, tuple[str, float]]:
         proc = self.fleet.process(self.a.target)
@@ -245,10 +249,11 @@ class ProfileRun:
         errors += err
         windows = tail_windows(pres, wall0, a.tail_share)
         s, d, sp = summarize(res, LOOSE_SLO), summarize(direct, LOOSE_SLO), summarize(pres, LOOSE_SLO)
-        n = max(1, s["completed"])
+        n = max(1, s["completed"] + s["refused"])  # (refusals too: --ttft-target profiles their path)
         labels = sorted(set(idle) | set(spent), key=lambda k: -spent.get(k, 0.0))
         return {
-            "completed": s["completed"], "failed": s["failed"], "req_per_s": round(s["completed"] / load_wall, 1),
+            "completed": s["completed"], "refused": s["refused"], "failed": s["failed"],
+            "req_per_s": round(n / load_wall, 1),
             "cpu_ms_per_req": round(1000 * sum(spent.values()) / n, 3),
             "idle_core_share": round(sum(idle.values()) / idle_wall, 4),
             "ttft_ms": {"narwhal": s["ttft_ms"], "direct": d["ttft_ms"], "narwhal_profiled": sp["ttft_ms"]},
@@ -276,7 +281,8 @@ class ProfileRun:
 
 
 def view(res: dict[str, Any]) -> str:
-    lines = [f"load: {res['completed']} streamed requests at c={res['concurrency']}, {res['req_per_s']} req/s, "
+    refused = f" and {res['refused']} refused" if res.get("refused") else ""
+    lines = [f"load: {res['completed']} streamed requests{refused} at c={res['concurrency']}, {res['req_per_s']} req/s, "
              f"router CPU {res['cpu_ms_per_req']} ms per request; idle router {100 * res['idle_core_share']:.1f} % "
              f"of a core",
              f"added TTFT p50 / p99: {res['added_ttft_p50']} / {res['added_ttft_p99']} ms; added ITL p99 "
@@ -341,6 +347,8 @@ def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> N
     pr.add_argument("--prompt-tokens", type=int, default=64)
     pr.add_argument("--output-tokens", type=int, default=16)
     pr.add_argument("--py-spy", default="", help="py-spy binary (default: next to this Python, else on PATH)")
+    pr.add_argument("--ttft-target", type=float, default=None,
+                    help="send X-TTFT-Target with every request: 0.001 refuses them all (the refusal path profiled)")
 
 
 def main(ns: argparse.Namespace, spec: FleetSpec, runner: Any) -> int:
@@ -349,7 +357,7 @@ def main(ns: argparse.Namespace, spec: FleetSpec, runner: Any) -> int:
     a = ProfileArgs(target=ns.target, concurrency=ns.concurrency, duration_s=ns.duration_s, idle_s=ns.idle_s,
                     rate_hz=ns.rate_hz, tail_share=ns.tail_share, min_core_share=ns.min_core_share,
                     prompt_tokens=ns.prompt_tokens, output_tokens=ns.output_tokens, api=ns.api, model=ns.model,
-                    py_spy=ns.py_spy)
+                    py_spy=ns.py_spy, ttft_target_s=ns.ttft_target)
     out = run_dir(ns.out, "profile")
     fleet = Fleet(spec, out / "logs")
     print(f"narwhal-bench profile: {a.target} at c={a.concurrency}; results in {out}", file=sys.stderr)

@@ -38,10 +38,11 @@ def overhead_view(res: dict[str, Any]) -> tuple[str, list[Path]]:
     ref = res.get("refusal")
     if ref:
         parts.append("\n## refusal path (narwhal-predictive, X-TTFT-Target 0.001, c=32, non-streaming)")
-        lat = ref["latency_ms"]
-        parts.append(table(["refusals/s", "offered", "refused", "p50 ms", "p99 ms", "cpu ms/refusal", "codes"],
-                           [[ref["refusals_per_s"], ref["offered"], ref["refused"], lat["p50"], lat["p99"],
-                             ref["cpu_ms_per_refusal"], ",".join(ref["error_codes"])]]))
+        refs = [("narwhal-predictive", ref)] + ([("narwhal-predictive@base", ref["base"])] if ref.get("base") else [])
+        parts.append(table(["target", "refusals/s", "offered", "refused", "p50 ms", "p99 ms", "cpu ms/refusal", "codes"],
+                           [[t, r["refusals_per_s"], r["offered"], r["refused"], r["latency_ms"]["p50"],
+                             r["latency_ms"]["p99"], r["cpu_ms_per_refusal"], ",".join(r["error_codes"])]
+                            for t, r in refs]))
     parts.append("\n## targets")
     parts.append(checks_table(res["checks"]))
     return "\n".join(parts), []

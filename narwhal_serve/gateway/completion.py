@@ -205,7 +205,7 @@ class CompletionHandler:
                 # the rest of that body may still come: the connection cannot carry another request
                 resp.headers["Connection"] = "close"
             return resp
-        trail.parsed(parsed.stream, parsed.prompt_tokens, _prompt_text(parsed), sized.method)
+        trail.parsed(parsed.stream, parsed.prompt_tokens, lambda: _prompt_text(parsed), sized.method)
         task = asyncio.current_task()
         gone = asyncio.Event()
         watch = asyncio.get_running_loop().create_task(_watch_disconnect(request, task, gone))
