@@ -42,6 +42,7 @@ def _service(engines: int, tenants: int = 0) -> SchedulerService:
     for e in svc.engines.values():
         e.healthy, e.last_ok = True, 1000.0
     svc.router.started = True
+    svc.ha.last_pass = 1000.0  # a monitor pass just made (its verdict is part of every scheduler decision)
     return svc
 
 

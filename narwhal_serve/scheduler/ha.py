@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import socket
@@ -123,24 +124,47 @@ class RouterHA:
     # -- monitoring ---------------------------------------------------------------------------
     def degraded(self, engines: Iterable[EngineState], now: float, maintenance: frozenset[str]) -> str | None:
         """Why the router's view cannot be trusted now, or None."""
+        return self.degraded_until(engines, now, maintenance)[0]
+
+    def degraded_until(self, engines: Iterable[EngineState], now: float, maintenance: frozenset[str]
+                       ) -> tuple[str | None, float]:
+        """:meth:`degraded`, and until when a None stays None if nothing but time changes (no
+        monitor pass, no engine's data older than now, the same engines and waves): the monitor
+        loop's stall, or the time at which so many engines' data will have aged that too few are
+        fresh.  ``now`` itself when degraded (recovery comes with data, not time)."""
         mon = self.cfg.monitoring
         stalled_after = max(3 * mon.scrape_interval_s, mon.stale_after_s)
         why: str | None = None
+        sure = math.inf
         if self.last_pass is not None and now - self.last_pass > stalled_after:
             why = f"monitor loop stalled for {now - self.last_pass:.1f} s"
-        else:
+        elif self.last_pass is not None:
+            sure = self.last_pass + stalled_after
             watched = [e for e in engines if e.cfg.wave not in maintenance]
-            if watched and self.last_pass is not None:
+            if watched:
+                # each engine answered (fresh data or a definite "down") until then
+                until = sorted(max(-math.inf if e.last_ok is None else e.last_ok + mon.stale_after_s,
+                                   -math.inf if e.last_answer is None else e.last_answer + mon.stale_after_s)
+                               for e in watched)
+                n = len(watched)
                 seen = sum(1 for e in watched if e.answered(now, mon.stale_after_s))
-                if seen / len(watched) < mon.min_fresh_fraction:
-                    why = f"fresh data from {seen} of {len(watched)} engines"
+                if seen / n < mon.min_fresh_fraction:
+                    why = f"fresh data from {seen} of {n} engines"
+                else:
+                    # the fewest engines whose data may age before too few are fresh: the m-th
+                    # earliest "until" is the last instant the fraction holds
+                    m = n - seen + 1
+                    while m <= n and (n - m) / n >= mon.min_fresh_fraction:
+                        m += 1
+                    if m <= n:
+                        sure = min(sure, until[m - 1])
         if why != self.degraded_why:
             if why is not None:
                 log.warning("monitoring degraded: %s", why)
             elif self.degraded_why is not None:
                 log.warning("monitoring recovered")
             self.degraded_why = why
-        return why
+        return why, (now if why is not None else sure)
 
     def view(self) -> dict[str, Any]:
         out: dict[str, Any] = {"backend": self.cfg.ha.lease.backend, "role_hint": self.cfg.ha.role,

@@ -124,6 +124,8 @@ class SchedulerState(ABC):
         self._rows: dict[str, tuple[EngineFacts, FactsRow]] = {}  # granted facts, and them as a row
         self._fact_seq = 0
         self._members = 0  # the fleet's membership changes
+        # the monitoring's verdict "not degraded" while sure to hold: what it was judged on, until when
+        self._fleet_kept: tuple[tuple[object, ...], float] | None = None
         # the last decision view: the membership it was made in, it, the change number it is up to
         self._decided: tuple[int, FleetView, int] | None = None
         self._touched: set[str] = set()
@@ -170,8 +172,9 @@ class SchedulerState(ABC):
 
     def views_stale(self) -> None:
         """Something not tied to one engine changed (the fleet, a mode, a scrape pass): every
-        engine's facts are read again for the next grant."""
+        engine's facts are read again for the next grant, and the monitoring's state."""
         self._full_view_at = -math.inf
+        self._fleet_kept = None
 
     def _inputs(self, e: EngineState, now: float, fleet: Mapping[tuple[str, str], PrefillModel | PriorCoeffs],
                 frozen: bool) -> tuple[object, ...]:
@@ -359,8 +362,20 @@ class SchedulerState(ABC):
         return self.router.unavailable_reason(self._waves) or fleet_reason
 
     def _fleet_reason(self, now: float) -> str | None:
-        """The fleet's part (O(engines)): the router's monitoring degraded."""
+        """The fleet's part: the router's monitoring degraded.  A look at every engine, kept while
+        it is sure to hold (RouterHA.degraded_until: until time alone could change it; again at
+        a monitor pass, when the fleet or its maintenance changes, and while degraded)."""
+        maintenance = frozenset(self.router.maintenance)
+        key = (self.ha.last_pass, self.router.started, maintenance, len(self.engines))
+        kept = self._fleet_kept
+        if kept is not None and kept[0] == key and now <= kept[1]:
+            return None
         self._waves = {e.cfg.wave for e in self.engines.values()}
-        if self.router.started and self.ha.degraded(self.engines.values(), now, frozenset(self.router.maintenance)):
+        self._fleet_kept = None
+        if not self.router.started:
+            return None
+        why, sure = self.ha.degraded_until(self.engines.values(), now, maintenance)
+        if why is not None:
             return "monitoring_degraded"
+        self._fleet_kept = (key, sure)
         return None
