@@ -2,28 +2,44 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from narwhal_serve.admission.controller import Refusal
 from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.errors import RateLimited
 from narwhal_serve.prediction.ttft import Projection
 
 
+# a refusal that waiting does not cure (the request itself must change): OpenAI's SDKs retry a
+# 429 unless the answer says not to
+NO_RETRY = (("x-should-retry", "false"),)
+
+
 def _refused(message: str, code: str, wait_s: float | None = None) -> Refusal:
-    """A predictive refusal (429); ``wait_s``: its honest Retry-After, rounded, at least 1 s."""
-    retry_after = None if wait_s is None else max(1, round(wait_s))
-    return Refusal(RateLimited(message, code=code, retry_after=retry_after).info(), Outcome.REFUSED)
+    """A predictive refusal (429); ``wait_s``: its honest Retry-After, rounded, at least 1 s; None:
+    no wait cures it (``x-should-retry: false``)."""
+    if wait_s is None:
+        info = replace(RateLimited(message, code=code).info(), extra_headers=NO_RETRY)
+    else:
+        info = RateLimited(message, code=code, retry_after=max(1, round(wait_s))).info()
+    return Refusal(info, Outcome.REFUSED)
+
+
+def _s(seconds: float) -> str:
+    """Seconds as a reader wants them: 0.25 s, 1.50 s, and 0.0004 s rather than 0.00 s."""
+    return f"{seconds:.2f} s" if seconds >= 0.01 else f"{seconds:.2g} s"
 
 
 def judge(p: Projection, budget_s: float) -> Refusal | None:
     """None to admit; else the refusal with its honest Retry-After."""
     if p.prompt_alone_s > budget_s:
-        return _refused(f"The prompt alone needs about {p.prompt_alone_s:.2f} s to first token, over the "
-                        f"{budget_s:.2f} s TTFT budget: shorten the prompt or raise the target (X-TTFT-Target).",
+        return _refused(f"The prompt alone needs about {_s(p.prompt_alone_s)} to first token, over the "
+                        f"{_s(budget_s)} TTFT budget: shorten the prompt or raise the target (X-TTFT-Target).",
                         "prompt_exceeds_ttft_budget")
     if p.projected_s > budget_s:
         overrun = p.projected_s - budget_s
-        return _refused(f"Projected time to first token {p.projected_s:.2f} s exceeds the {budget_s:.2f} s budget "
-                        f"by {overrun:.2f} s; retry after the Retry-After delay.", "ttft_budget_exceeded", overrun)
+        return _refused(f"Projected time to first token {_s(p.projected_s)} exceeds the {_s(budget_s)} budget "
+                        f"by {_s(overrun)}; retry after the Retry-After delay.", "ttft_budget_exceeded", overrun)
     return None
 
 

@@ -184,8 +184,14 @@ class CompletionHandler:
                 self.reporter.outcome(Outcome.CANCELLED, "body_incomplete", trail.tenant, trail.priority)
                 trail.end(Outcome.CANCELLED, "body_incomplete", 499)
                 raise
-            sized = await self.sizer.size(parse_request(route, raw, model=self.cfg.model,
-                                                        max_logprobs=self.cfg.serving.max_logprobs))
+            try:
+                sized = await self.sizer.size(parse_request(route, raw, model=self.cfg.model,
+                                                            max_logprobs=self.cfg.serving.max_logprobs))
+            except asyncio.CancelledError:  # the client left while a long prompt was tokenized
+                self.reporter.unsized()
+                self.reporter.outcome(Outcome.CANCELLED, "client_disconnected", trail.tenant, trail.priority)
+                trail.end(Outcome.CANCELLED, "client_disconnected", 499)
+                raise
             parsed = sized.parsed
             deadline = self._deadline(request, arrived)
             budget = self._ttft_budget(request)

@@ -71,6 +71,7 @@ def test_a_tpot_target_no_engine_meets_even_idle_is_refused_without_retry_after(
     v = view(engine("a", tpot_a=0.05), engine("b", tpot_a=0.06))
     r = refused(v, Ask(100, 2.0, tpot_budget_s=0.03))
     assert r.error.code == "tpot_budget_unattainable" and r.error.retry_after is None
+    assert r.error.headers().get("x-should-retry") == "false"  # no wait cures it: SDKs must not retry
 
 
 def test_no_tpot_judgement_without_measurements_or_target() -> None:

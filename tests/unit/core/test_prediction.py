@@ -26,6 +26,11 @@ def test_judge_rows() -> None:
     small = judge(Projection(0.5, 2.1), 2.0)
     assert small is not None and small.error.retry_after == 1  # at least 1 s
     assert over.outcome.value == "refused" and over.error.status == 429
+    # waiting cures the second row, not the first: OpenAI's SDKs are told not to retry that one
+    assert alone.error.headers().get("x-should-retry") == "false" and "Retry-After" not in alone.error.headers()
+    assert "x-should-retry" not in over.error.headers() and over.error.headers()["Retry-After"] == "4"
+    tiny = judge(Projection(0.0004, 0.0004), 0.0001)
+    assert tiny is not None and "needs about 0.0004 s to first token, over the 0.0001 s TTFT budget" in tiny.error.message
 
 
 def test_noisy_short_prompts_do_not_extrapolate_wildly() -> None:
