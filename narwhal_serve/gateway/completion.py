@@ -50,16 +50,16 @@ from narwhal_serve.tokenization.sizer import PromptSizer, Sized
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")  # printable ASCII, no spaces
+_SECONDS = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")  # a plain decimal number
 
 
 def _seconds_header(request: Request, name: str) -> float | None:
     v = request.headers.get(name)
     if v is None:
         return None
-    try:
-        f = float(v)
-    except ValueError:
-        raise InvalidRequest(f"header {name} must be a number of seconds", param=name) from None
+    if not _SECONDS.fullmatch(v.strip()):  # (float() would take "1_0", "inf", "nan", " 0x" forms)
+        raise InvalidRequest(f"header {name} must be a number of seconds", param=name)
+    f = float(v)
     if not math.isfinite(f):
         raise InvalidRequest(f"header {name} must be a finite number of seconds", param=name)
     if not f > 0:
