@@ -115,11 +115,16 @@ RAY_BASE_ENV: dict[str, str] = {
 # reconciles every 0.5 s instead of Ray's 0.1 s: its loop is most of an idle router's CPU (idle
 # controller 3.7 -> 1.5 % of a core, the whole router 17.1 -> 13.9 %: docs/performance.md, "Cost per request"),
 # and nothing on a request's path waits for it; scaling and replica changes act up to 0.4 s later.
+# Serve's per-request HTTP metrics from HAProxy's log lines are off: HAProxy formats a log datagram
+# per request and Serve's HAProxy manager parses each (0.13 ms of CPU a request, about a tenth of a
+# refusal's cost: docs/performance.md, "Cost per request"); Narwhal's own counters and histograms
+# (narwhal_*) count every request with its outcome.  Set RAY_SERVE_HAPROXY_METRICS_ENABLED=1 for them.
 RUN_ENV: dict[str, str] = {
     **RAY_BASE_ENV,
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
 }
 
 HEADER_TIMEOUT_ENV = "NARWHAL_HTTP_HEADER_TIMEOUT_S"  # default 10 (docs/operations.md, "Run modes")
