@@ -169,7 +169,11 @@ async def test_an_engine_killed_mid_answer_is_replaced_token_exactly(resume_app:
     old = {(r["reason"], r["outcome"]): r["count"] for r in before["resumes"]}
     cuts = {(r["reason"], r["outcome"]): r["count"] - old.get((r["reason"], r["outcome"]), 0)
             for r in after["resumes"] if r["count"] != old.get((r["reason"], r["outcome"]), 0)}
-    assert cuts == {("reset", "resumed"): 4}, cuts
+    # every answer is cut by the dying engine's reset, or, when the resets already seen opened
+    # its circuit breaker, by the breaker before its own reset arrived (a race the kill decides);
+    # either way all four are resumed and at least the first cut is a reset
+    assert set(cuts) <= {("reset", "resumed"), ("breaker_open", "resumed")}, cuts
+    assert sum(cuts.values()) == 4 and cuts.get(("reset", "resumed"), 0) >= 1, cuts
     assert after["counters"]["completed"] - before["counters"]["completed"] == len(tasks)
     assert after["counters"]["offered"] - before["counters"]["offered"] == len(tasks)
     # the request log says which answers were cut and where they ended: one of each kind
