@@ -60,6 +60,11 @@ class ErrorInfo:
         return out
 
 
+# on a refusal no wait cures (the request itself must change): OpenAI's SDKs retry a 429 unless the
+# answer says not to
+NO_RETRY: tuple[tuple[str, str], ...] = (("x-should-retry", "false"),)
+
+
 class NarwhalError(Exception):
     status = 500
     type = "internal_error"

@@ -149,9 +149,6 @@ class Holders:
             else:
                 held.add(name)
 
-    def __len__(self) -> int:
-        return len(self._by_block)
-
 
 class FactsOver(Mapping[str, EngineFacts]):
     """The view's engines by name with the holder's changes over them (a read is two dict reads)."""

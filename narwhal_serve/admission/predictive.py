@@ -6,13 +6,8 @@ from dataclasses import replace
 
 from narwhal_serve.admission.controller import Refusal
 from narwhal_serve.protocol.outcomes import Outcome
-from narwhal_serve.errors import RateLimited
+from narwhal_serve.errors import NO_RETRY, RateLimited
 from narwhal_serve.prediction.ttft import Projection
-
-
-# a refusal that waiting does not cure (the request itself must change): OpenAI's SDKs retry a
-# 429 unless the answer says not to
-NO_RETRY = (("x-should-retry", "false"),)
 
 
 def _refused(message: str, code: str, wait_s: float | None = None) -> Refusal:

@@ -180,17 +180,13 @@ class CompletionHandler:
             try:
                 raw = await read_body(request, self.cfg.serving.max_request_bytes, self.cfg.serving.body_timeout_s)
             except asyncio.CancelledError:  # Serve cancels the handler when the client leaves mid-body
-                self.reporter.unsized()
-                self.reporter.outcome(Outcome.CANCELLED, "body_incomplete", trail.tenant, trail.priority)
-                trail.end(Outcome.CANCELLED, "body_incomplete", 499)
+                self._left_unsized(trail, "body_incomplete", 499)
                 raise
             try:
                 sized = await self.sizer.size(parse_request(route, raw, model=self.cfg.model,
                                                             max_logprobs=self.cfg.serving.max_logprobs))
             except asyncio.CancelledError:  # the client left while a long prompt was tokenized
-                self.reporter.unsized()
-                self.reporter.outcome(Outcome.CANCELLED, "client_disconnected", trail.tenant, trail.priority)
-                trail.end(Outcome.CANCELLED, "client_disconnected", 499)
+                self._left_unsized(trail, "client_disconnected", 499)
                 raise
             parsed = sized.parsed
             deadline = self._deadline(request, arrived)
@@ -198,9 +194,7 @@ class CompletionHandler:
             ask = self._ask(sized, budget, self._tpot_budget(request), retry_count(request.headers.get("x-stainless-retry-count")),
                             tenant, raw, priority)
         except BodyIncomplete:
-            self.reporter.unsized()
-            self.reporter.outcome(Outcome.CANCELLED, "body_incomplete", trail.tenant, trail.priority)
-            trail.end(Outcome.CANCELLED, "body_incomplete", 400)
+            self._left_unsized(trail, "body_incomplete", 400)
             # the client ended the body early (it most likely left; if it still reads, it gets why)
             err = InvalidRequest("the request body ended before its Content-Length", code="body_incomplete")
             return error_response(err.info(), echo)
@@ -224,6 +218,12 @@ class CompletionHandler:
             raise
         finally:
             watch.cancel()
+
+    def _left_unsized(self, trail: RequestTrail, reason: str, status: int) -> None:
+        """The client left before its request was sized: counted offered, unsized and cancelled, logged."""
+        self.reporter.unsized()
+        self.reporter.outcome(Outcome.CANCELLED, reason, trail.tenant, trail.priority)
+        trail.end(Outcome.CANCELLED, reason, status)
 
     def _refused(
         self, trail: RequestTrail, outcome: Outcome, err: ErrorInfo, echo: str | None, *, counted: bool = False

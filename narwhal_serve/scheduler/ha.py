@@ -142,17 +142,17 @@ class RouterHA:
             sure = self.last_pass + stalled_after
             watched = [e for e in engines if e.cfg.wave not in maintenance]
             if watched:
-                # each engine answered (fresh data or a definite "down") until then
-                until = sorted(max(-math.inf if e.last_ok is None else e.last_ok + mon.stale_after_s,
-                                   -math.inf if e.last_answer is None else e.last_answer + mon.stale_after_s)
-                               for e in watched)
                 n = len(watched)
                 seen = sum(1 for e in watched if e.answered(now, mon.stale_after_s))
                 if seen / n < mon.min_fresh_fraction:
                     why = f"fresh data from {seen} of {n} engines"
                 else:
-                    # the fewest engines whose data may age before too few are fresh: the m-th
-                    # earliest "until" is the last instant the fraction holds
+                    # each engine answered (fresh data or a definite "down") until then; the m-th
+                    # earliest, m the fewest engines whose data may age before too few are fresh,
+                    # is the last instant the fraction holds
+                    until = sorted(max(-math.inf if e.last_ok is None else e.last_ok + mon.stale_after_s,
+                                       -math.inf if e.last_answer is None else e.last_answer + mon.stale_after_s)
+                                   for e in watched)
                     m = n - seen + 1
                     while m <= n and (n - m) / n >= mon.min_fresh_fraction:
                         m += 1

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from narwhal_serve.config import TenantSpec
-from narwhal_serve.errors import ErrorInfo, RateLimited
+from narwhal_serve.errors import NO_RETRY, ErrorInfo, RateLimited
 from narwhal_serve.tenants.amounts import KINDS, NOTHING, Amounts
 
 RATE_KINDS = ("requests", "input_tokens", "output_tokens")
@@ -109,7 +109,7 @@ def budget_error(r: BudgetRefusal) -> ErrorInfo:
     if r.retry_after_s is None:
         err = RateLimited(f"Request too large for tenant {r.tenant!r}: its budget of {what} is smaller than "
                           "this one request.", code="rate_limit_exceeded")
-        return replace(err.info(), extra_headers=r.headers + (("x-should-retry", "false"),))
+        return replace(err.info(), extra_headers=r.headers + NO_RETRY)
     ms = max(1, int(math.ceil(r.retry_after_s * 1000)))
     err = RateLimited(f"Rate limit reached for tenant {r.tenant!r} on {what}: this request fits in "
                       f"{ms / 1000:.3f} s (Retry-After).", code="rate_limit_exceeded",
