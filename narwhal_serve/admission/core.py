@@ -154,7 +154,8 @@ def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[
                         routes.append(r)
     else:
         routes = order.top(MAX_CANDIDATES, rotation, view.changed)
-    expected_out = expected_output(view.outputs, ask.kind, ask.max_output_tokens, view.output_prior)
+    expected_out = expected_output(view.outputs, ask.kind, ask.max_output_tokens, view.output_prior,
+                                   ask.min_output_tokens)
     if not routes:
         return routes, [], expected_out
     facts, cold = view.facts(), view.cold_tpot()

@@ -160,6 +160,7 @@ class Ask:
     # above: admission.classes ttft_share × the top class's target); None: its own target
     admit_within_s: float | None = None
     node: str | None = None  # the Ray node of the ingress it arrived at: engines there win near-ties
+    min_output_tokens: int = 0  # its output is expected to be at least this (ignore_eos, min_tokens)
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,8 @@ class CompletionHandler:
         return Ask(parsed.prompt_tokens, ttft_budget, tpot_budget, parsed.route, parsed.max_output_tokens,
                    prefix, block_tokens, retry=bool(retries), reserves=retries is not None, tenant=tenant,
                    fingerprint=self.tenancy.fingerprint(tenant, raw, retries),
-                   rank=priority[0], admit_within_s=priority[1], node=self.node)
+                   rank=priority[0], admit_within_s=priority[1], node=self.node,
+                   min_output_tokens=parsed.min_output_tokens)
 
     async def handle(self, request: Request, route: Route) -> Response:
         arrived = self.clock()

@@ -97,16 +97,17 @@ class OutputLengths:
 
 
 def expected_output(table: tuple[tuple[str, int, float], ...], kind: str, max_tokens: int | None,
-                    prior: float = DEFAULT_OUTPUT_PRIOR) -> float:
+                    prior: float = DEFAULT_OUTPUT_PRIOR, least: int = 0) -> float:
     """A new request's expected output tokens: the learned mean for its kind and bucket (else the
-    prior), never above its ``max_tokens``, at least one."""
+    prior), never above its ``max_tokens`` nor below ``least`` (what it writes at least: all of
+    ``max_tokens`` with ``ignore_eos``), at least one."""
     b = bucket(max_tokens)
     mean = next((m for k, kb, m in table if k == kind and kb == b), None)
     if mean is None:
         mean = prior
     if max_tokens:
         mean = min(mean, float(max_tokens))
-    return max(1.0, mean)
+    return max(1.0, mean, float(least))
 
 
 def remaining_tokens(expected: float, generated: int, max_tokens: int | None) -> float:

@@ -40,6 +40,7 @@ class ParsedRequest:
     prompt_tokens: int
     max_output_tokens: int | None
     prompt_token_ids: tuple[int, ...] | None = None
+    min_output_tokens: int = 0  # tokens the engine writes at least (ignore_eos: max_tokens; else min_tokens)
 
 
 def _is_int(v: Any) -> bool:
@@ -156,6 +157,21 @@ def _opt(body: dict[str, Any], key: str, check: Any, what: str) -> None:
     v = body.get(key)
     if v is not None and not check(v):
         raise _bad(key, what)
+
+
+def least_output(body: dict[str, Any], max_out: Any) -> int:
+    """Output tokens an answer has at least: all of ``max_tokens`` with ``ignore_eos`` (vLLM's
+    benchmark sends it, as every fixed-length load test does), else ``min_tokens`` (never above
+    ``max_tokens``).  Stop strings may still end it earlier; admission expects it, it does not
+    count on it."""
+    cap: int | None = int(max_out) if _is_int(max_out) else None
+    if body.get("ignore_eos") is True and cap is not None:
+        return cap
+    raw = body.get("min_tokens")
+    least = raw if isinstance(raw, int) and not isinstance(raw, bool) else 0
+    if least <= 0:
+        return 0
+    return least if cap is None else min(least, cap)
 
 
 def _check_common(body: dict[str, Any], model: str) -> None:
@@ -318,4 +334,5 @@ def parse_request(route: Route, raw: bytes, *, model: str, max_logprobs: int = M
         prompt_tokens=prompt_tokens,
         max_output_tokens=max_out if isinstance(max_out, int) else None,
         prompt_token_ids=ids,
+        min_output_tokens=least_output(body, max_out),
     )

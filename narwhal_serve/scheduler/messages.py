@@ -39,11 +39,12 @@ class AdmitRequest:
     rank: int = 0
     admit_within_s: float | None = None
     node: str | None = None
+    min_output_tokens: int = 0
 
     def ask(self) -> Ask:
         return Ask(self.prompt_tokens, self.ttft_budget_s, self.tpot_budget_s, self.kind, self.max_output_tokens,
                    self.prefix, self.prefix_block_tokens, self.retry, self.reserves, self.tenant, self.fingerprint,
-                   self.rank, self.admit_within_s, self.node)
+                   self.rank, self.admit_within_s, self.node, self.min_output_tokens)
 
     @classmethod
     def of(cls, ticket_id: str, request_deadline: float, ask: Ask, **lease: Any) -> "AdmitRequest":
@@ -51,7 +52,8 @@ class AdmitRequest:
                    tpot_budget_s=ask.tpot_budget_s, kind=ask.kind, prefix=ask.prefix,
                    prefix_block_tokens=ask.prefix_block_tokens, retry=ask.retry, reserves=ask.reserves,
                    tenant=ask.tenant, fingerprint=ask.fingerprint, rank=ask.rank,
-                   admit_within_s=ask.admit_within_s, node=ask.node, **lease)
+                   admit_within_s=ask.admit_within_s, node=ask.node, min_output_tokens=ask.min_output_tokens,
+                   **lease)
 
 
 @dataclass(frozen=True)

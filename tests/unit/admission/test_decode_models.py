@@ -61,6 +61,19 @@ def test_output_lengths_learn_per_kind_and_bucket() -> None:
     assert expected_output((), "chat", None) == DEFAULT_OUTPUT_PRIOR
 
 
+def test_expected_output_counts_what_the_answer_writes_at_least() -> None:
+    """ignore_eos (vLLM's benchmark) writes all of max_tokens; min_tokens is a floor; the learned
+    mean of a bucket stands where it lies between them."""
+    o = OutputLengths()
+    for _ in range(20):
+        o.observe("chat", 300, 100)
+    table = o.table()
+    assert expected_output(table, "chat", 300, least=300) == 300  # ignore_eos: exactly max_tokens
+    assert expected_output(table, "chat", 300, least=150) == 150  # min_tokens above the mean
+    assert expected_output(table, "chat", 300, least=50) == pytest.approx(100, rel=0.01)  # below: the mean
+    assert expected_output((), "chat", None, least=2000) == 2000  # no max_tokens: the floor still holds
+
+
 def test_output_lengths_are_bounded() -> None:
     o = OutputLengths()
     for mt in [None, *range(1, 1 << 20, 997), 1 << 40]:

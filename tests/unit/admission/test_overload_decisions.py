@@ -156,6 +156,8 @@ def test_learned_output_lengths_size_the_decode_charge() -> None:
     capped = placed(v, Ask(100, 2.0, kind="completion", max_output_tokens=100))  # bucket 7: the prior, capped
     assert chat.expected_out == 40 and comp.expected_out == 300 and capped.expected_out == 100
     assert charge(comp)["a"].decode_tokens == 300
+    exact = placed(v, Ask(100, 2.0, max_output_tokens=500, min_output_tokens=500))  # ignore_eos
+    assert exact.expected_out == 500 and charge(exact)["a"].decode_tokens == 500
 
 
 def test_slot_wait_follows_the_decode_ledger() -> None:
