@@ -54,6 +54,7 @@ _EXPORTS = {
     "earliest": "retry",
     "prefix_change": "facts",
     "rank": "core",
+    "releases": "ledger",
     "retry_count": "retry",
     "unbalanced": "counters",
 }
@@ -61,7 +62,7 @@ __all__ = [
     "AdmissionController", "AdmissionLease", "Ask", "ChangedRow", "CounterDelta", "Counters", "EngineFacts",
     "Enqueued", "FactsRow", "FleetView", "Grant", "LeaseGrant", "LeasePart", "LocalPlacement",
     "MAX_RESERVATIONS", "NONE", "Permits", "Placement", "PrefixChange", "Refusal", "Reservation", "Ticket",
-    "decide", "earliest", "prefix_change", "rank", "retry_count", "unbalanced",
+    "decide", "earliest", "prefix_change", "rank", "releases", "retry_count", "unbalanced",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
@@ -88,6 +89,7 @@ if TYPE_CHECKING:
     from narwhal_serve.admission.controller import Refusal as Refusal
     from narwhal_serve.admission.retry import Reservation as Reservation
     from narwhal_serve.admission.ledger import Ticket as Ticket
+    from narwhal_serve.admission.ledger import releases as releases
     from narwhal_serve.admission.core import decide as decide
     from narwhal_serve.admission.retry import earliest as earliest
     from narwhal_serve.admission.facts import prefix_change as prefix_change

@@ -26,8 +26,15 @@ from narwhal_serve.admission.retry import BOOKED_SHARE, RETRY_GRACE_S, Reservati
 from narwhal_serve.errors import backend_unavailable, router_unavailable
 from narwhal_serve.placement.picker import MAX_CANDIDATES
 from narwhal_serve.placement.prefix import matched_blocks
-from narwhal_serve.prediction.decode import expected_output, tpot_at
-from narwhal_serve.prediction.ttft import Projection, linear_ttft, projected_pair, slot_wait_s, with_margin
+from narwhal_serve.prediction.decode import expected_output, mean_remaining, tpot_at
+from narwhal_serve.prediction.ttft import (
+    Projection,
+    linear_ttft,
+    projected_pair,
+    released_wait_s,
+    slot_wait_s,
+    with_margin,
+)
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.tenants.fair import OVER_SHARE_HEADROOM
 from narwhal_serve.admission.view import Ask as Ask
@@ -60,16 +67,20 @@ class _Scored:
 
 
 def _slot_wait(d: EngineFacts | None, expected_out: float, held: int = 0) -> float:
-    """Wait for a sequence slot at the decode engine.  With a TPOT model: the requests beyond its
-    slots drain ``slots`` at a time, each taking its remaining decode (the router's corrected
-    ledger, per request) at the full-batch TPOT; before that, the measured service time.
+    """Wait for a sequence slot at the decode engine.  With a TPOT model: when the scheduler's
+    releases say a slot frees for this one's place in line (from each request's own remaining
+    decode), that; else the requests beyond its slots drain ``slots`` at a time, each taking the
+    mean remaining decode (the router's corrected ledger, per request) at the full-batch TPOT;
+    before a TPOT model, the measured service time.
     ``held``: requests reserved there for retries, counted as already queued."""
     if d is None:
         return 0.0
     if not d.tpot_known or not d.slots:
         return slot_wait_s(d.in_flight() + held, d.slots, d.service_s)
-    per_request = d.decode_tokens / d.inflight if d.inflight > 0 and d.decode_tokens > 0 else expected_out
+    per_request = mean_remaining(d.decode_tokens, d.inflight, expected_out)
     service = d.ttft_a + per_request * tpot_at(d.tpot_a, d.tpot_b, d.slots)
+    if d.releases:  # the scheduler's slot releases from each request's own remaining decode
+        return released_wait_s(d.releases, d.in_flight() + held + 1 - d.slots, service, d.slots)
     return slot_wait_s(d.in_flight() + held, d.slots, service)
 
 
@@ -107,7 +118,7 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
     if (ask.tpot_budget_s is not None and d.tpot_known and tpot > ask.tpot_budget_s
             and tpot_at(d.tpot_a, d.tpot_b, 1.0) <= ask.tpot_budget_s):  # shedding load helps
         over = int((tpot - ask.tpot_budget_s) / d.tpot_b) + 1  # sequences to finish first
-        per_request = d.decode_tokens / d.inflight if d.inflight > 0 and d.decode_tokens > 0 else expected_out
+        per_request = mean_remaining(d.decode_tokens, d.inflight, expected_out)
         shed = over * per_request * tpot / max(batch, 1.0)
     # ranked by the projection itself; the margin is for judging it against the target
     cost = (raw + expected_out * ranked_tpot) * (1.0 + max(e.penalty, d.penalty))

@@ -17,11 +17,12 @@ moves the charge; a prefill already done stays done).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from narwhal_serve.admission.core import EngineDelta, Placement
 from narwhal_serve.prediction.decode import remaining_tokens
+from narwhal_serve.prediction.ttft import RELEASES_MAX, slot_releases
 
 Deltas = dict[str, EngineDelta]
 
@@ -127,3 +128,25 @@ def released(t: Ticket) -> Deltas:
     add(out, {n: EngineDelta(inflight=-1) for n in t.engines})
     _recharge(t, None, 0.0, out)
     return out
+
+
+def releases(tickets: Iterable[Ticket], slots: int, external: int, first_s: float, tpot_s: float,
+             more_s: float) -> tuple[float, ...]:
+    """When a slot frees at a decode engine for each of the next requests beyond its ``slots``
+    (``prediction/ttft.py`` :func:`slot_releases`), from the ``tickets`` decoding there in the order
+    they came: one past its first token holds a slot for its remaining decode (its charge, at
+    ``tpot_s`` a token), one before it is in line for ``first_s`` + its expected decode; other
+    clients' ``external`` requests hold slots for ``more_s`` each (their lengths are unknown), as
+    do the requests after the known ones.  Empty while the engine has a free slot for the next one."""
+    running: list[float] = []
+    queued: list[float] = []
+    for t in tickets:
+        if t.prefill_done:
+            running.append(t.decode_charged * tpot_s)
+        else:
+            queued.append(first_s + t.decode_charged * tpot_s)
+    beyond = len(running) + len(queued) + external + 1 - slots
+    if beyond <= 0:
+        return ()
+    running.extend([more_s] * external)
+    return slot_releases(running, queued, slots, more_s, min(RELEASES_MAX, beyond + 8))

@@ -20,22 +20,27 @@ _EXPORTS = {
     "PRIOR_A": "ttft",
     "PRIOR_B": "ttft",
     "PRIOR_TPOT_A": "decode",
+    "RELEASES_MAX": "ttft",
     "PrefillModel": "ttft",
     "Projection": "ttft",
     "TpotModel": "decode",
     "expected_output": "decode",
     "linear_ttft": "ttft",
+    "mean_remaining": "decode",
     "project_linear": "ttft",
     "projected_pair": "ttft",
+    "released_wait_s": "ttft",
     "remaining_tokens": "decode",
+    "slot_releases": "ttft",
     "slot_wait_s": "ttft",
     "tpot_at": "decode",
     "with_margin": "ttft",
 }
 __all__ = [
     "DEFAULT_OUTPUT_PRIOR", "ErrorWindow", "OutputLengths", "PRIOR_A", "PRIOR_B", "PRIOR_TPOT_A",
-    "PrefillModel", "Projection", "TpotModel", "expected_output", "linear_ttft", "project_linear",
-    "projected_pair", "remaining_tokens", "slot_wait_s", "tpot_at", "with_margin",
+    "RELEASES_MAX", "PrefillModel", "Projection", "TpotModel", "expected_output", "linear_ttft",
+    "mean_remaining", "project_linear", "projected_pair", "released_wait_s", "remaining_tokens",
+    "slot_releases", "slot_wait_s", "tpot_at", "with_margin",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
@@ -47,13 +52,17 @@ if TYPE_CHECKING:
     from narwhal_serve.prediction.ttft import PRIOR_B as PRIOR_B
     from narwhal_serve.prediction.decode import PRIOR_TPOT_A as PRIOR_TPOT_A
     from narwhal_serve.prediction.ttft import PrefillModel as PrefillModel
+    from narwhal_serve.prediction.ttft import RELEASES_MAX as RELEASES_MAX
     from narwhal_serve.prediction.ttft import Projection as Projection
     from narwhal_serve.prediction.decode import TpotModel as TpotModel
     from narwhal_serve.prediction.decode import expected_output as expected_output
     from narwhal_serve.prediction.ttft import linear_ttft as linear_ttft
+    from narwhal_serve.prediction.decode import mean_remaining as mean_remaining
     from narwhal_serve.prediction.ttft import project_linear as project_linear
     from narwhal_serve.prediction.ttft import projected_pair as projected_pair
+    from narwhal_serve.prediction.ttft import released_wait_s as released_wait_s
     from narwhal_serve.prediction.decode import remaining_tokens as remaining_tokens
+    from narwhal_serve.prediction.ttft import slot_releases as slot_releases
     from narwhal_serve.prediction.ttft import slot_wait_s as slot_wait_s
     from narwhal_serve.prediction.decode import tpot_at as tpot_at
     from narwhal_serve.prediction.ttft import with_margin as with_margin

@@ -110,6 +110,12 @@ def expected_output(table: tuple[tuple[str, int, float], ...], kind: str, max_to
     return max(1.0, mean, float(least))
 
 
+def mean_remaining(decode_tokens: float, inflight: int, otherwise: float) -> float:
+    """Decode tokens still ahead per request of the router's at an engine (its ledger's mean),
+    else ``otherwise`` (none there, or nothing left to decode)."""
+    return decode_tokens / inflight if inflight > 0 and decode_tokens > 0 else otherwise
+
+
 def remaining_tokens(expected: float, generated: int, max_tokens: int | None) -> float:
     """Decode tokens still ahead of a running request (the correction as its tokens arrive)."""
     left = expected - generated

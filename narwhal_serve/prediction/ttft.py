@@ -17,6 +17,7 @@ fades as measurements arrive (regularization toward the prior).  Pure: no clock,
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -168,6 +169,44 @@ def slot_wait_s(in_flight: int, slots: int | None, service_s: float | None) -> f
         return 0.0
     excess = in_flight + 1 - slots
     return 0.0 if excess <= 0 else excess * service_s / slots
+
+
+RELEASES_MAX = 64  # slot releases an engine's facts carry (later positions: extrapolated)
+
+
+def slot_releases(running_s: Sequence[float], queued_s: Sequence[float], slots: int, more_s: float,
+                  count: int = RELEASES_MAX) -> tuple[float, ...]:
+    """When each of the next ``count`` requests beyond an engine's ``slots`` gets a sequence slot
+    (seconds from now), the engine serving its line in order: ``running_s`` the remaining decode of
+    the requests holding a slot, ``queued_s`` the whole service (prefill and decode) of those in
+    line, in order; requests after them take ``more_s`` each.  Each request in line takes the
+    first slot that frees and holds it for its service.  The first slot to free is the one whose
+    request is nearest its end, not a mean share: with known remaining decodes the drain is the
+    order statistics of those, where ``slot_wait_s`` spreads their mean evenly (its error on a
+    lognormal queue: a median 9–22 %; this one's: none when the lengths are exact)."""
+    heap = sorted(running_s)
+    free = max(0, slots - len(heap))
+    heap[:0] = [0.0] * free  # (sorted: zeros first; a sorted list is a heap)
+    out: list[float] = []
+    i = 0
+    while len(out) < count:
+        t = heapq.heappop(heap)
+        heapq.heappush(heap, t + (queued_s[i] if i < len(queued_s) else more_s))
+        if i >= free:  # (the first ``free`` in line hold a slot already: not beyond the slots)
+            out.append(t)
+        i += 1
+    return tuple(out)
+
+
+def released_wait_s(releases: Sequence[float], position: int, more_s: float, slots: int) -> float:
+    """The wait of the ``position``-th request beyond the slots (1-based; below 1: none) on
+    :func:`slot_releases` ``releases``; past their end, ``more_s`` per ``slots`` more."""
+    if position <= 0:
+        return 0.0
+    if position <= len(releases):
+        return releases[position - 1]
+    last = releases[-1] if releases else 0.0
+    return last + (position - len(releases)) * more_s / max(1, slots)
 
 
 def project(

@@ -136,7 +136,11 @@ class SchedulerService(AdminOps):
                         and not e.prefix_exact:  # (an engine's own KV events say what it holds)
                     e.prefix.insert(t.placement.prefix)  # its prefill is done: the engine holds its blocks now
                     self.touch(e.cfg.name)
+                was = t.decode_engine
                 self._apply(ledger.first_token(t, engines))
+                self._decodes_at(tid, t, was)
+                if t.decode_engine is not None:  # it holds a slot there now (its slot releases)
+                    self.touch(t.decode_engine)
         for tid, tokens in rep.progress.items():
             self._progress(tid, tokens)
         for tid, stats, completed in rep.released:

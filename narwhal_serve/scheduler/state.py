@@ -20,13 +20,13 @@ from narwhal_serve.admission.controller import AdmissionController
 from narwhal_serve.admission.core import EngineFacts, FleetView
 from narwhal_serve.admission.facts import ChangedRow, FactsRow, PrefixChange, prefix_change
 from narwhal_serve.admission.counters import Counters
-from narwhal_serve.admission.ledger import Ticket
+from narwhal_serve.admission.ledger import Ticket, releases
 from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.ha.state import RouterState
 from narwhal_serve.placement.engines import EngineState, borrows_ttft, fleet_ttft
 from narwhal_serve.prediction.ttft import PrefillModel
-from narwhal_serve.prediction.decode import OutputLengths
+from narwhal_serve.prediction.decode import OutputLengths, mean_remaining, tpot_at
 from narwhal_serve.scheduler.ha import RouterHA
 from narwhal_serve.scheduler.health import Profiler, Prober
 from narwhal_serve.kvevents.shard import ShardLink
@@ -113,6 +113,9 @@ class SchedulerState(ABC):
         self._waiters: dict[str, asyncio.Future[AdmitResult]] = {}
         self._waiting: dict[str, AdmitRequest] = {}  # queued tickets' requests
         self._tickets: dict[str, SchedulerTicket] = {}  # admitted and not yet released
+        # the same tickets by the engine their decode is charged to, in the order they came there
+        # (the slot releases an engine's facts carry: admission/ledger.py releases)
+        self._decoding: dict[str, dict[str, SchedulerTicket]] = {}
         self._queued_tokens = 0
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self.reservations: OrderedDict[str, Reservation] = OrderedDict()  # room kept for retries (admission/retry.py)
@@ -190,19 +193,46 @@ class SchedulerState(ABC):
             m.c, e.tpot_model.a, e.tpot_model.b, bool(e.tpot_model.samples), e.decode_tokens,
             e.drift.penalty(pl) if predictive else 0.0, e.ttft_errors.margin, e.prefix_credit, e.cache_block_tokens,
             e.managed.report.node_id if e.managed is not None and e.managed.report is not None else None,
+            self._releases(e, m.a) if predictive else (),
             (e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),
             e.cfg,
         )
 
+    def _releases(self, e: EngineState, ttft_a: float) -> tuple[float, ...]:
+        """When a slot frees at ``e`` for each of the next requests beyond its slots, from the
+        tickets decoding there (admission/ledger.py releases); none before a TPOT measurement or
+        with a free slot."""
+        slots = e.slots()
+        if not slots or not e.tpot_model.samples or e.in_flight() + 1 <= slots:
+            return ()
+        tpot = tpot_at(e.tpot_model.a, e.tpot_model.b, slots)
+        per_request = mean_remaining(e.decode_tokens, e.inflight, 0.0)
+        return releases(self._decoding.get(e.cfg.name, {}).values(), slots, e.external(), ttft_a, tpot,
+                        ttft_a + per_request * tpot)
+
+    def _decodes_at(self, tid: str, t: SchedulerTicket, was: str | None) -> None:
+        """``t``'s place in the index by decode engine after a ledger event (``was``: its decode
+        engine before; its engine now, None once released)."""
+        now = t.decode_engine if tid in self._tickets else None
+        if now == was:
+            return
+        if was is not None and (on := self._decoding.get(was)) is not None:
+            on.pop(tid, None)
+            if not on:
+                del self._decoding[was]
+        if now is not None:
+            self._decoding.setdefault(now, {})[tid] = t
+
     @staticmethod
     def _facts(inputs: tuple[object, ...]) -> EngineFacts:
         (eu, inflight, load, ppt, ta, tb, slots, service_s, external, ppr, tc, pa, pb, pk, decode, penalty,
-         margin, credit, cbt, node, prefix, cfg) = inputs
+         margin, credit, cbt, node, rel, prefix, cfg) = inputs
         return EngineFacts(
             cfg=cfg, eligible_until=eu, inflight=inflight, load=load, pending_prefill_tokens=ppt, ttft_a=ta,  # type: ignore[arg-type]
             ttft_b=tb, slots=slots, service_s=service_s, external=external, pending_prefill_requests=ppr,  # type: ignore[arg-type]
             ttft_c=tc, tpot_a=pa, tpot_b=pb, tpot_known=pk, decode_tokens=decode, penalty=penalty,  # type: ignore[arg-type]
             ttft_margin=margin, prefix_credit=credit, cache_block_tokens=cbt, node=node, prefix=prefix,  # type: ignore[arg-type]
+            releases=rel,  # type: ignore[arg-type]
         )
 
     def _refresh_granted(self, now: float) -> None:

@@ -31,6 +31,7 @@ class TicketBook(SchedulerState):
             self.tally.prefix_cached_tokens += placement.cached_tokens
         t = self._tickets[tid] = SchedulerTicket(placement, deadline=deadline, lease=lease)
         self._apply(ledger.admitted(t))
+        self._decodes_at(tid, t, None)
 
     def _apply(self, deltas: ledger.Deltas) -> None:
         """The ledger's changes applied to the engines' live counts (an engine gone: skipped)."""
@@ -78,7 +79,9 @@ class TicketBook(SchedulerState):
             return
         if t.lease is not None and (rec := self.leases.leases.get(t.lease)) is not None:
             rec.tickets.discard(tid)
+        was = t.decode_engine
         self._apply(ledger.released(t))
+        self._decodes_at(tid, t, was)
         if stats is not None:
             learn_from(stats, t.placement, self.engines, self.histograms, self.tally, completed, self.outputs,
                        self.clock(), self.cfg.placement)
