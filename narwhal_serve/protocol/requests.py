@@ -10,7 +10,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from narwhal_serve.errors import (
     InvalidRequest,
@@ -43,7 +43,7 @@ class ParsedRequest:
     min_output_tokens: int = 0  # tokens the engine writes at least (ignore_eos: max_tokens; else min_tokens)
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -164,11 +164,11 @@ def least_output(body: dict[str, Any], max_out: Any) -> int:
     benchmark sends it, as every fixed-length load test does), else ``min_tokens`` (never above
     ``max_tokens``).  Stop strings may still end it earlier; admission expects it, it does not
     count on it."""
-    cap: int | None = int(max_out) if _is_int(max_out) else None
+    cap = max_out if _is_int(max_out) else None
     if body.get("ignore_eos") is True and cap is not None:
         return cap
     raw = body.get("min_tokens")
-    least = raw if isinstance(raw, int) and not isinstance(raw, bool) else 0
+    least = raw if _is_int(raw) else 0
     if least <= 0:
         return 0
     return least if cap is None else min(least, cap)

@@ -307,11 +307,11 @@ class Replay:
         res = Served(i, now - t0, req.input_tokens, req.output_tokens,
                             retry_of=None if retry_of is None else retry_of.idx)
         self.results.append(res)
-        ask = Ask(req.input_tokens, self.opts.ttft_s, self.opts.tpot_s, "completion",
-                  max(1, req.output_tokens) if self.opts.max_tokens else None, prompt.router_hashes,
+        fixed = max(1, req.output_tokens) if self.opts.max_tokens else None  # (ignore_eos: exactly that)
+        ask = Ask(req.input_tokens, self.opts.ttft_s, self.opts.tpot_s, "completion", fixed, prompt.router_hashes,
                   float(self.cfg.placement.prefix_block_tokens) if prompt.router_hashes else 0.0,
                   retry=retry_of is not None, reserves=self.opts.retries, tenant=req.tenant,
-                  min_output_tokens=max(1, req.output_tokens) if self.opts.max_tokens else 0)
+                  min_output_tokens=fixed or 0)
         ticket = f"r{i}/{'retry' if retry_of is not None else 'first'}"
         deadline = now + self.cfg.serving.request_timeout_s
         got = await admit(rep, ticket, ask, deadline, now, now, svc.admit)

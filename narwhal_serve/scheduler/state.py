@@ -210,19 +210,6 @@ class SchedulerState(ABC):
         return releases(self._decoding.get(e.cfg.name, {}).values(), slots, e.external(), ttft_a, tpot,
                         ttft_a + per_request * tpot)
 
-    def _decodes_at(self, tid: str, t: SchedulerTicket, was: str | None) -> None:
-        """``t``'s place in the index by decode engine after a ledger event (``was``: its decode
-        engine before; its engine now, None once released)."""
-        now = t.decode_engine if tid in self._tickets else None
-        if now == was:
-            return
-        if was is not None and (on := self._decoding.get(was)) is not None:
-            on.pop(tid, None)
-            if not on:
-                del self._decoding[was]
-        if now is not None:
-            self._decoding.setdefault(now, {})[tid] = t
-
     @staticmethod
     def _facts(inputs: tuple[object, ...]) -> EngineFacts:
         (eu, inflight, load, ppt, ta, tb, slots, service_s, external, ppr, tc, pa, pb, pk, decode, penalty,

@@ -4,6 +4,8 @@ teaches the models."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from narwhal_serve.admission import ledger
 from narwhal_serve.admission.core import Placement
 from narwhal_serve.admission.wire import LocalPlacement
@@ -30,8 +32,22 @@ class TicketBook(SchedulerState):
             self.tally.prefix_hits += 1
             self.tally.prefix_cached_tokens += placement.cached_tokens
         t = self._tickets[tid] = SchedulerTicket(placement, deadline=deadline, lease=lease)
-        self._apply(ledger.admitted(t))
-        self._decodes_at(tid, t, None)
+        self._ticket_event(tid, t, ledger.admitted)
+
+    def _ticket_event(self, tid: str, t: SchedulerTicket, event: Callable[[SchedulerTicket], ledger.Deltas]) -> None:
+        """A ledger event of ``t`` (one that may move its decode charge) applied to the engines, and
+        ``t``'s place in the index by decode engine kept (its engine now; none once released)."""
+        was = t.decode_engine
+        self._apply(event(t))
+        now = t.decode_engine if tid in self._tickets else None
+        if now == was:
+            return
+        if was is not None and (on := self._decoding.get(was)) is not None:
+            on.pop(tid, None)
+            if not on:
+                del self._decoding[was]
+        if now is not None:
+            self._decoding.setdefault(now, {})[tid] = t
 
     def _apply(self, deltas: ledger.Deltas) -> None:
         """The ledger's changes applied to the engines' live counts (an engine gone: skipped)."""
@@ -79,9 +95,7 @@ class TicketBook(SchedulerState):
             return
         if t.lease is not None and (rec := self.leases.leases.get(t.lease)) is not None:
             rec.tickets.discard(tid)
-        was = t.decode_engine
-        self._apply(ledger.released(t))
-        self._decodes_at(tid, t, was)
+        self._ticket_event(tid, t, ledger.released)
         if stats is not None:
             learn_from(stats, t.placement, self.engines, self.histograms, self.tally, completed, self.outputs,
                        self.clock(), self.cfg.placement)
