@@ -56,7 +56,7 @@ class _Scored:
     projection: Projection
     x: int  # prefill tokens at the first-token engine (uncached part of this prompt included)
     r: int
-    wait: float
+    wait: float  # the slot wait it will see (room kept for retries is judged, not predicted: they come after it)
     cached: int
     matched: int  # prompt tokens of the prefix match (``cached`` is the credited share)
     batch: float
@@ -100,14 +100,22 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
             matched -= matched % e.cache_block_tokens
         cached = int(matched * e.prefix_credit)
     own = ask.prompt_tokens - cached
-    x = e.pending_prefill_tokens + view.queued_tokens + own
-    r = e.pending_prefill_requests + view.queued
+    wait = judged_wait = _slot_wait(d, expected_out)
+    if wait > 0.0 and d is e:
+        # it waits for a sequence slot: the prompts pending there are prefilled as they get theirs,
+        # before its own comes (their time is in the releases), so its prefill is its own alone
+        x, r = view.queued_tokens + own, view.queued
+    else:
+        x = e.pending_prefill_tokens + view.queued_tokens + own
+        r = e.pending_prefill_requests + view.queued
     held_tokens = held_requests = held_slots = 0
     if view.reservations and not ask.retry:  # room kept for retries due before this one's first token
         held_tokens, held_requests = reserved_at(view.reservations, e.cfg.name, now, ask.ttft_budget_s)
         held_slots = held_requests if d is e else reserved_at(view.reservations, d.cfg.name, now, ask.ttft_budget_s)[1]
-    wait = _slot_wait(d, expected_out, held_slots)
-    alone, raw = projected_pair(e.ttft_a, e.ttft_b, x - own + held_tokens, own, wait, e.ttft_c, r + held_requests)
+        if held_slots:  # judged as if they were in line before it; they come after it, so not predicted
+            judged_wait = _slot_wait(d, expected_out, held_slots)
+    alone, raw = projected_pair(e.ttft_a, e.ttft_b, x - own + held_tokens, own, judged_wait, e.ttft_c,
+                                r + held_requests)
     projection = Projection(alone, with_margin(raw, e.ttft_margin))
     batch = float(d.in_flight() + 1)
     if d.slots:

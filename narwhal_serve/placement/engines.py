@@ -40,6 +40,7 @@ class EngineState:
     pending_prefill_requests: int = 0  # requests routed here and not yet past their first token
     service_s: float | None = None  # measured request duration, first byte to last token (EWMA)
     max_running_seen: int = 0
+    queued_seen: bool = False  # a scrape has shown it queueing (its slots full): max_running_seen is its limit
     ttft_model: PrefillModel = field(default_factory=PrefillModel)
     breaker: Breaker = field(default_factory=Breaker)  # passive health (real attempts' outcomes)
     managed: ManagedSlot | None = None  # a Ray-managed engine's replica, node and state (None: a URL engine)
@@ -66,10 +67,12 @@ class EngineState:
                 and (self.managed is None or self.managed.up))
 
     def slots(self) -> int | None:
-        """Concurrent sequences the engine runs: configured, or the most seen running while it queued."""
+        """Concurrent sequences the engine runs: configured, or, once a scrape has shown it queueing,
+        the most seen running.  Learned once and kept (not only while the last scrape shows a
+        queue: a line that forms between two scrapes is what a slot wait is for)."""
         if self.cfg.max_num_seqs:
             return self.cfg.max_num_seqs
-        if self.load.waiting > 0 and self.max_running_seen > 0:
+        if self.queued_seen and self.max_running_seen > 0:
             return self.max_running_seen
         return None
 

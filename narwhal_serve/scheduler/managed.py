@@ -79,7 +79,7 @@ class ManagedFleet:
             # a new process: nothing known about it yet (in-flight counts and the TTFT model stay)
             st.breaker = Breaker()
             st.load = EngineLoad()
-            st.max_running_seen = 0
+            st.max_running_seen, st.queued_seen = 0, False
             st.inflight_at_scrape = 0
         kv = None if rep.kv_events is None else KVEventsEndpoint(endpoint=rep.kv_events[0], replay_endpoint=rep.kv_events[1])
         st.cfg = st.cfg.model_copy(update={"url": rep.url, "kv_events": kv})

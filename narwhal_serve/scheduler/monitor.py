@@ -45,6 +45,7 @@ def scraped(e: EngineState, now: float, healthy: bool, metrics: str | None) -> N
         e.load = parse_engine_metrics(metrics)
         e.inflight_at_scrape = e.inflight
         e.max_running_seen = max(e.max_running_seen, int(e.load.running))
+        e.queued_seen = e.queued_seen or e.load.waiting > 0
         e.last_ok = now
         e.failures = 0
     else:

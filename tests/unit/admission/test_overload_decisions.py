@@ -308,10 +308,16 @@ def test_reserved_requests_hold_sequence_slots_too() -> None:
     from narwhal_serve.admission.retry import Reservation
 
     full = engine("e", inflight=8, slots=8)  # every slot taken: one more waits for one to free
-    base = placed(view(full), Ask(100, 30.0)).slot_wait_s
+    alone = placed(view(full), Ask(100, 30.0))
     held = Reservation("r", "e", NOW + 0.5, NOW + 2.5, 10)
-    assert placed(view(full, reservations=(held,)), Ask(100, 30.0)).slot_wait_s == pytest.approx(2 * base)
-    assert placed(view(full, reservations=(held,)), Ask(100, 30.0, retry=True)).slot_wait_s == pytest.approx(base)
+    # judged as if the retry were in line before it (twice the wait: 1.71 s, 2.14 s with the margin)
+    assert placed(view(full), Ask(100, 1.5)).predicted_s == pytest.approx(alone.predicted_s)
+    assert refused(view(full, reservations=(held,)), Ask(100, 1.5)).error.code == "ttft_budget_exceeded"
+    # but predicted as it will be served: the retry comes after it, so its own wait is unchanged
+    with_room = placed(view(full, reservations=(held,)), Ask(100, 30.0))
+    assert (with_room.slot_wait_s, with_room.predicted_s) == pytest.approx((alone.slot_wait_s, alone.predicted_s))
+    assert placed(view(full, reservations=(held,)), Ask(100, 1.5, retry=True)).slot_wait_s == pytest.approx(
+        alone.slot_wait_s)  # a retry takes the room: not judged against it
 
 
 async def test_a_pending_prefix_places_the_next_request_behind_it_and_the_index_learns_it_at_first_token() -> None:
