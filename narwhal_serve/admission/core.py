@@ -100,14 +100,9 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
             matched -= matched % e.cache_block_tokens
         cached = int(matched * e.prefix_credit)
     own = ask.prompt_tokens - cached
+    x = e.pending_prefill_tokens + view.queued_tokens + own
+    r = e.pending_prefill_requests + view.queued
     wait = judged_wait = _slot_wait(d, expected_out)
-    if wait > 0.0 and d is e:
-        # it waits for a sequence slot: the prompts pending there are prefilled as they get theirs,
-        # before its own comes (their time is in the releases), so its prefill is its own alone
-        x, r = view.queued_tokens + own, view.queued
-    else:
-        x = e.pending_prefill_tokens + view.queued_tokens + own
-        r = e.pending_prefill_requests + view.queued
     held_tokens = held_requests = held_slots = 0
     if view.reservations and not ask.retry:  # room kept for retries due before this one's first token
         held_tokens, held_requests = reserved_at(view.reservations, e.cfg.name, now, ask.ttft_budget_s)

@@ -89,7 +89,7 @@ class AdmissionConfig(_Strict):
     max_tpot_budget_s: float = Field(10.0, gt=0)
     # A projection is judged with the margin of this quantile of the engine's recent relative
     # prediction errors added (admitted requests meet the budget with about this confidence)
-    ttft_confidence: float = Field(0.95, ge=0.5, lt=1.0)
+    ttft_confidence: float = Field(0.98, ge=0.5, lt=1.0)
     phase_concurrency: PhaseConcurrency = PhaseConcurrency()
     # Each ingress replica admits under a lease of permits from the scheduler, with no scheduler
     # call per request; off: every request asks the scheduler (the pre-lease path, for comparison)

@@ -1,5 +1,6 @@
 """A request that waits for a sequence slot: the line it waits in is the engine's (its slot count
-learned once and kept), its prefill is its own alone, and it does not teach the prefill model."""
+learned once and kept), the prefills ahead of it are added to its wait, and it does not teach the
+prefill model."""
 
 from __future__ import annotations
 
@@ -37,17 +38,17 @@ def test_the_slot_count_is_learned_once_a_scrape_shows_a_queue_and_kept() -> Non
     assert configured.slots() == 16  # what the operator configured wins
 
 
-def test_a_request_in_line_for_a_slot_is_predicted_with_its_own_prefill_alone() -> None:
-    # 4,000 prompt tokens pending at the engine (the requests in line before this one)
+def test_in_line_for_a_slot_the_prefills_ahead_still_count_after_its_wait() -> None:
+    """The slot wait and the prefills ahead are added, not overlapped: with long prompts (the
+    Mooncake trace on the simulator) the requests in line measured their sum, and taking the later
+    of the two admitted requests that came in 0.5–1.9 s late (docs/performance.md)."""
     pending = dict(pending_prefill_tokens=4000, pending_prefill_requests=4, ttft_a=0.02, ttft_b=0.0002)
     free = placed(view(engine("e", inflight=4, slots=8, **pending)), Ask(100, 30.0))
-    assert free.slot_wait_s == 0.0 and free.x_tokens == 4100  # prefilled alongside them now
+    assert free.slot_wait_s == 0.0 and free.x_tokens == 4100
     assert free.predicted_s == pytest.approx(0.02 + 0.0002 * 4100)
-    full = placed(view(engine("e", inflight=12, slots=8, **pending)), Ask(100, 30.0))
-    # beyond the 8 slots: the pending prompts are prefilled as each gets its slot, before this one's
-    # frees (their time is in the wait); its own prefill starts when its slot frees
-    assert full.slot_wait_s > 0.0 and (full.x_tokens, full.r_ahead) == (100, 0)
-    assert full.predicted_s == pytest.approx(full.slot_wait_s + 0.02 + 0.0002 * 100)
+    in_line = placed(view(engine("e", inflight=8, slots=8, releases=(0.3,), **pending)), Ask(100, 30.0))
+    assert in_line.slot_wait_s == pytest.approx(0.3) and in_line.x_tokens == 4100
+    assert in_line.predicted_s == pytest.approx(0.3 + 0.02 + 0.0002 * 4100)
 
 
 def test_the_prefill_model_learns_only_from_requests_that_had_a_slot_at_once() -> None:
