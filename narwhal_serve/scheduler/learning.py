@@ -42,27 +42,28 @@ def learn_from(
         if tally is not None and completed and p.ttft_budget_s is not None and stats.ttft_s <= p.ttft_budget_s:
             tally.goodput += 1
         e = engines.get(p.first_engine or "")
-        if e is not None and as_placed and not p.slot_wait_s:
-            # the prefill model learns from a request that had a sequence slot at once (one that
-            # waited measures mostly the error of its predicted wait, which would teach the prefill
-            # model the line's length), at the prefill work it really brought: with a prefix
-            # credit, as a hit or as a miss, whichever the measurement is closer to (and the
-            # engine's credit learns how often it was a hit)
-            x = p.x_tokens
-            if not e.ttft_model.samples:  # its first measurement: it starts from what the fleet measured
-                adopt_fleet_prior(e, engines.values())
-            if p.matched_tokens:
-                x_hit, x_miss = x - (p.matched_tokens - p.cached_tokens), x + p.cached_tokens
-                hit = was_hit(stats.ttft_s, e.ttft_model.predict(x_hit, p.r_ahead), e.ttft_model.predict(x_miss, p.r_ahead))
-                x = x_hit if hit else x_miss
-                if not e.prefix_exact:  # an index fed by the engine's events is not an expectation
-                    e.prefix_credit += CREDIT_EWMA * ((1.0 if hit else 0.0) - e.prefix_credit)
-            e.ttft_model.observe(x, stats.ttft_s, p.r_ahead)
         if e is not None and as_placed:
             d = engines.get(stats.engines[-1])
             if d is not None:
                 dur = stats.ttft_s + stats.decode_s
                 d.service_s = dur if d.service_s is None else 0.8 * d.service_s + 0.2 * dur
+            if not p.slot_wait_s:
+                # the prefill model learns from a request that had a sequence slot at once (one that
+                # waited measures mostly the error of its predicted wait, which would teach the prefill
+                # model the line's length), at the prefill work it really brought: with a prefix
+                # credit, as a hit or as a miss, whichever the measurement is closer to (and the
+                # engine's credit learns how often it was a hit)
+                x = p.x_tokens
+                if not e.ttft_model.samples:  # its first measurement: it starts from what the fleet measured
+                    adopt_fleet_prior(e, engines.values())
+                if p.matched_tokens:
+                    x_hit, x_miss = x - (p.matched_tokens - p.cached_tokens), x + p.cached_tokens
+                    hit = was_hit(stats.ttft_s, e.ttft_model.predict(x_hit, p.r_ahead),
+                                  e.ttft_model.predict(x_miss, p.r_ahead))
+                    x = x_hit if hit else x_miss
+                    if not e.prefix_exact:  # an index fed by the engine's events is not an expectation
+                        e.prefix_credit += CREDIT_EWMA * ((1.0 if hit else 0.0) - e.prefix_credit)
+                e.ttft_model.observe(x, stats.ttft_s, p.r_ahead)
         if p.predicted_s is not None:
             histograms["ttft_prediction_error"].observe(abs(stats.ttft_s - p.predicted_s))
             if tally is not None:
