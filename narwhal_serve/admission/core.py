@@ -68,8 +68,8 @@ class _Scored:
 
 def _slot_wait(d: EngineFacts | None, expected_out: float, held: int = 0) -> float:
     """Wait for a sequence slot at the decode engine.  With a TPOT model: when the scheduler's
-    releases say a slot frees for this one's place in line (from each request's own remaining
-    decode), that; else the requests beyond its slots drain ``slots`` at a time, each taking the
+    releases say this one's prefill can start at its place in line (a slot freed, from each
+    request's own remaining decode, and the prefills ahead of it done), that; else the requests beyond its slots drain ``slots`` at a time, each taking the
     mean remaining decode (the router's corrected ledger, per request) at the full-batch TPOT;
     before a TPOT model, the measured service time.
     ``held``: requests reserved there for retries, counted as already queued."""
@@ -100,9 +100,15 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
             matched -= matched % e.cache_block_tokens
         cached = int(matched * e.prefix_credit)
     own = ask.prompt_tokens - cached
-    x = e.pending_prefill_tokens + view.queued_tokens + own
-    r = e.pending_prefill_requests + view.queued
     wait = judged_wait = _slot_wait(d, expected_out)
+    if wait > 0.0 and d is e and d.releases:
+        # in line for a slot: the releases say when its prefill can start, the prompts pending
+        # there prefilled before it (each when its slot freed, in order); what is left is the
+        # requests this view admitted since (not in the releases) and its own
+        x, r = view.queued_tokens + own, view.queued
+    else:
+        x = e.pending_prefill_tokens + view.queued_tokens + own
+        r = e.pending_prefill_requests + view.queued
     held_tokens = held_requests = held_slots = 0
     if view.reservations and not ask.retry:  # room kept for retries due before this one's first token
         held_tokens, held_requests = reserved_at(view.reservations, e.cfg.name, now, ask.ttft_budget_s)

@@ -131,22 +131,28 @@ def released(t: Ticket) -> Deltas:
 
 
 def releases(tickets: Iterable[Ticket], slots: int, external: int, first_s: float, tpot_s: float,
-             more_s: float) -> tuple[float, ...]:
-    """When a slot frees at a decode engine for each of the next requests beyond its ``slots``
+             more_s: float, per_token_s: float = 0.0, per_request_s: float = 0.0) -> tuple[float, ...]:
+    """When each of the next requests beyond a decode engine's ``slots`` can start its prefill
     (``prediction/ttft.py`` :func:`slot_releases`), from the ``tickets`` decoding there in the order
     they came: one past its first token holds a slot for its remaining decode (its charge, at
-    ``tpot_s`` a token), one before it is in line for ``first_s`` + its expected decode; other
-    clients' ``external`` requests hold slots for ``more_s`` each (their lengths are unknown), as
-    do the requests after the known ones.  Empty while the engine has a free slot for the next one."""
+    ``tpot_s`` a token), one before it is in line for its prefill there (``per_token_s`` a pending
+    token plus ``per_request_s``; none when another engine prefills it), then ``first_s`` and its
+    expected decode; other clients' ``external`` requests hold slots for ``more_s`` each (their
+    lengths are unknown), as do the requests after the known ones.  Empty while the engine has a
+    free slot for the next one."""
     running: list[float] = []
     queued: list[float] = []
+    prefill: list[float] = []
     for t in tickets:
         if t.prefill_done:
             running.append(t.decode_charged * tpot_s)
         else:
             queued.append(first_s + t.decode_charged * tpot_s)
+            p = t.placement
+            here = p.first_engine is not None and p.first_engine == t.decode_engine
+            prefill.append(per_token_s * p.prefill_tokens + per_request_s if here else 0.0)
     beyond = len(running) + len(queued) + external + 1 - slots
     if beyond <= 0:
         return ()
     running.extend([more_s] * external)
-    return slot_releases(running, queued, slots, more_s, min(RELEASES_MAX, beyond + 8))
+    return slot_releases(running, queued, slots, more_s, min(RELEASES_MAX, beyond + 8), prefill)

@@ -175,25 +175,33 @@ RELEASES_MAX = 64  # slot releases an engine's facts carry (later positions: ext
 
 
 def slot_releases(running_s: Sequence[float], queued_s: Sequence[float], slots: int, more_s: float,
-                  count: int = RELEASES_MAX) -> tuple[float, ...]:
-    """When each of the next ``count`` requests beyond an engine's ``slots`` gets a sequence slot
+                  count: int = RELEASES_MAX, prefill_s: Sequence[float] = ()) -> tuple[float, ...]:
+    """When each of the next ``count`` requests beyond an engine's ``slots`` can start its prefill
     (seconds from now), the engine serving its line in order: ``running_s`` the remaining decode of
-    the requests holding a slot, ``queued_s`` the whole service (prefill and decode) of those in
-    line, in order; requests after them take ``more_s`` each.  Each request in line takes the
-    first slot that frees and holds it for its service.  The first slot to free is the one whose
-    request is nearest its end, not a mean share: with known remaining decodes the drain is the
-    order statistics of those, where ``slot_wait_s`` spreads their mean evenly (its error on a
-    lognormal queue: a median 9–22 %; this one's: none when the lengths are exact)."""
+    the requests holding a slot, ``queued_s`` the service after its prefill (first step and decode)
+    of those in line, in order, and ``prefill_s`` their prefills (missing: none); requests after
+    them take ``more_s`` each.  Each request in line takes the first slot that frees; its prefill
+    starts then, or when the prefills before it are done if later (the engine prefills one line,
+    in order of arrival: a slot freed while long prompts are still prefilling does not start the
+    next one sooner), and it holds its slot until its service ends.  The first slot to free is
+    the one whose request is nearest its end, not a mean share: with known remaining decodes the
+    drain is the order statistics of those, where ``slot_wait_s`` spreads their mean evenly (its
+    error on a lognormal queue: a median 9–22 %; this one's: none when the lengths are exact)."""
     heap = sorted(running_s)
     free = max(0, slots - len(heap))
     heap[:0] = [0.0] * free  # (sorted: zeros first; a sorted list is a heap)
     out: list[float] = []
+    prefilled = 0.0  # when the prefills of those before are done
     i = 0
     while len(out) < count:
-        t = heapq.heappop(heap)
-        heapq.heappush(heap, t + (queued_s[i] if i < len(queued_s) else more_s))
+        start = max(heapq.heappop(heap), prefilled)
+        if i < len(queued_s):
+            prefilled = start + (prefill_s[i] if i < len(prefill_s) else 0.0)
+            heapq.heappush(heap, prefilled + queued_s[i])
+        else:
+            heapq.heappush(heap, start + more_s)
         if i >= free:  # (the first ``free`` in line hold a slot already: not beyond the slots)
-            out.append(t)
+            out.append(start)
         i += 1
     return tuple(out)
 

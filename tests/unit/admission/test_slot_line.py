@@ -1,15 +1,17 @@
 """A request that waits for a sequence slot: the line it waits in is the engine's (its slot count
-learned once and kept), the prefills ahead of it are added to its wait, and it does not teach the
-prefill model."""
+learned once and kept), its prefill starts when a slot frees and the prefills ahead of it are done,
+and it does not teach the prefill model."""
 
 from __future__ import annotations
 
 import pytest
 
 from narwhal_serve.admission.core import Ask
+from narwhal_serve.admission.ledger import Ticket, releases
 from narwhal_serve.admission.view import Placement
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.prediction.ttft import slot_releases
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.scheduler.learning import learn_from
@@ -38,17 +40,45 @@ def test_the_slot_count_is_learned_once_a_scrape_shows_a_queue_and_kept() -> Non
     assert configured.slots() == 16  # what the operator configured wins
 
 
-def test_in_line_for_a_slot_the_prefills_ahead_still_count_after_its_wait() -> None:
-    """The slot wait and the prefills ahead are added, not overlapped: with long prompts (the
-    Mooncake trace on the simulator) the requests in line measured their sum, and taking the later
-    of the two admitted requests that came in 0.5–1.9 s late (docs/performance.md)."""
+def test_in_line_for_a_slot_its_prefill_starts_when_a_slot_frees_and_the_prefills_ahead_are_done() -> None:
+    """The engine prefills one line in order of arrival: a request in line starts its prefill at
+    the later of its slot freeing and the prefills before it ending.  Slots freeing faster than
+    long prompts prefill (the Mooncake trace on the simulator) leave the prefills the limit; the
+    slot wait alone admitted requests that came in 0.5-1.9 s late, the wait and every pending
+    prefill added over-predicted vLLM-CPU by a third (docs/performance.md)."""
+    # two slots free at 1.0 and 1.2 s; two in line, each 2 s of prefill, then 0.5 s of decode
+    rel = slot_releases([1.0, 1.2], [0.5, 0.5], 2, 1.0, 3, prefill_s=[2.0, 2.0])
+    # the first takes the slot at 1.0 and prefills until 3.0 (holding it until 3.5); the second's
+    # slot frees at 1.2 but its prefill waits for the first's; the next one's for both
+    assert rel == pytest.approx((1.0, 3.0, 5.0))
+    assert slot_releases([1.0, 1.2], [2.5, 2.5], 2, 1.0, 3) == pytest.approx((1.0, 1.2, 3.5))  # no prefills: slots alone
+
     pending = dict(pending_prefill_tokens=4000, pending_prefill_requests=4, ttft_a=0.02, ttft_b=0.0002)
     free = placed(view(engine("e", inflight=4, slots=8, **pending)), Ask(100, 30.0))
-    assert free.slot_wait_s == 0.0 and free.x_tokens == 4100
+    assert free.slot_wait_s == 0.0 and free.x_tokens == 4100  # prefilled after those pending now
     assert free.predicted_s == pytest.approx(0.02 + 0.0002 * 4100)
-    in_line = placed(view(engine("e", inflight=8, slots=8, releases=(0.3,), **pending)), Ask(100, 30.0))
-    assert in_line.slot_wait_s == pytest.approx(0.3) and in_line.x_tokens == 4100
-    assert in_line.predicted_s == pytest.approx(0.3 + 0.02 + 0.0002 * 4100)
+    in_line = placed(view(engine("e", inflight=8, slots=8, releases=(0.9,), **pending)), Ask(100, 30.0))
+    # the releases hold the pending prefills (each started when its slot freed): its own is left
+    assert in_line.slot_wait_s == pytest.approx(0.9) and in_line.x_tokens == 100
+    assert in_line.predicted_s == pytest.approx(0.9 + 0.02 + 0.0002 * 100)
+    by_mean = placed(view(engine("e", inflight=8, slots=8, service_s=2.0, **pending)), Ask(100, 30.0))
+    # without releases (no TPOT model yet) the mean drain knows nothing of the prefills: they are added
+    assert by_mean.slot_wait_s > 0.0 and by_mean.x_tokens == 4100
+
+
+def test_the_tickets_in_line_carry_their_prefills_into_the_releases() -> None:
+    """A ticket prefilled at the engine it decodes on is in that engine's prefill line (its
+    pending tokens at the prefill model's cost); one prefilled elsewhere (P/D) is not."""
+    def ticket(first: str, done: bool) -> Ticket:
+        p = Placement((), first, 1000, 1000, 0.0, 0.1, expected_out=10, decode_engine="d")
+        return Ticket(p, ("d",), prefill_done=done, decode_engine="d", decode_charged=10)
+
+    running = [ticket("d", True)]  # 10 tokens left at 0.01 s: its slot frees at 0.1 s
+    here = releases(running + [ticket("d", False)], 1, 0, 0.05, 0.01, 1.0, per_token_s=0.001, per_request_s=0.1)
+    # in line: slot at 0.1, prefill 1000 x 0.001 + 0.1 = 1.1 s, then 0.05 + 0.1: the next at 1.35
+    assert here[:2] == pytest.approx((0.1, 1.35))
+    there = releases(running + [ticket("p", False)], 1, 0, 0.05, 0.01, 1.0, per_token_s=0.001, per_request_s=0.1)
+    assert there[:2] == pytest.approx((0.1, 0.25))
 
 
 def test_the_prefill_model_learns_only_from_requests_that_had_a_slot_at_once() -> None:

@@ -107,7 +107,7 @@ async def test_the_scheduler_grants_releases_from_the_tickets_on_each_engine() -
     svc.router.started = True
     e.tpot_model.samples.append((2.0, 0.01))
     e.tpot_model.a, e.tpot_model.b = 0.01, 0.0
-    e.ttft_model.a = 0.05
+    e.ttft_model.a, e.ttft_model.b, e.ttft_model.c = 0.05, 0.001, 0.0  # 10-token prompts: 0.01 s each
 
     def facts() -> tuple[float, ...]:
         return svc.view(clock.t, frozen=True).facts()["u"].releases
@@ -116,15 +116,16 @@ async def test_the_scheduler_grants_releases_from_the_tickets_on_each_engine() -
         res = await svc.admit(AdmitRequest(f"t{i}", clock.t + 60, 10, out, 30.0, kind="completion",
                                            min_output_tokens=out))
         assert res.error is None
-    # none past its first token: t0 and t1 hold the two slots for their whole service, t2 (the
-    # first beyond them) gets t0's when it ends, the next request the earlier of t1's and t2's end
+    # none past its first token: t0 and t1 hold the two slots for their whole service (prefilled
+    # one after the other), t2 (the first beyond them) gets t0's when it ends, the next request
+    # the earlier of t1's and t2's end
     rel = facts()
-    assert rel[0] == pytest.approx(0.05 + 0.10)
-    assert rel[1] == pytest.approx(0.05 + 0.10 + 0.05 + 0.20)
+    assert rel[0] == pytest.approx(0.01 + 0.05 + 0.10)
+    assert rel[1] == pytest.approx(0.16 + 0.01 + 0.05 + 0.20)
     svc.report(Report(decode_started=[("t0", ("u",)), ("t1", ("u",))], progress={"t0": 5, "t1": 5}))
     rel = facts()  # t0, t1 decoding (5 and 35 to go): t2 gets t0's slot, the next one t2's
     assert rel[0] == pytest.approx(0.05)
-    assert rel[1] == pytest.approx(0.05 + 0.05 + 0.20)
+    assert rel[1] == pytest.approx(0.05 + 0.01 + 0.05 + 0.20)
     for tid in ("t0", "t1"):
         svc.report(Report(released=[(tid, RelayStats("single", ("u",), 0.05, 10, 0.1, 1), True)]))
     assert facts() == ()  # one in flight, two slots: no line
