@@ -103,9 +103,15 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
     wait = judged_wait = _slot_wait(d, expected_out)
     if wait > 0.0 and d is e and d.releases:
         # in line for a slot: the releases say when its prefill can start, the prompts pending
-        # there prefilled before it (each when its slot freed, in order); what is left is the
-        # requests this view admitted since (not in the releases) and its own
-        x, r = view.queued_tokens + own, view.queued
+        # there when the scheduler took the view prefilled before it (each when its slot freed, in
+        # order); what is left is the scheduler's queue, the prompts this holder placed there
+        # since (not in the releases: added) and its own
+        taken = view.taken(e.cfg.name)
+        since_tokens = since_requests = 0
+        if taken is not None and taken is not e:
+            since_tokens = max(0, e.pending_prefill_tokens - taken.pending_prefill_tokens)
+            since_requests = max(0, e.pending_prefill_requests - taken.pending_prefill_requests)
+        x, r = view.queued_tokens + since_tokens + own, view.queued + since_requests
     else:
         x = e.pending_prefill_tokens + view.queued_tokens + own
         r = e.pending_prefill_requests + view.queued

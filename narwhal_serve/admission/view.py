@@ -50,6 +50,10 @@ class FleetView:
         by_name = self._d().by_name
         return FactsOver(self.changed, by_name) if self.changed else by_name
 
+    def taken(self, name: str) -> EngineFacts | None:
+        """The engine's facts as the scheduler took them (without this holder's changes since)."""
+        return self._d().by_name.get(name)
+
     def current(self) -> tuple[EngineFacts, ...]:
         """Every engine's facts, the holder's changes in (the fleet's order)."""
         if not self.changed:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from narwhal_serve.admission.core import Ask
+from narwhal_serve.admission.facts import copied
 from narwhal_serve.admission.ledger import Ticket, releases
 from narwhal_serve.admission.view import Placement
 from narwhal_serve.config import EngineConfig
@@ -95,3 +96,18 @@ def test_the_prefill_model_learns_only_from_requests_that_had_a_slot_at_once() -
     at_once = Placement((route,), "e", 100, 100, 0.0, 0.05)
     learn_from(RelayStats("single", ("e",), 0.04, 20, 0.2, 1), at_once, {"e": e}, hists)
     assert list(e.ttft_model.samples)[-1][-1] == pytest.approx(0.04)
+
+
+def test_prompts_placed_since_the_view_was_taken_are_added_to_a_release() -> None:
+    """The releases hold the prompts pending when the scheduler took the view; those an ingress
+    lease placed there since (a burst decided before the next grant) are not in them, and are
+    added (they were dropped: a lease under-predicted by their prefills)."""
+    pending = dict(pending_prefill_tokens=4000, pending_prefill_requests=4, ttft_a=0.02, ttft_b=0.0002)
+    taken = engine("e", inflight=8, slots=8, releases=(0.5, 0.9, 1.2), **pending)
+    since = copied(taken, inflight=10, pending_prefill_tokens=8000, pending_prefill_requests=6)
+    p = placed(view(taken, changed={"e": since}), Ask(100, 30.0))
+    # 10 in flight now: it is the third beyond the slots (1.2 s), after the 4,000 tokens placed since
+    assert p.slot_wait_s == pytest.approx(1.2) and (p.x_tokens, p.r_ahead) == (4100, 2)
+    assert p.predicted_s == pytest.approx(1.2 + 0.02 + 0.0002 * 4100)
+    alone = placed(view(taken), Ask(100, 30.0))  # nothing placed since: its own prompt alone
+    assert alone.slot_wait_s == pytest.approx(0.5) and alone.x_tokens == 100
