@@ -69,9 +69,10 @@ class _Scored:
 def _slot_wait(d: EngineFacts | None, expected_out: float, held: int = 0) -> float:
     """Wait for a sequence slot at the decode engine.  With a TPOT model: when the scheduler's
     releases say this one's prefill can start at its place in line (a slot freed, from each
-    request's own remaining decode, and the prefills ahead of it done), that; else the requests beyond its slots drain ``slots`` at a time, each taking the
-    mean remaining decode (the router's corrected ledger, per request) at the full-batch TPOT;
-    before a TPOT model, the measured service time.
+    request's own remaining decode, and the prefills ahead of it done), that; else the requests
+    beyond its slots drain ``slots`` at a time, each taking the mean remaining decode (the router's
+    corrected ledger, per request) at the full-batch TPOT; before a TPOT model, the measured
+    service time.
     ``held``: requests reserved there for retries, counted as already queued."""
     if d is None:
         return 0.0

@@ -193,22 +193,22 @@ class SchedulerState(ABC):
             m.c, e.tpot_model.a, e.tpot_model.b, bool(e.tpot_model.samples), e.decode_tokens,
             e.drift.penalty(pl) if predictive else 0.0, e.ttft_errors.margin, e.prefix_credit, e.cache_block_tokens,
             e.managed.report.node_id if e.managed is not None and e.managed.report is not None else None,
-            self._releases(e, m.a, m.b, m.c) if predictive else (),
+            self._releases(e, m) if predictive else (),
             (e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),
             e.cfg,
         )
 
-    def _releases(self, e: EngineState, ttft_a: float, ttft_b: float, ttft_c: float) -> tuple[float, ...]:
+    def _releases(self, e: EngineState, m: PrefillModel | PriorCoeffs) -> tuple[float, ...]:
         """When each of the next requests beyond its slots can start its prefill at ``e``, from the
-        tickets decoding there and its prefill model (admission/ledger.py releases); none before a
-        TPOT measurement or with a free slot."""
+        tickets decoding there and its prefill model ``m`` (admission/ledger.py releases); none
+        before a TPOT measurement or with a free slot."""
         slots = e.slots()
         if not slots or not e.tpot_model.samples or e.in_flight() + 1 <= slots:
             return ()
         tpot = tpot_at(e.tpot_model.a, e.tpot_model.b, slots)
         per_request = mean_remaining(e.decode_tokens, e.inflight, 0.0)
-        return releases(self._decoding.get(e.cfg.name, {}).values(), slots, e.external(), ttft_a, tpot,
-                        ttft_a + per_request * tpot, ttft_b, ttft_c)
+        return releases(self._decoding.get(e.cfg.name, {}).values(), slots, e.external(), m.a, tpot,
+                        m.a + per_request * tpot, m.b, m.c)
 
     @staticmethod
     def _facts(inputs: tuple[object, ...]) -> EngineFacts:
