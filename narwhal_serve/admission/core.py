@@ -64,6 +64,7 @@ class _Scored:
     tpot_known: bool
     cost: float  # expected completion time (TTFT + decode), drift-weighted: lower is better
     shed_s: float  # TPOT over budget: about how long until the decode engine sheds enough
+    done: int = 0  # tokens of the prompt at the head of the line counted as prefilled already
 
 
 def _slot_wait(d: EngineFacts | None, expected_out: float, held: int = 0) -> float:
@@ -113,8 +114,10 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
             since_tokens = max(0, e.pending_prefill_tokens - taken.pending_prefill_tokens)
             since_requests = max(0, e.pending_prefill_requests - taken.pending_prefill_requests)
         x, r = view.queued_tokens + since_tokens + own, view.queued + since_requests
-    else:
-        x = e.pending_prefill_tokens + view.queued_tokens + own
+        done = 0
+    else:  # behind the prompts pending there; with a slot at once, less what the head prefilled already
+        done = 0 if wait or d is not e else int(e.prefilled_tokens(now - view.shift))  # (P/D: its decode engine's room too)
+        x = e.pending_prefill_tokens - done + view.queued_tokens + own
         r = e.pending_prefill_requests + view.queued
     held_tokens = held_requests = held_slots = 0
     if view.reservations and not ask.retry:  # room kept for retries due before this one's first token
@@ -138,7 +141,7 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
         shed = over * per_request * tpot / max(batch, 1.0)
     # ranked by the projection itself; the margin is for judging it against the target
     cost = (raw + expected_out * ranked_tpot) * (1.0 + max(e.penalty, d.penalty))
-    return _Scored(i, route, projection, x, r, wait, cached, matched, batch, tpot, d.tpot_known, cost, shed)
+    return _Scored(i, route, projection, x, r, wait, cached, matched, batch, tpot, d.tpot_known, cost, shed, done)
 
 
 def _tpot_ok(s: _Scored, budget: float | None) -> bool:
@@ -157,7 +160,7 @@ def _placement(ordered: tuple[RouteChoice, ...], best: _Scored | None, facts: Ma
     return Placement(ordered, e.cfg.name, ask.prompt_tokens, best.x, best.wait, predicted, best.r, ask.ttft_budget_s,
                      ask.kind, ask.max_output_tokens, expected_out, best.route.decode.name, best.batch,
                      best.tpot_s if best.tpot_known else None, best.cached, best.matched, ask.prefix, ask.tpot_budget_s,
-                     ask.tenant, ask.rank)
+                     ask.tenant, ask.rank, best.done)
 
 
 SCORED_ROUTES = 8  # predictive mode projects this many least loaded routes (and as many prefix holders)

@@ -44,6 +44,11 @@ class EngineFacts:
     # when a slot frees here for each of the next requests beyond its slots (seconds from when the
     # facts were read; admission/ledger.py releases); empty: none known (the mean drain applies)
     releases: tuple[float, ...] = ()
+    # the prefill at the head of its line of pending prompts: since when it runs (the facts' clock:
+    # when the line's head last changed, by the scheduler's ledger) and its prompt tokens; None:
+    # no line, or its head not known to the holder (a prefill of its own finished since the view)
+    line_since: float | None = None
+    line_head_tokens: int = 0
 
     def eligible(self, now: float) -> bool:
         return now <= self.eligible_until
@@ -81,7 +86,22 @@ class EngineFacts:
             pending_prefill_requests=max(0, self.pending_prefill_requests + d.pending_prefill_requests),
             decode_tokens=max(0.0, self.decode_tokens + d.decode_tokens),
             prefix=SetUnion(self.prefix, d.prefix) if d.prefix else self.prefix,  # no copy per admission
+            line_since=None if d.prefills_done else self.line_since,
         )
+
+    def prefilled_tokens(self, t: float) -> float:
+        """Prompt tokens of the head of the pending line counted as prefilled at ``t`` (the facts'
+        clock): its first token is due ``a + b`` · its prompt after it started, and what is left of
+        that is counted, not less (the time since it started beyond the model's ``a``, at its ``b``;
+        at most its prompt); none without a line or a rate.  A request placed behind it waits for
+        the rest only.  Where ``a`` dominates (an engine whose short prefills wait for its next
+        step) the head counts whole until its ``a`` has passed; so does it while other clients'
+        requests wait there (their prompts may be prefilled first)."""
+        if self.line_since is None or self.ttft_b <= 0.0 or not self.pending_prefill_tokens \
+                or (self.external and self.load.waiting):  # others' prompts waiting there may go first
+            return 0.0
+        return min(float(self.line_head_tokens), float(self.pending_prefill_tokens),
+                   max(0.0, t - self.line_since - self.ttft_a) / self.ttft_b)
 
 
 _T = TypeVar("_T")
@@ -141,6 +161,7 @@ class EngineDelta:
     # blocks whose prefill finished here: the scheduler's index stops counting them as pending (a
     # view keeps them: the engine holds them now)
     prefix_done: frozenset[int] = frozenset()
+    prefills_done: int = 0  # prefills finished here (the head of the line may have changed)
 
     def nothing(self) -> bool:
         """No change: an engine's admissions since the view all ended (a prefix placed stays)."""
@@ -155,4 +176,5 @@ class EngineDelta:
             self.decode_tokens + other.decode_tokens,
             self.prefix | other.prefix if other.prefix else self.prefix,
             self.prefix_done | other.prefix_done if other.prefix_done else self.prefix_done,
+            self.prefills_done + other.prefills_done,
         )

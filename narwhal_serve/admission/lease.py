@@ -143,7 +143,7 @@ class AdmissionLease:
         facts = self.view.facts() if self.view is not None else {}
         for name in names:
             e, d = facts.get(name), self._total.get(name)
-            if e is None or d is None or d.nothing():
+            if e is None or d is None or (d.nothing() and not d.prefills_done):  # (the head it knew ended)
                 self._changed.pop(name, None)
             else:
                 self._changed[name] = e.plus(d)
@@ -250,7 +250,7 @@ class AdmissionLease:
                 self.view_seq == grant.view_base else None
         if view is None:  # not ours: keep the view, and say we have none (the next grant is whole)
             self.view_seq = 0
-            view = self.view
+            view = None if self.view is None else self.view.shifted(-self.view.shift)  # (in the scheduler's clock)
         else:
             self.view_seq = grant.view_seq
         self.view = None if view is None else view.shifted(now - grant.sched_now)

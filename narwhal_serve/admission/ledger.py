@@ -104,7 +104,7 @@ def prefill_finished(t: Ticket) -> Deltas:
     if p.first_engine is None:
         return {}
     return {p.first_engine: EngineDelta(pending_prefill_tokens=-p.prefill_tokens, pending_prefill_requests=-1,
-                                        prefix_done=frozenset(p.prefix))}
+                                        prefix_done=frozenset(p.prefix), prefills_done=1)}
 
 
 def first_token(t: Ticket, engines: tuple[str, ...]) -> Deltas:

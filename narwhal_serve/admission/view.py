@@ -191,6 +191,9 @@ class Placement:
     tpot_budget_s: float | None = None
     tenant: str = ""
     rank: int = 0  # its priority class
+    # prompt tokens of the head of the line at that engine counted as prefilled already (x is net
+    # of them; an estimate from when the head started: such a request does not teach the model)
+    head_done: int = 0
 
     @property
     def engines(self) -> tuple[str, ...]:

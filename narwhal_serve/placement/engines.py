@@ -38,6 +38,10 @@ class EngineState:
     cache_block_tokens: int = 0  # the engine's KV block size, from its events (credits round down to it)
     pending_prefill_tokens: int = 0  # prompt tokens routed here and not yet past their first token
     pending_prefill_requests: int = 0  # requests routed here and not yet past their first token
+    # those requests' tickets in the order they came (their prompt tokens), and since when the one
+    # at the head prefills (when it became the head: the clock of the ledger's events)
+    prefill_line: dict[str, int] = field(default_factory=dict)
+    line_since: float | None = None
     service_s: float | None = None  # measured request duration, first byte to last token (EWMA)
     max_running_seen: int = 0
     queued_seen: bool = False  # a scrape has shown it queueing (its slots full): max_running_seen is its limit

@@ -47,10 +47,12 @@ def learn_from(
             if d is not None:
                 dur = stats.ttft_s + stats.decode_s
                 d.service_s = dur if d.service_s is None else 0.8 * d.service_s + 0.2 * dur
-            if not p.slot_wait_s:
+            if not p.slot_wait_s and not p.head_done:
                 # the prefill model learns from a request that had a sequence slot at once (one that
                 # waited measures mostly the error of its predicted wait, which would teach the prefill
-                # model the line's length), at the prefill work it really brought: with a prefix
+                # model the line's length; one behind a head counted as partly prefilled, the error of
+                # that estimate, which would teach it back to the model: a feedback that drove its
+                # intercept to nothing), at the prefill work it really brought: with a prefix
                 # credit, as a hit or as a miss, whichever the measurement is closer to (and the
                 # engine's credit learns how often it was a hit)
                 x = p.x_tokens

@@ -194,6 +194,7 @@ class SchedulerState(ABC):
             e.drift.penalty(pl) if predictive else 0.0, e.ttft_errors.margin, e.prefix_credit, e.cache_block_tokens,
             e.managed.report.node_id if e.managed is not None and e.managed.report is not None else None,
             self._releases(e, m) if predictive else (),
+            e.line_since, next(iter(e.prefill_line.values()), 0),
             (e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),
             e.cfg,
         )
@@ -213,13 +214,13 @@ class SchedulerState(ABC):
     @staticmethod
     def _facts(inputs: tuple[object, ...]) -> EngineFacts:
         (eu, inflight, load, ppt, ta, tb, slots, service_s, external, ppr, tc, pa, pb, pk, decode, penalty,
-         margin, credit, cbt, node, rel, prefix, cfg) = inputs
+         margin, credit, cbt, node, rel, since, head, prefix, cfg) = inputs
         return EngineFacts(
             cfg=cfg, eligible_until=eu, inflight=inflight, load=load, pending_prefill_tokens=ppt, ttft_a=ta,  # type: ignore[arg-type]
             ttft_b=tb, slots=slots, service_s=service_s, external=external, pending_prefill_requests=ppr,  # type: ignore[arg-type]
             ttft_c=tc, tpot_a=pa, tpot_b=pb, tpot_known=pk, decode_tokens=decode, penalty=penalty,  # type: ignore[arg-type]
             ttft_margin=margin, prefix_credit=credit, cache_block_tokens=cbt, node=node, prefix=prefix,  # type: ignore[arg-type]
-            releases=rel,  # type: ignore[arg-type]
+            releases=rel, line_since=since, line_head_tokens=head,  # type: ignore[arg-type]
         )
 
     def _refresh_granted(self, now: float) -> None:

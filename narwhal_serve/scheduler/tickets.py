@@ -9,11 +9,19 @@ from collections.abc import Callable
 from narwhal_serve.admission import ledger
 from narwhal_serve.admission.core import Placement
 from narwhal_serve.admission.wire import LocalPlacement
+from narwhal_serve.placement.engines import EngineState
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.scheduler.learning import learn_from
 from narwhal_serve.scheduler.messages import AdmitResult
 from narwhal_serve.scheduler.state import SchedulerState
 from narwhal_serve.scheduler.state import SchedulerTicket
+
+
+def _full(e: EngineState) -> bool:
+    """Every slot of ``e`` is decoding (the router's requests past their prefill and others'):
+    the head of its line waits for one."""
+    slots = e.slots()
+    return slots is not None and slots > 0 and e.in_flight() - e.pending_prefill_requests >= slots
 
 
 class TicketBook(SchedulerState):
@@ -38,7 +46,10 @@ class TicketBook(SchedulerState):
         """A ledger event of ``t`` (one that may move its decode charge) applied to the engines, and
         ``t``'s place in the index by decode engine kept (its engine now; none once released)."""
         was = t.decode_engine
+        # the engines where the head of the line waits for a slot: every slot decoding
+        full = [n for n in t.engines if (e := self.engines.get(n)) is not None and e.prefill_line and _full(e)]
         self._apply(event(t))
+        self._line(tid, t, full)
         now = t.decode_engine if tid in self._tickets else None
         if now == was:
             return
@@ -48,6 +59,28 @@ class TicketBook(SchedulerState):
                 del self._decoding[was]
         if now is not None:
             self._decoding.setdefault(now, {})[tid] = t
+
+    def _line(self, tid: str, t: SchedulerTicket, full: list[str]) -> None:
+        """``t``'s place in its first-token engine's line of pending prefills kept (in it until its
+        prefill is done).  The head of a line starts its prefill when it becomes the head, or when
+        a slot frees there if every slot was decoding (``full``: such engines ``t`` was charged to
+        before the event; one with a slot not decoding now freed it for the head — a request in
+        line leaving frees none).  Its prefill never counts from before it had a slot."""
+        e = self.engines.get(t.placement.first_engine or "")
+        if e is not None:
+            line = e.prefill_line
+            head = next(iter(line), None)
+            if tid in self._tickets and not t.prefill_done:
+                line.setdefault(tid, t.placement.prefill_tokens)
+            else:
+                line.pop(tid, None)
+            now = next(iter(line), None)
+            if now != head:  # a new head: it prefills from now if it has a slot (else from when one frees)
+                e.line_since = None if now is None or _full(e) else self.clock()
+        for name in full:
+            e = self.engines.get(name)
+            if e is not None and e.prefill_line and not _full(e):
+                e.line_since = self.clock()
 
     def _apply(self, deltas: ledger.Deltas) -> None:
         """The ledger's changes applied to the engines' live counts (an engine gone: skipped)."""

@@ -5,6 +5,9 @@ scheduler forgetting a lease, and charges moving to the route actually served.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+
+import pytest
 
 from narwhal_serve.admission.controller import NONE, Permits, Refusal
 from narwhal_serve.admission.core import Ask, Placement
@@ -284,3 +287,22 @@ async def test_predictive_over_admission_across_replicas_is_bounded_by_the_other
     excess = sum(admitted) - global_ok
     assert 0 < excess <= sum(spare) - spare[0]
     assert all(a <= s for a, s in zip(admitted, spare))  # no replica past its own permits
+
+
+async def test_a_view_kept_through_a_grant_that_is_not_for_it_stays_in_one_clock() -> None:
+    """A grant whose changes are against a view this lease does not hold leaves it its view, moved
+    into its clock once (the shift is the clocks' difference now, not that added to the last one:
+    the head of a line's progress and engines' eligibility are read through it)."""
+    svc, clock = service("predictive")
+    h = Holder(svc, clock)
+    part = h.lease.cut(h.mono)
+    grant = svc.report(Report(lease=part))
+    assert grant is not None
+    h.lease.apply(grant, clock() + 5.0, h.mono)  # this replica's clock 5 s ahead of the scheduler's
+    assert h.lease.view is not None and h.lease.view.shift == pytest.approx(5.0)
+    for _ in range(2):
+        part = h.lease.cut(h.mono)
+        again = svc.report(Report(lease=part))
+        assert again is not None
+        h.lease.apply(dataclasses.replace(again, view_base=again.view_seq + 99), clock() + 5.0, h.mono)
+        assert h.lease.view is not None and h.lease.view.shift == pytest.approx(5.0)

@@ -46,7 +46,7 @@ def test_first_token_ends_the_prefill_once_and_a_resume_moves_the_charges() -> N
     ledger.admitted(t)
     first = ledger.first_token(t, ("a",))
     assert first == {"a": EngineDelta(pending_prefill_tokens=-80, pending_prefill_requests=-1,
-                                      prefix_done=frozenset({11, 12}))}
+                                      prefix_done=frozenset({11, 12}), prefills_done=1)}
     ledger.progressed(t, 30)  # 50 expected, 30 generated: 20 left
     assert t.decode_charged == 20.0
     moved = ledger.first_token(t, ("b",))  # the answer resumed on b: its first token there
