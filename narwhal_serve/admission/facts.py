@@ -164,9 +164,10 @@ class EngineDelta:
     prefills_done: int = 0  # prefills finished here (the head of the line may have changed)
 
     def nothing(self) -> bool:
-        """No change: an engine's admissions since the view all ended (a prefix placed stays)."""
+        """No change: an engine's admissions since the view all ended (a prefix placed stays) and
+        no prefill finished there (one that did may have been the head of the line the view knew)."""
         return not (self.inflight or self.pending_prefill_tokens or self.pending_prefill_requests
-                    or self.decode_tokens or self.prefix)
+                    or self.decode_tokens or self.prefix or self.prefills_done)
 
     def __add__(self, other: "EngineDelta") -> "EngineDelta":
         return EngineDelta(

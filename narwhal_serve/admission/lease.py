@@ -143,7 +143,7 @@ class AdmissionLease:
         facts = self.view.facts() if self.view is not None else {}
         for name in names:
             e, d = facts.get(name), self._total.get(name)
-            if e is None or d is None or (d.nothing() and not d.prefills_done):  # (the head it knew ended)
+            if e is None or d is None or d.nothing():
                 self._changed.pop(name, None)
             else:
                 self._changed[name] = e.plus(d)

@@ -74,9 +74,9 @@ class TicketBook(SchedulerState):
                 line.setdefault(tid, t.placement.prefill_tokens)
             else:
                 line.pop(tid, None)
-            now = next(iter(line), None)
-            if now != head:  # a new head: it prefills from now if it has a slot (else from when one frees)
-                e.line_since = None if now is None or _full(e) else self.clock()
+            new_head = next(iter(line), None)
+            if new_head != head:  # a new head: it prefills from now if it has a slot (else from when one frees)
+                e.line_since = None if new_head is None or _full(e) else self.clock()
         for name in full:
             e = self.engines.get(name)
             if e is not None and e.prefill_line and not _full(e):
