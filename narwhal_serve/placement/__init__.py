@@ -27,6 +27,7 @@ _EXPORTS = {
     "PROFILE_OUTPUT_TOKENS": "drift",
     "PROFILE_PROMPT_CHARS": "drift",
     "PrefixIndex": "prefix",
+    "PriorCoeffs": "engines",
     "ProfileErrors": "drift",
     "RouteOrder": "order",
     "SetUnion": "prefix",
@@ -44,9 +45,9 @@ _EXPORTS = {
 }
 __all__ = [
     "Breaker", "CREDIT_EWMA", "EngineState", "MAX_CANDIDATES", "PROFILE_OUTPUT_TOKENS",
-    "PROFILE_PROMPT_CHARS", "PrefixIndex", "ProfileErrors", "RouteOrder", "SetUnion", "adopt_fleet_prior",
-    "borrows_ttft", "fleet_ttft", "index_capacity", "matched_blocks", "may_open", "next_id_block_hash",
-    "rel_error", "request_prefix", "resume_targets", "was_hit",
+    "PROFILE_PROMPT_CHARS", "PrefixIndex", "PriorCoeffs", "ProfileErrors", "RouteOrder", "SetUnion",
+    "adopt_fleet_prior", "borrows_ttft", "fleet_ttft", "index_capacity", "matched_blocks", "may_open",
+    "next_id_block_hash", "rel_error", "request_prefix", "resume_targets", "was_hit",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from narwhal_serve.placement.drift import PROFILE_OUTPUT_TOKENS as PROFILE_OUTPUT_TOKENS
     from narwhal_serve.placement.drift import PROFILE_PROMPT_CHARS as PROFILE_PROMPT_CHARS
     from narwhal_serve.placement.prefix import PrefixIndex as PrefixIndex
+    from narwhal_serve.placement.engines import PriorCoeffs as PriorCoeffs
     from narwhal_serve.placement.drift import ProfileErrors as ProfileErrors
     from narwhal_serve.placement.order import RouteOrder as RouteOrder
     from narwhal_serve.placement.prefix import SetUnion as SetUnion

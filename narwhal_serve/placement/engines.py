@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
@@ -148,14 +149,24 @@ def fleet_ttft(engines: Iterable[EngineState]) -> dict[tuple[str, str], PrefillM
     return out
 
 
+class PriorCoeffs(NamedTuple):
+    """A TTFT model's coefficients as read at one moment (the fleet's prior granted to leases)."""
+
+    a: float
+    b: float
+    c: float
+
+
 def borrows_ttft(e: EngineState) -> bool:
     """Whether ``e`` is projected with the fleet's TTFT model (:func:`fleet_ttft`) rather than its own."""
     return not e.ttft_model.samples and e.cfg.ttft_prior_a_s is None and e.cfg.ttft_prior_b_s_per_token is None
 
 
-def adopt_fleet_prior(e: EngineState, engines: Iterable[EngineState]) -> None:
+def adopt_fleet_prior(e: EngineState, fleet: Mapping[tuple[str, str], PrefillModel | PriorCoeffs]) -> None:
     """Before an engine's first measurement: its model starts from the fleet's (its prior too, so its
-    first samples are weighed against what the fleet measured, not a generic guess)."""
-    if borrows_ttft(e) and (m := fleet_ttft(engines).get((e.cfg.role, e.cfg.dialect))) is not None:
+    first samples are weighed against what the fleet measured, not a generic guess).  ``fleet``:
+    :func:`fleet_ttft`, or the scheduler's prior as last granted with it (what ``e`` was projected
+    with until now; not a look at every engine per engine's first measurement)."""
+    if borrows_ttft(e) and (m := fleet.get((e.cfg.role, e.cfg.dialect))) is not None:
         e.ttft_model.prior_a, e.ttft_model.prior_b = m.a, m.b
         e.ttft_model.a, e.ttft_model.b, e.ttft_model.c = m.a, m.b, m.c

@@ -246,5 +246,5 @@ class PrefixIndex:
             self._recent = frozenset(itertools.islice(reversed(self._blocks), n)) if n else frozenset()
             self._frozen, self._frozen_limit = None, limit
         if self._frozen is None:
-            self._frozen = self._recent | frozenset(self._pending) if self._pending else self._recent
+            self._frozen = self._recent.union(self._pending) if self._pending else self._recent
         return self._frozen

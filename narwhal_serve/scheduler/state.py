@@ -10,9 +10,8 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set as AbstractSet
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import httpx
 
@@ -24,7 +23,7 @@ from narwhal_serve.admission.ledger import Ticket, releases
 from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.ha.state import RouterState
-from narwhal_serve.placement.engines import EngineState, borrows_ttft, fleet_ttft
+from narwhal_serve.placement.engines import EngineState, PriorCoeffs, borrows_ttft, fleet_ttft
 from narwhal_serve.prediction.ttft import PrefillModel
 from narwhal_serve.prediction.decode import OutputLengths, mean_remaining, tpot_at
 from narwhal_serve.scheduler.ha import RouterHA
@@ -40,14 +39,6 @@ from narwhal_serve.tenants.book import TenantBook
 from narwhal_serve.tenants.fair import FairShare
 from narwhal_serve.tenants.promises import Promise
 from narwhal_serve.tenants.tally import TenantTally
-
-
-class PriorCoeffs(NamedTuple):
-    """A TTFT model's coefficients as read at one moment (the fleet's prior granted to leases)."""
-
-    a: float
-    b: float
-    c: float
 
 
 # the facts granted to leases are read for every engine at least this often (else only for the engines
@@ -125,6 +116,9 @@ class SchedulerState(ABC):
         self._granted: dict[str, tuple[tuple[object, ...], EngineFacts]] = {}
         self._changed_at: OrderedDict[str, int] = OrderedDict()
         self._rows: dict[str, tuple[EngineFacts, FactsRow]] = {}  # granted facts, and them as a row
+        # the last prefix change granted per engine (the set a lease held, the set granted, the
+        # change): the next lease holding the same set gets the same change, not computed again
+        self._prefix_changes: dict[str, tuple[AbstractSet[int] | None, AbstractSet[int], PrefixChange]] = {}
         self._fact_seq = 0
         self._members = 0  # the fleet's membership changes
         # the monitoring's verdict "not degraded" while sure to hold: what it was judged on, until when
@@ -253,6 +247,7 @@ class SchedulerState(ABC):
                 del self._granted[name]
                 self._changed_at.pop(name, None)
                 self._rows.pop(name, None)
+                self._prefix_changes.pop(name, None)
             self._granted = {n: self._granted[n] for n in self.engines if n in self._granted}
         self._read(self.engines, now)
 
@@ -329,7 +324,11 @@ class SchedulerState(ABC):
             name = f.cfg.name
             kept = held.get(name)
             if kept is None or kept[1] is not f.prefix:
-                prefixes[name] = prefix_change(None if kept is None else kept[1], f.prefix)
+                was = None if kept is None else kept[1]
+                c = self._prefix_changes.get(name)
+                if c is None or c[0] is not was or c[1] is not f.prefix:
+                    c = self._prefix_changes[name] = (was, f.prefix, prefix_change(was, f.prefix))
+                prefixes[name] = c[2]
             held[name] = (f.cfg, f.prefix)
             b = self._rows.get(name)
             if b is None or b[0] is not f:

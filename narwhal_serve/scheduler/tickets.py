@@ -131,7 +131,7 @@ class TicketBook(SchedulerState):
         self._ticket_event(tid, t, ledger.released)
         if stats is not None:
             learn_from(stats, t.placement, self.engines, self.histograms, self.tally, completed, self.outputs,
-                       self.clock(), self.cfg.placement)
+                       self.clock(), self.cfg.placement, self._fleet_prior)
             for name in t.placement.engines:  # its models, margins, drift, prefix credit
                 self.touch(name)
         self.tenant_tally.ended(t.placement.tenant, t.placement, stats, completed)
