@@ -30,7 +30,7 @@ from narwhal_serve.scheduler.ha import RouterHA
 from narwhal_serve.scheduler.health import Profiler, Prober
 from narwhal_serve.kvevents.shard import ShardLink
 from narwhal_serve.scheduler.kvfeeds import KVEventFeeds, ShardedKVFeeds
-from narwhal_serve.scheduler.leases import GrantView, Held, LeaseLedger
+from narwhal_serve.scheduler.leases import LEASE_TTL_S, GrantView, Held, LeaseLedger
 from narwhal_serve.scheduler.managed import ManagedFleet, initial_engines
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
 from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, Tally
@@ -45,6 +45,24 @@ from narwhal_serve.tenants.tally import TenantTally
 # touched: their tickets, reports, KV changes); what changes with time alone (a breaker's open
 # period ending) or without a touch (the fleet's TTFT prior) reaches the leases within it
 FULL_VIEW_S = 0.25
+# An eligible engine's granted ``eligible_until`` (its last answer plus monitoring.stale_after_s)
+# is kept while it is still at least this far ahead: every answered scrape moves it, and read anew
+# each time it made a third of the rows grants carried at 1,000 engines. A view is used at most
+# LEASE_TTL_S after its grant, whose untouched engines were read at most FULL_VIEW_S before it, so
+# a time kept this far ahead at a read is still ahead whenever a view holding it is used: no
+# decision changes (docs/architecture.md, "Admission leases")
+KEEP_ELIGIBLE_S = LEASE_TTL_S + FULL_VIEW_S
+
+
+def _kept_eligible(inputs: tuple[object, ...], kept: tuple[object, ...], now: float) -> tuple[object, ...]:
+    """An engine's facts' inputs read ``now`` (``SchedulerState._inputs``), with the eligibility
+    time of those granted before (``kept``) kept while both are eligible and it is still
+    KEEP_ELIGIBLE_S ahead (the new one is later still)."""
+    eu, was = inputs[0], kept[0]
+    if eu != was and isinstance(eu, float) and isinstance(was, float) and 0.0 < was <= eu \
+            and was >= now + KEEP_ELIGIBLE_S:
+        return (was, *inputs[1:])
+    return inputs
 
 
 @dataclass
@@ -230,9 +248,12 @@ class SchedulerState(ABC):
             self._read_all(now)
             return
         self._read(touched, now)
-        if self.check_views:  # tests: the touched engines were all that changed
+        if self.check_views:  # tests: the touched engines were all that changed (an eligibility time
+            # kept at the last full read may be kept until the next one)
             for name, e in self.engines.items():
-                assert self._granted[name][0] == self._inputs(e, now, self._fleet_prior, True), f"{name} changed untouched"
+                kept = self._granted[name][0]
+                fresh = _kept_eligible(self._inputs(e, now, self._fleet_prior, True), kept, self._full_view_at)
+                assert kept == fresh, f"{name} changed untouched"
 
     def _read_all(self, now: float) -> None:
         """Every engine's facts read, and what is read from the whole fleet with them (the TTFT
@@ -257,7 +278,7 @@ class SchedulerState(ABC):
         for name in names:
             inputs = self._inputs(self.engines[name], now, self._fleet_prior, True)
             kept = self._granted.get(name)
-            if kept is not None and kept[0] == inputs:
+            if kept is not None and (inputs := _kept_eligible(inputs, kept[0], now)) == kept[0]:
                 continue
             self._granted[name] = (inputs, self._facts(inputs))
             self._fact_seq += 1

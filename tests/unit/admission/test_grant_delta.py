@@ -6,6 +6,7 @@ here too, and nothing a view derives for decisions goes with it."""
 
 from __future__ import annotations
 
+import math
 import pickle
 import random
 from dataclasses import fields
@@ -335,3 +336,60 @@ def test_leases_holding_the_same_set_share_its_change_computed_once(monkeypatch)
                 svc.touch(name)
             clock.t += 0.01
             a.sync()
+
+
+def _eligibility_through_scrapes(seed: int) -> tuple[list[tuple[str, float, bool]], int]:
+    """A lease's view through random scrapes, engines leaving and coming back and clock steps: for
+    every engine, whether it is eligible at the grant and LEASE_TTL_S later; and the rows sent."""
+    from narwhal_serve.scheduler.leases import LEASE_TTL_S
+
+    rng = random.Random(seed)
+    svc, clock = _service(12)
+    h = Holder(svc, clock)
+    h.sync()
+    seen, sent = [], 0
+    for _ in range(300):
+        for name in rng.sample(list(svc.engines), rng.randint(0, 12)):  # scrapes answered, or not
+            svc.engines[name].last_ok = clock.t
+        if rng.random() < 0.1:
+            e = svc.engines[rng.choice(list(svc.engines))]
+            e.healthy = not e.healthy
+        clock.t += rng.choice([0.01, 0.1, 0.3, 0.7, 1.0])
+        sent += len(h.sync().rows)
+        assert h.lease.view is not None
+        for name, f in h.lease.view.facts().items():
+            seen += [(name, t, f.eligible(t)) for t in (clock.t, clock.t + LEASE_TTL_S)]  # (the scheduler's times)
+    return seen, sent
+
+
+def test_scrapes_alone_re_send_an_engine_only_as_its_eligibility_nears_and_no_decision_changes(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every answered scrape moves an engine's eligibility time (its last answer plus
+    monitoring.stale_after_s); a grant keeps the one it sent while that is still KEEP_ELIGIBLE_S
+    ahead, so a fleet scraped each second is not re-sent whole each second.  Whatever the scrapes
+    and clock, a lease's view says an engine is eligible, for as long as the lease may use it
+    (LEASE_TTL_S), exactly when it would with each new time sent."""
+    from narwhal_serve.scheduler import state as state_mod
+    from narwhal_serve.scheduler.state import KEEP_ELIGIBLE_S
+
+    svc, clock = _service(4)
+    h = Holder(svc, clock)
+    h.sync()
+    t0, e = clock.t, svc.engines["e0"]
+    stale = svc.cfg.monitoring.stale_after_s
+    assert stale - 1.0 > KEEP_ELIGIBLE_S  # (the default config leaves room to keep it)
+    clock.t, e.last_ok = t0 + 1.0, t0 + 1.0  # a scrape answered
+    svc.touch("e0")
+    assert "e0" not in [name for name, _, _ in h.sync().rows]  # its time kept: not re-sent
+    assert h.lease.view is not None and h.lease.view.facts()["e0"].eligible_until == t0 + stale
+    clock.t = e.last_ok = t0 + stale - KEEP_ELIGIBLE_S + 0.01  # the kept time nears: sent anew
+    svc.touch("e0")
+    assert "e0" in [name for name, _, _ in h.sync().rows]
+    assert h.lease.view.facts()["e0"].eligible_until == clock.t + stale
+
+    for seed in (17, 18):
+        kept, kept_rows = _eligibility_through_scrapes(seed)
+        with monkeypatch.context() as m:
+            m.setattr(state_mod, "KEEP_ELIGIBLE_S", math.inf)  # each new time sent
+            each, each_rows = _eligibility_through_scrapes(seed)
+        assert kept == each and any(not ok for _, _, ok in each) and any(ok for _, _, ok in each)
+        assert kept_rows < 0.7 * each_rows, (kept_rows, each_rows)
