@@ -59,7 +59,10 @@ def learn_from(
                 # engine's credit learns how often it was a hit)
                 x = p.x_tokens
                 if not e.ttft_model.samples:  # its first measurement: it starts from what the fleet measured
-                    adopt_fleet_prior(e, fleet_ttft(engines.values()) if fleet_prior is None else fleet_prior)
+                    # (the prior as granted; a look at every engine while none of its kind was yet)
+                    kind = (e.cfg.role, e.cfg.dialect)
+                    adopt_fleet_prior(e, fleet_prior if fleet_prior is not None and kind in fleet_prior
+                                      else fleet_ttft(engines.values()))
                 if p.matched_tokens:
                     x_hit, x_miss = x - (p.matched_tokens - p.cached_tokens), x + p.cached_tokens
                     hit = was_hit(stats.ttft_s, e.ttft_model.predict(x_hit, p.r_ahead),

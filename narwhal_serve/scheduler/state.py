@@ -50,8 +50,12 @@ FULL_VIEW_S = 0.25
 # each time it made a third of the rows grants carried at 1,000 engines. A view is used at most
 # LEASE_TTL_S after its grant, whose untouched engines were read at most FULL_VIEW_S before it, so
 # a time kept this far ahead at a read is still ahead whenever a view holding it is used: no
-# decision changes (docs/architecture.md, "Admission leases")
-KEEP_ELIGIBLE_S = LEASE_TTL_S + FULL_VIEW_S
+# decision changes (docs/architecture.md, "Admission leases"). CLOCK_STEP_S more for an ingress
+# whose wall clock steps forward while its lease (on its monotonic clock) holds: a step up to that
+# turns no kept engine stale early (an exact time, with the default scrapes and stale_after_s,
+# tolerated about 1.75 s)
+CLOCK_STEP_S = 1.0
+KEEP_ELIGIBLE_S = LEASE_TTL_S + FULL_VIEW_S + CLOCK_STEP_S
 
 
 def _kept_eligible(inputs: tuple[object, ...], kept: tuple[object, ...], now: float) -> tuple[object, ...]:

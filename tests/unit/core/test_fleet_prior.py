@@ -132,3 +132,18 @@ def test_an_engines_first_measurement_at_the_scheduler_starts_from_the_prior_it_
     svc._release(tid, RelayStats("single", ("b",), 0.01 + 1e-5 * 4000, 2, 0.01, 1), completed=True)
     m = b.ttft_model
     assert (m.prior_a, m.prior_b) == (granted.ttft_a, granted.ttft_b) and len(m.samples) == 1
+
+
+def test_engines_first_measured_before_their_kind_is_granted_start_from_the_fleets_model() -> None:
+    """Before the prior of a role and dialect has been granted (a scheduler just started, or two
+    engines of a new kind measured in one report), an engine's first measurement looks at every
+    engine for the fleet's model, as before there was a granted prior."""
+    svc = _service()
+    for name, ttft in (("a", 0.05), ("b", 0.06)):  # one report: no grant between them
+        e = svc.engines[name]
+        p = Placement((RouteChoice(kind="single", decode=e.cfg),), name, 4000, 4000, 0.0, None, ttft_budget_s=10.0)
+        svc._placed(f"t-{name}", p, NOW + 60)
+        svc._release(f"t-{name}", RelayStats("single", (name,), ttft, 2, 0.01, 1), completed=True)
+    a, b = svc.engines["a"].ttft_model, svc.engines["b"].ttft_model
+    assert len(a.samples) == len(b.samples) == 1
+    assert (b.prior_a, b.prior_b) == (a.a, a.b) and a.prior_b == PRIOR_B != b.prior_b  # b from a's model
