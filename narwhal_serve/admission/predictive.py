@@ -44,8 +44,8 @@ def judge_tpot(projected_s: float, budget_s: float, shed_s: float | None) -> Ref
     will have shed enough sequences (None: not even an idle engine meets it)."""
     if shed_s is None:
         return _refused(f"No engine is projected to generate faster than {projected_s * 1000:.1f} ms per output "
-                        f"token, over the {budget_s * 1000:.1f} ms TPOT budget even as load drains: raise the "
+                        f"token, over the {budget_s * 1000:.3g} ms TPOT budget even as load drains: raise the "
                         f"target (X-TPOT-Target).", "tpot_budget_unattainable")
     return _refused(f"Projected time per output token {projected_s * 1000:.1f} ms exceeds the "
-                    f"{budget_s * 1000:.1f} ms TPOT budget; retry after the Retry-After delay.",
+                    f"{budget_s * 1000:.3g} ms TPOT budget; retry after the Retry-After delay.",
                     "tpot_budget_exceeded", shed_s)

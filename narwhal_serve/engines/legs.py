@@ -41,9 +41,12 @@ class LegCursor:
 
 def prioritized(engine: EngineConfig, body: dict[str, Any], priority: int | None) -> dict[str, Any]:
     """``body`` with the request's class rank as ``priority`` (vLLM and SGLang: lower runs first),
-    for an engine started to schedule by it; other engines refuse a non-zero priority."""
+    for an engine started to schedule by it; other engines refuse a non-zero priority, so they get
+    none.  A client's own ``priority`` never reaches an engine (it would jump the classes' order)."""
     if priority is not None and engine.priority_scheduling and engine.dialect in ("vllm", "sglang"):
         body["priority"] = priority
+    else:
+        body.pop("priority", None)
     return body
 
 

@@ -51,7 +51,22 @@ class GatewayApp(FastAPI):
             if endpoint is not None:
                 await _call_fast(endpoint, scope, receive, send)
                 return
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            # HEAD is GET without the body (RFC 9110; FastAPI's GET routes answer it 405): load
+            # balancers check /health so
+            await super().__call__({**scope, "method": "GET"}, receive, _headless(send))
+            return
         await super().__call__(scope, receive, send)
+
+
+def _headless(send: Send) -> Send:
+    """``send`` with every body dropped (its headers, Content-Length included, as for the GET)."""
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return sending
 
 
 def _route_path(scope: Scope) -> str:
@@ -118,7 +133,12 @@ def build_api(
         """Unknown routes and methods answer in the OpenAI envelope too."""
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
         msg = f"{request.method} {request.url.path}: {exc.detail}"
-        return error_response(ErrorInfo(exc.status_code, "invalid_request_error", code, msg), None)
+        response = error_response(ErrorInfo(exc.status_code, "invalid_request_error", code, msg), None)
+        allow = (exc.headers or {}).get("Allow")
+        if exc.status_code == 405 and allow is not None:  # the methods the route takes (RFC 9110)
+            methods = [m.strip() for m in allow.split(",")]
+            response.headers["Allow"] = ", ".join(methods + ["HEAD"] if "GET" in methods and "HEAD" not in methods else methods)
+        return response
     sizer = sizer if sizer is not None else PromptSizer.from_config(cfg)
     handler = CompletionHandler(cfg, backend, reporter, clock, echo_request_id=echo_request_id, sizer=sizer, node=node)
     reporter.on_view = handler.on_view

@@ -202,7 +202,8 @@ def _check_common(body: dict[str, Any], model: str) -> None:
             raise _bad("stream_options.include_usage", "must be a boolean")
     for key in ("n", "best_of"):
         v = body.get(key)
-        if v is None:
+        if v is None:  # (null is OpenAI's default, 1: not sent on, where an engine's schema wants a number)
+            body.pop(key, None)
             continue
         if not _is_int(v) or v < 1:
             raise _bad(key, "must be an integer >= 1")

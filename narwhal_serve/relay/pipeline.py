@@ -373,6 +373,8 @@ class Relay:
                 faults = faults_of(exc, at.route)
             news = at.news()
             news["health"] = (*news.get("health", ()), *faults)
+            if req.include_usage and not usage.seen:  # what it got before the error, counted
+                held.append(sse_event(usage.chunk(placed.model, meter.tokens)))
             yield RelayMessage(data=b"".join(held) + error_events(err), error=err, final=True, stats=at.stats(),
                                **news)
             return

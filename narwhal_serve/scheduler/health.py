@@ -7,6 +7,7 @@ profiling requests until it behaves as measured again."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Iterable
 
 import httpx
@@ -19,6 +20,8 @@ from narwhal_serve.prediction.decode import TpotModel
 from narwhal_serve.prediction.ttft import PrefillModel
 from narwhal_serve.relay.messages import EngineWorked, HealthEvent
 from narwhal_serve.scheduler.monitor import Profile, probe_one, profile_one
+
+log = logging.getLogger("narwhal.drift")
 
 
 def _out_of_work(engines: dict[str, EngineState], now: float) -> int:
@@ -86,6 +89,7 @@ def update_drift(engines: dict[str, EngineState], now: float, cfg: NarwhalConfig
             why = (f"measured TTFT {e.drift.ttft:+.0%} and TPOT {e.drift.tpot:+.0%} against its models "
                    f"(out past {cfg.placement.drift_out_at:+.0%})")
             e.drift.go_out(now, why)
+            log.warning("engine %s out of rotation for drift: %s; re-measured with profiling requests", e.cfg.name, why)
             e.ttft_model = PrefillModel(prior_a=e.ttft_model.prior_a, prior_b=e.ttft_model.prior_b)
             e.tpot_model = TpotModel(prior_a=e.tpot_model.prior_a, prior_b=e.tpot_model.prior_b)
             out.append(e.cfg.name)
@@ -135,6 +139,7 @@ class Profiler:
         if not p.ok:
             e.drift.last_reason = p.why
         if e.drift.on_profile(p.ok, errors, self.clock(), self.cfg.placement):
+            log.warning("engine %s back in rotation after %d profiling requests", e.cfg.name, e.drift.profiles)
             self.on_back()
 
     def cancel(self) -> None:

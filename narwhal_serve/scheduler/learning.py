@@ -49,7 +49,10 @@ def learn_from(
             if d is not None:
                 dur = stats.ttft_s + stats.decode_s
                 d.service_s = dur if d.service_s is None else 0.8 * d.service_s + 0.2 * dur
-            if not p.slot_wait_s and not p.head_done:
+            if not p.slot_wait_s and not p.head_done and not e.drift.out:
+                # (an engine out for drift is re-measured by its profiles alone: its requests placed
+                # before it went out, finishing since, measured the slowness that took it out, and
+                # taught to the model started again they kept it out for minutes)
                 # the prefill model learns from a request that had a sequence slot at once (one that
                 # waited measures mostly the error of its predicted wait, which would teach the prefill
                 # model the line's length; one behind a head counted as partly prefilled, the error of
@@ -88,8 +91,8 @@ def learn_from(
         d = engines.get(stats.engines[-1])
         if d is not None:
             d.tpot_s = tpot if d.tpot_s is None else 0.8 * d.tpot_s + 0.2 * tpot
-            if as_placed and p.decode_engine == stats.engines[-1]:
-                if p.predicted_tpot_s is not None and not d.drift.out:
+            if as_placed and p.decode_engine == stats.engines[-1] and not d.drift.out:  # (as for TTFT)
+                if p.predicted_tpot_s is not None:
                     d.drift.observe_tpot(rel_error(tpot, p.predicted_tpot_s, pl.drift_min_tpot_s), now)
                 d.tpot_model.observe(p.batch, tpot)
     if completed and outputs is not None and stats.output_tokens > 0:

@@ -218,3 +218,38 @@ def test_a_credited_prefix_is_learned_as_a_hit_or_a_miss() -> None:
     credit = e.prefix_credit
     learn_from(RelayStats("single", ("e",), 0.04, 1, 0.0, 1), p, {"e": e}, hists)
     assert e.prefix_credit > credit and e.ttft_model.samples[-1][0] == 32
+
+
+def test_an_engine_out_for_drift_is_re_measured_by_its_profiles_alone() -> None:
+    """An engine taken out for drift starts its models again, and only its profiles teach them: its
+    requests placed before it went out and finishing since (slow: the slowness that took it out)
+    do not, so a few profiles that match it bring it back (taught to the new model, a burst of
+    them kept a healthy engine out for minutes)."""
+    from narwhal_serve.admission.core import Placement
+    from narwhal_serve.config import EngineConfig, NarwhalConfig
+    from narwhal_serve.scheduler.monitor import Profile
+    from narwhal_serve.placement.engines import EngineState
+    from narwhal_serve.protocol.placement import RouteChoice
+    from narwhal_serve.protocol.stats import RelayStats
+    from narwhal_serve.scheduler.health import profile_errors, update_drift
+    from narwhal_serve.scheduler.learning import learn_from
+    from narwhal_serve.telemetry import Histogram
+
+    cfg = NarwhalConfig.model_validate({"engines": [{"name": n, "url": f"http://127.0.0.1:{i + 1}"}
+                                                    for i, n in enumerate("ef")]})
+    engines = {c.name: EngineState(c) for c in cfg.engines}
+    e = engines["e"]
+    hists = {k: Histogram() for k in ("ttft", "tpot", "ttft_prediction_error", "ttft_predicted")}
+    route = RouteChoice(kind="single", decode=e.cfg)
+    p = Placement((route,), "e", 1000, 1000, 0.0, 0.05, predicted_tpot_s=0.01, decode_engine="e", batch=1.0)
+    for _ in range(6):  # a burst's requests come 30x slower than predicted: out
+        learn_from(RelayStats("single", ("e",), 1.5, 20, 6.0, 1), p, engines, hists, placement=cfg.placement)
+    assert update_drift(engines, 10.0, cfg) == ["e"] and e.drift.out and not e.ttft_model.samples
+    for _ in range(26):  # more of them finish while it is out
+        learn_from(RelayStats("single", ("e",), 1.5, 20, 6.0, 1), p, engines, hists, placement=cfg.placement)
+    assert not e.ttft_model.samples and not e.tpot_model.samples
+    for i in range(8):  # profiles answering as fast as ever (the first measures, the next match)
+        prof = Profile(ok=True, ttft_s=0.03, tpot_s=0.005, prompt_tokens=250)
+        if e.drift.on_profile(True, profile_errors(e, prof, cfg), 11.0 + i, cfg.placement):
+            break
+    assert not e.drift.out

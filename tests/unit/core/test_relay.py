@@ -176,6 +176,24 @@ async def test_the_deadline_holds_after_headers() -> None:
     assert tail.data.endswith(b"data: [DONE]\n\n")
 
 
+async def test_a_stream_cut_by_an_error_still_counts_its_tokens_for_a_client_that_asked_for_usage() -> None:
+    """contract.md: a stream that asked for ``stream_options.include_usage`` gets a usage chunk
+    before ``[DONE]`` even when the engine sent none, an error event's stream too (a client that
+    bills from it is owed the tokens it got)."""
+    p = placed(True, {"stream_options": {"include_usage": True}})
+    p = PlacedRequest(p.request_id, p.model, p.request, p.candidates, time.time() + 0.3)
+    stalls = Stalls(sse(ROLE, tok("a", [1]), tok("b", [2]), done=False))
+    msgs = await _relay(lambda r: httpx.Response(200, stream=stalls), p, idle_s=60)
+    tail = msgs[-1]
+    assert tail.error is not None and tail.error.code == "deadline_expired"
+    usage = [json.loads(line[6:]) for line in tail.data.split(b"\n") if line.startswith(b"data: {") and b'"usage"' in line]
+    assert len(usage) == 1 and usage[0]["usage"]["completion_tokens"] == 2 and usage[0]["choices"] == []
+    assert tail.data.index(b'"usage"') < tail.data.index(b'"error"') and tail.data.endswith(b"data: [DONE]\n\n")
+    msgs = await _relay(lambda r: httpx.Response(200, stream=Stalls(sse(ROLE, tok("a", [1]), done=False))),
+                        PlacedRequest(p.request_id, p.model, placed(True).request, p.candidates, time.time() + 0.3), idle_s=60)
+    assert b'"usage"' not in b"".join(m.data for m in msgs)  # not asked: none
+
+
 async def test_a_non_streaming_request_past_its_deadline_is_a_504() -> None:
     p = placed(False)
     p = PlacedRequest(p.request_id, p.model, p.request, p.candidates, time.time() + 0.3)

@@ -48,3 +48,12 @@ def test_an_empty_token_id_prompt_is_refused_nested_or_not() -> None:
             parse_request("completion", raw, model="m")
         assert ei.value.param == "prompt"
     assert parse_request("completion", b'{"model": "m", "prompt": [[0]]}', model="m").prompt_token_ids == (0,)
+
+
+def test_a_null_sampling_width_is_the_default_and_not_sent_on() -> None:
+    """``n: null`` (and ``best_of``) is OpenAI's default, 1: accepted, and left out of what the
+    engine gets (vLLM's schema refuses a null ``n`` with its own error)."""
+    for route, body in (("chat", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": null, "best_of": null}'),
+                        ("completion", b'{"model": "m", "prompt": "x", "n": null}')):
+        req = parse_request(route, body, model="m")  # type: ignore[arg-type]
+        assert "n" not in req.body and "best_of" not in req.body

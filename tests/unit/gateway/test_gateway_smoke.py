@@ -98,3 +98,21 @@ async def test_no_redirect_from_the_host_header_and_no_long_echo(plain: LocalRou
         r = await c.post(CHAT, json={**chat(False), "model": "m" * 100_000})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert len(r.json()["error"]["message"]) < 300 and "100000 characters" in r.json()["error"]["message"]
+
+
+async def test_head_answers_as_get_without_a_body_and_a_405_names_the_methods_allowed(plain: LocalRouter) -> None:
+    """Load balancers check health with HEAD: a GET route answers it as GET, without the body
+    (RFC 9110); a method a route does not take is a 405 in the envelope with ``Allow``."""
+    async with httpx.AsyncClient(base_url=plain.url, timeout=30) as c:
+        for path in ("/health", "/v1/models", "/metrics"):
+            got, head = await c.get(path), await c.head(path)
+            assert got.status_code == head.status_code == 200, path
+            assert head.content == b"" and head.headers.get("content-type") == got.headers.get("content-type"), path
+        r = await c.get(CHAT)
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed" and r.headers["allow"] == "POST"
+        r = await c.head(CHAT)
+        assert r.status_code == 405 and r.content == b"" and r.headers["allow"] == "POST"
+        r = await c.post("/v1/models")
+        assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "HEAD"}
+        r = await c.delete("/health")
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"

@@ -56,6 +56,10 @@ def test_priority_reaches_only_engines_that_schedule_by_it() -> None:
     assert prioritized(off, {"model": "m"}, 2) == {"model": "m"}
     assert prioritized(openai_engine, {"model": "m"}, 2) == {"model": "m"}
     assert prioritized(on, {"model": "m"}, None) == {"model": "m"}
+    # a client's own priority reaches no engine: replaced by its class's rank, or dropped
+    assert prioritized(on, {"model": "m", "priority": -100}, 2) == {"model": "m", "priority": 2}
+    for engine, rank in ((off, 2), (openai_engine, 2), (on, None)):
+        assert prioritized(engine, {"model": "m", "priority": -100}, rank) == {"model": "m"}
 
 
 def test_class_config_is_checked() -> None:
