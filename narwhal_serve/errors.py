@@ -25,7 +25,7 @@ catch at any level.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -147,6 +147,9 @@ class InvalidApiKey(NarwhalError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+
+    def info(self) -> ErrorInfo:  # (RFC 9110: a 401 names the scheme it asks for)
+        return replace(super().info(), extra_headers=(("WWW-Authenticate", "Bearer"),))
 
 
 class RateLimited(NarwhalError):

@@ -60,6 +60,7 @@ async def test_missing_and_unknown_keys_get_401_counted_and_never_logged(router:
     for r in (missing, unknown):
         assert r.status_code == 401
         assert r.json()["error"]["code"] == "invalid_api_key" and r.json()["error"]["type"] == "authentication_error"
+        assert r.headers["www-authenticate"] == "Bearer"  # (RFC 9110: the scheme it asks for)
     assert 'narwhal_invalid_requests_total{reason="invalid_api_key"}' in metrics
     line = next(ln for ln in metrics.splitlines() if ln.startswith('narwhal_invalid_requests_total{reason="invalid_api_key"}'))
     assert int(line.split()[-1]) >= 2
