@@ -137,7 +137,9 @@ def build_api(
         allow = (exc.headers or {}).get("Allow")
         if exc.status_code == 405 and allow is not None:  # the methods the route takes (RFC 9110)
             methods = [m.strip() for m in allow.split(",")]
-            response.headers["Allow"] = ", ".join(methods + ["HEAD"] if "GET" in methods and "HEAD" not in methods else methods)
+            if "GET" in methods and "HEAD" not in methods:  # (GatewayApp answers HEAD as GET)
+                methods.append("HEAD")
+            response.headers["Allow"] = ", ".join(methods)
         return response
     sizer = sizer if sizer is not None else PromptSizer.from_config(cfg)
     handler = CompletionHandler(cfg, backend, reporter, clock, echo_request_id=echo_request_id, sizer=sizer, node=node)

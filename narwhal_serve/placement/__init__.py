@@ -23,6 +23,7 @@ _EXPORTS = {
     "Breaker": "health",
     "CREDIT_EWMA": "prefix",
     "EngineState": "engines",
+    "FleetPrior": "engines",
     "MAX_CANDIDATES": "picker",
     "PROFILE_OUTPUT_TOKENS": "drift",
     "PROFILE_PROMPT_CHARS": "drift",
@@ -44,7 +45,7 @@ _EXPORTS = {
     "was_hit": "prefix",
 }
 __all__ = [
-    "Breaker", "CREDIT_EWMA", "EngineState", "MAX_CANDIDATES", "PROFILE_OUTPUT_TOKENS",
+    "Breaker", "CREDIT_EWMA", "EngineState", "FleetPrior", "MAX_CANDIDATES", "PROFILE_OUTPUT_TOKENS",
     "PROFILE_PROMPT_CHARS", "PrefixIndex", "PriorCoeffs", "ProfileErrors", "RouteOrder", "SetUnion",
     "adopt_fleet_prior", "borrows_ttft", "fleet_ttft", "index_capacity", "matched_blocks", "may_open",
     "next_id_block_hash", "rel_error", "request_prefix", "resume_targets", "was_hit",
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from narwhal_serve.placement.health import Breaker as Breaker
     from narwhal_serve.placement.prefix import CREDIT_EWMA as CREDIT_EWMA
     from narwhal_serve.placement.engines import EngineState as EngineState
+    from narwhal_serve.placement.engines import FleetPrior as FleetPrior
     from narwhal_serve.placement.picker import MAX_CANDIDATES as MAX_CANDIDATES
     from narwhal_serve.placement.drift import PROFILE_OUTPUT_TOKENS as PROFILE_OUTPUT_TOKENS
     from narwhal_serve.placement.drift import PROFILE_PROMPT_CHARS as PROFILE_PROMPT_CHARS

@@ -157,16 +157,27 @@ class PriorCoeffs(NamedTuple):
     c: float
 
 
+# per role and dialect, the TTFT model an engine without a measurement is projected with
+FleetPrior = Mapping[tuple[str, str], PrefillModel | PriorCoeffs]
+
+
 def borrows_ttft(e: EngineState) -> bool:
     """Whether ``e`` is projected with the fleet's TTFT model (:func:`fleet_ttft`) rather than its own."""
     return not e.ttft_model.samples and e.cfg.ttft_prior_a_s is None and e.cfg.ttft_prior_b_s_per_token is None
 
 
-def adopt_fleet_prior(e: EngineState, fleet: Mapping[tuple[str, str], PrefillModel | PriorCoeffs]) -> None:
+def adopt_fleet_prior(e: EngineState, engines: Iterable[EngineState], granted: FleetPrior | None = None) -> None:
     """Before an engine's first measurement: its model starts from the fleet's (its prior too, so its
-    first samples are weighed against what the fleet measured, not a generic guess).  ``fleet``:
-    :func:`fleet_ttft`, or the scheduler's prior as last granted with it (what ``e`` was projected
-    with until now; not a look at every engine per engine's first measurement)."""
-    if borrows_ttft(e) and (m := fleet.get((e.cfg.role, e.cfg.dialect))) is not None:
+    first samples are weighed against what the fleet measured, not a generic guess).  ``granted``:
+    the scheduler's prior as last granted with the fleet's facts (what ``e`` was projected with until
+    now; no look at every engine per engine's first measurement); without it, or before its kind is
+    in it (a start, two new engines in one report), :func:`fleet_ttft` over ``engines``."""
+    if not borrows_ttft(e):
+        return
+    kind = (e.cfg.role, e.cfg.dialect)
+    m = granted.get(kind) if granted is not None else None
+    if m is None:
+        m = fleet_ttft(engines).get(kind)
+    if m is not None:
         e.ttft_model.prior_a, e.ttft_model.prior_b = m.a, m.b
         e.ttft_model.a, e.ttft_model.b, e.ttft_model.c = m.a, m.b, m.c

@@ -7,10 +7,9 @@ from collections.abc import Mapping
 from narwhal_serve.admission.core import Placement
 from narwhal_serve.config import PlacementConfig
 from narwhal_serve.placement.drift import rel_error
-from narwhal_serve.placement.engines import EngineState, PriorCoeffs, adopt_fleet_prior, fleet_ttft
+from narwhal_serve.placement.engines import EngineState, FleetPrior, adopt_fleet_prior
 from narwhal_serve.placement.prefix import CREDIT_EWMA, was_hit
 from narwhal_serve.prediction.decode import OutputLengths
-from narwhal_serve.prediction.ttft import PrefillModel
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.telemetry import Histogram, Tally
 
@@ -25,7 +24,7 @@ def learn_from(
     outputs: OutputLengths | None = None,
     now: float = 0.0,
     placement: PlacementConfig | None = None,
-    fleet_prior: Mapping[tuple[str, str], PrefillModel | PriorCoeffs] | None = None,
+    fleet_prior: FleetPrior | None = None,
 ) -> None:
     """What one finished request teaches: TTFT, TPOT and service-time models, drift, output lengths
     (a completed request's identified tokens), histograms, goodput (a completed request whose first
@@ -62,10 +61,7 @@ def learn_from(
                 # engine's credit learns how often it was a hit)
                 x = p.x_tokens
                 if not e.ttft_model.samples:  # its first measurement: it starts from what the fleet measured
-                    # (the prior as granted; a look at every engine while none of its kind was yet)
-                    kind = (e.cfg.role, e.cfg.dialect)
-                    adopt_fleet_prior(e, fleet_prior if fleet_prior is not None and kind in fleet_prior
-                                      else fleet_ttft(engines.values()))
+                    adopt_fleet_prior(e, engines.values(), fleet_prior)
                 if p.matched_tokens:
                     x_hit, x_miss = x - (p.matched_tokens - p.cached_tokens), x + p.cached_tokens
                     hit = was_hit(stats.ttft_s, e.ttft_model.predict(x_hit, p.r_ahead),

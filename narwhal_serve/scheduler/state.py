@@ -23,7 +23,7 @@ from narwhal_serve.admission.ledger import Ticket, releases
 from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.ha.state import RouterState
-from narwhal_serve.placement.engines import EngineState, PriorCoeffs, borrows_ttft, fleet_ttft
+from narwhal_serve.placement.engines import EngineState, FleetPrior, PriorCoeffs, borrows_ttft, fleet_ttft
 from narwhal_serve.prediction.ttft import PrefillModel
 from narwhal_serve.prediction.decode import OutputLengths, mean_remaining, tpot_at
 from narwhal_serve.scheduler.ha import RouterHA
@@ -195,8 +195,7 @@ class SchedulerState(ABC):
         self._full_view_at = -math.inf
         self._fleet_kept = None
 
-    def _inputs(self, e: EngineState, now: float, fleet: Mapping[tuple[str, str], PrefillModel | PriorCoeffs],
-                frozen: bool) -> tuple[object, ...]:
+    def _inputs(self, e: EngineState, now: float, fleet: FleetPrior, frozen: bool) -> tuple[object, ...]:
         """What an engine's facts are made of (read from its live state)."""
         stale = self.cfg.monitoring.stale_after_s
         pl = self.cfg.placement

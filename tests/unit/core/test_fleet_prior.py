@@ -110,7 +110,7 @@ def test_an_engines_first_measurement_at_the_scheduler_starts_from_the_prior_it_
     read of every engine (what the engine was projected with until then), not from a look at every
     engine for the best-measured one (at a thousand engines, a scan per engine's first measurement:
     a third of the report handling's learning)."""
-    from narwhal_serve.scheduler import learning
+    from narwhal_serve.placement import engines as engines_mod
 
     svc = _service()
     for i in range(12):
@@ -123,7 +123,7 @@ def test_an_engines_first_measurement_at_the_scheduler_starts_from_the_prior_it_
     def no_scan(engines):  # type: ignore[no-untyped-def]
         raise AssertionError("looked at every engine")
 
-    monkeypatch.setattr(learning, "fleet_ttft", no_scan)
+    monkeypatch.setattr(engines_mod, "fleet_ttft", no_scan)
     b = svc.engines["b"]
     route = RouteChoice(kind="single", decode=b.cfg)
     p = Placement((route,), "b", 4000, 4000, 0.0, None, ttft_budget_s=10.0)
