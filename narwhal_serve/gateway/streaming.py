@@ -57,9 +57,13 @@ def outcome_of(err: ErrorInfo) -> Outcome:
 
 
 class Flow:
-    """One admitted request's phase; reports its first token and its end exactly once."""
+    """One admitted request's phase; reports its first token and its end exactly once.  An end
+    without the relay's stats after the first token (the stream cut: the client left, read too
+    slowly, the router stopped) reports what the flow saw instead (RelayStats.cut): the route that
+    was answering and the output tokens identified so far."""
 
-    __slots__ = ("on_first_token", "on_end", "on_health", "on_progress", "on_resumes", "decoding", "ended")
+    __slots__ = ("on_first_token", "on_end", "on_health", "on_progress", "on_resumes", "decoding", "ended",
+                 "engines", "tokens")
 
     def __init__(
         self,
@@ -76,12 +80,18 @@ class Flow:
         self.on_resumes = on_resumes  # (reason, outcome) of each mid-stream cut
         self.decoding = False
         self.ended = False
+        self.engines: tuple[str, ...] = ()  # the route answering, as last announced
+        self.tokens = 0  # output tokens identified so far
 
     def observe(self, msg: RelayMessage) -> None:
         if msg.health and self.on_health is not None:
             self.on_health(msg.health)
         if msg.resumes and self.on_resumes is not None:
             self.on_resumes(msg.resumes)
+        if msg.engines:
+            self.engines = msg.engines
+        if msg.tokens > self.tokens:
+            self.tokens = msg.tokens
         if msg.first_token and not self.decoding and not msg.final:
             self.decoding = True
             self.on_first_token(msg)
@@ -94,6 +104,8 @@ class Flow:
         """``status``: the HTTP status the client got (200 once stream headers are out)."""
         if not self.ended:
             self.ended = True
+            if stats is None and self.decoding:
+                stats = RelayStats.cut(self.engines, self.tokens)
             self.on_end(outcome, reason, stats, status)
 
 

@@ -18,3 +18,12 @@ class RelayStats:
     resume_gap_s: tuple[float, ...] = ()  # per resume: last token before the cut → first token after
     resume_prefill_s: tuple[float, ...] = ()  # per resume: the continuation's request → its first token
     resume_turnaround_s: tuple[float, ...] = ()  # per resume: the failure noticed → the continuation's request
+    # The stream was cut before its last message (the client left, read too slowly, the router
+    # stopped): what the router saw up to the cut — the route that was answering and the output
+    # tokens identified so far — with no timings (``ttft_s`` None, ``decode_s`` 0, ``attempts`` 0:
+    # not known).  Counted (request log, tenants' and classes' output tokens), never learned from.
+    partial: bool = False
+
+    @classmethod
+    def cut(cls, engines: tuple[str, ...], output_tokens: int) -> "RelayStats":
+        return cls("", engines, None, output_tokens, 0.0, 0, partial=True)

@@ -29,7 +29,10 @@ def learn_from(
     """What one finished request teaches: TTFT, TPOT and service-time models, drift, output lengths
     (a completed request's identified tokens), histograms, goodput (a completed request whose first
     token came within its target) and predicted-vs-measured TTFT (``tally``).  Models and drift learn
-    only from a request served where it was placed, on its first attempt."""
+    only from a request served where it was placed, on its first attempt; nothing from a stream
+    cut before its end (partial stats: no timings)."""
+    if stats.partial:
+        return
     as_placed = stats.attempts == 1 and stats.engines == p.engines and not stats.resumed_from
     pl = placement or PlacementConfig()
     # a resume's prefill is measured as a resume, never as a client TTFT

@@ -129,7 +129,7 @@ class TicketBook(SchedulerState):
         if t.lease is not None and (rec := self.leases.leases.get(t.lease)) is not None:
             rec.tickets.discard(tid)
         self._ticket_event(tid, t, ledger.released)
-        if stats is not None:
+        if stats is not None and not stats.partial:  # (a cut stream's stats are counted, not learned from)
             learn_from(stats, t.placement, self.engines, self.histograms, self.tally, completed, self.outputs,
                        self.clock(), self.cfg.placement, self._fleet_prior)
             for name in t.placement.engines:  # its models, margins, drift, prefix credit

@@ -8,6 +8,7 @@ import asyncio
 import json
 import socket
 import time
+from typing import Any
 
 import pytest
 
@@ -34,6 +35,11 @@ BODY = json.dumps(chat_body(max_tokens=50, ignore_eos=True)).encode()
 # What the kernel buffers between the ingress and a client that never reads (a few MB on loopback)
 # takes this long to fill at the simulator's pace on a loaded CI machine; then the cut is immediate.
 SLOW_READER_CUT_S = 30.0
+
+
+def output_tokens(snap: dict[str, Any]) -> int:
+    """Output tokens counted for the priority classes (every admitted request has one)."""
+    return sum(r["output_tokens"] for r in snap["classes"])
 
 
 async def test_client_leaving_before_admission_ends_each_offered_request_once(fleet: Fleet) -> None:
@@ -115,6 +121,8 @@ async def test_client_leaving_mid_stream_aborts_the_engine_request(fleet: Fleet)
         assert time.monotonic() - t0 < 2 * KEEPALIVE_S + 2
     snap = await assert_quiescent(app)
     assert delta(before, snap) == {"offered": 1, "cancelled": 1, "cancelled/client_disconnected": 1}
+    # its output tokens up to the cut are counted (the class's tokens), not the answer it asked for
+    assert 1 <= output_tokens(snap) - output_tokens(before) < 400
 
 
 async def test_slow_reader_is_cut_not_buffered(fleet: Fleet) -> None:
@@ -139,6 +147,7 @@ async def test_slow_reader_is_cut_not_buffered(fleet: Fleet) -> None:
     snap = await assert_quiescent(app)
     assert delta(before, snap) == {"offered": 1, "failed": 1, "failed/slow_reader": 1}
     assert took < SLOW_READER_CUT_S + SLOW_READER_TIMEOUT_S, took
+    assert 1 <= output_tokens(snap) - output_tokens(before) < 30000  # what the engine made until the cut
 
 
 async def test_fast_reader_of_a_long_wide_stream_is_not_cut(fleet: Fleet) -> None:
