@@ -67,14 +67,15 @@ class _Scored:
     done: int = 0  # tokens of the prompt at the head of the line counted as prefilled already
 
 
-def _slot_wait(d: EngineFacts | None, expected_out: float, held: int = 0) -> float:
+def _slot_wait(d: EngineFacts | None, expected_out: float, held: int = 0, t: float = 0.0) -> float:
     """Wait for a sequence slot at the decode engine.  With a TPOT model: when the scheduler's
     releases say this one's prefill can start at its place in line (a slot freed, from each
     request's own remaining decode, and the prefills ahead of it done), that; else the requests
     beyond its slots drain ``slots`` at a time, each taking the mean remaining decode (the router's
     corrected ledger, per request) at the full-batch TPOT; before a TPOT model, the measured
     service time.
-    ``held``: requests reserved there for retries, counted as already queued."""
+    ``held``: requests reserved there for retries, counted as already queued; ``t``: now on the
+    facts' clock (the releases are times on it)."""
     if d is None:
         return 0.0
     if not d.tpot_known or not d.slots:
@@ -82,7 +83,7 @@ def _slot_wait(d: EngineFacts | None, expected_out: float, held: int = 0) -> flo
     per_request = mean_remaining(d.decode_tokens, d.inflight, expected_out)
     service = d.ttft_a + per_request * tpot_at(d.tpot_a, d.tpot_b, d.slots)
     if d.releases:  # the scheduler's slot releases from each request's own remaining decode
-        return released_wait_s(d.releases, d.in_flight() + held + 1 - d.slots, service, d.slots)
+        return released_wait_s(d.releases, d.in_flight() + held + 1 - d.slots, service, d.slots, t)
     return slot_wait_s(d.in_flight() + held, d.slots, service)
 
 
@@ -102,7 +103,8 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
             matched -= matched % e.cache_block_tokens
         cached = int(matched * e.prefix_credit)
     own = ask.prompt_tokens - cached
-    wait = judged_wait = _slot_wait(d, expected_out)
+    t = now - view.shift  # (the facts' clock)
+    wait = judged_wait = _slot_wait(d, expected_out, 0, t)
     if wait > 0.0 and d is e and d.releases:
         # in line for a slot: the releases say when its prefill can start, the prompts pending
         # there when the scheduler took the view prefilled before it (each when its slot freed, in
@@ -124,7 +126,7 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
         held_tokens, held_requests = reserved_at(view.reservations, e.cfg.name, now, ask.ttft_budget_s)
         held_slots = held_requests if d is e else reserved_at(view.reservations, d.cfg.name, now, ask.ttft_budget_s)[1]
         if held_slots:  # judged as if they were in line before it; they come after it, so not predicted
-            judged_wait = _slot_wait(d, expected_out, held_slots)
+            judged_wait = _slot_wait(d, expected_out, held_slots, t)
     alone, raw = projected_pair(e.ttft_a, e.ttft_b, x - own + held_tokens, own, judged_wait, e.ttft_c,
                                 r + held_requests)
     projection = Projection(alone, with_margin(raw, e.ttft_margin))

@@ -41,8 +41,8 @@ class EngineFacts:
     prefix_credit: float = 1.0  # share of a prefix match credited as cached (measured hit rate)
     cache_block_tokens: int = 0  # the engine reuses its cache in blocks of this many tokens (0: unknown)
     node: str | None = None  # the Ray node a managed engine runs on (None: unknown, an engine by URL)
-    # when a slot frees here for each of the next requests beyond its slots (seconds from when the
-    # facts were read; admission/ledger.py releases); empty: none known (the mean drain applies)
+    # when a slot frees here for each of the next requests beyond its slots (times on the facts'
+    # clock; admission/ledger.py releases); empty: none known (the mean drain applies)
     releases: tuple[float, ...] = ()
     # the prefill at the head of its line of pending prompts: since when it runs (the facts' clock:
     # when the line's head last changed, by the scheduler's ledger) and its prompt tokens; None:

@@ -36,6 +36,9 @@ class Ticket:
     prefill_done: bool = False
     decode_engine: str | None = None  # where its decode work is charged
     decode_charged: float = 0.0  # that charge, corrected as its tokens arrive
+    # when that charge was last set from its tokens (its first token, its progress; the holder's
+    # clock, None: not told): its remaining decode runs down from then (:func:`releases`)
+    charged_at: float | None = None
 
 
 def add(into: Deltas, more: Mapping[str, EngineDelta]) -> None:
@@ -107,18 +110,24 @@ def prefill_finished(t: Ticket) -> Deltas:
                                         prefix_done=frozenset(p.prefix), prefills_done=1)}
 
 
-def first_token(t: Ticket, engines: tuple[str, ...]) -> Deltas:
-    """Its first token came from ``engines`` (again later: a resume moved the answer there)."""
+def first_token(t: Ticket, engines: tuple[str, ...], now: float | None = None) -> Deltas:
+    """Its first token came from ``engines`` (again later: a resume moved the answer there), at
+    ``now`` (its decode starts running down then)."""
     out = moved(t, engines)
     add(out, prefill_finished(t))
+    if now is not None:
+        t.charged_at = now
     return out
 
 
-def progressed(t: Ticket, tokens: int) -> Deltas:
-    """Decode correction: its remaining decode from the ``tokens`` it generated so far."""
+def progressed(t: Ticket, tokens: int, now: float | None = None) -> Deltas:
+    """Decode correction: its remaining decode from the ``tokens`` it generated so far (counted
+    ``now``)."""
     out: Deltas = {}
     p = t.placement
     _recharge(t, t.decode_engine, remaining_tokens(p.expected_out, tokens, p.max_output_tokens), out)
+    if now is not None:
+        t.charged_at = now
     return out
 
 
@@ -131,21 +140,24 @@ def released(t: Ticket) -> Deltas:
 
 
 def releases(tickets: Iterable[Ticket], slots: int, external: int, first_s: float, tpot_s: float,
-             more_s: float, per_token_s: float = 0.0, per_request_s: float = 0.0) -> tuple[float, ...]:
+             more_s: float, per_token_s: float = 0.0, per_request_s: float = 0.0,
+             now: float = 0.0) -> tuple[float, ...]:
     """When each of the next requests beyond a decode engine's ``slots`` can start its prefill
-    (``prediction/ttft.py`` :func:`slot_releases`), from the ``tickets`` decoding there in the order
-    they came: one past its first token holds a slot for its remaining decode (its charge, at
-    ``tpot_s`` a token), one before it is in line for its prefill there (``per_token_s`` a pending
-    token plus ``per_request_s``; none when another engine prefills it), then ``first_s`` and its
-    expected decode; other clients' ``external`` requests hold slots for ``more_s`` each (their
-    lengths are unknown), as do the requests after the known ones.  Empty while the engine has a
-    free slot for the next one."""
+    (``prediction/ttft.py`` :func:`slot_releases`), as times on the clock of ``now`` (the
+    tickets'), from the ``tickets`` decoding there in the order they came: one past its first
+    token holds a slot for its remaining decode (its charge, at ``tpot_s`` a token, less what ran
+    since the charge was set), one before it is in line for its prefill there (``per_token_s`` a
+    pending token plus ``per_request_s``; none when another engine prefills it), then ``first_s``
+    and its expected decode; other clients' ``external`` requests hold slots for ``more_s`` each
+    (their lengths are unknown), as do the requests after the known ones.  Empty while the engine
+    has a free slot for the next one."""
     running: list[float] = []
     queued: list[float] = []
     prefill: list[float] = []
     for t in tickets:
         if t.prefill_done:
-            running.append(t.decode_charged * tpot_s)
+            left = t.decode_charged * tpot_s
+            running.append(left if t.charged_at is None else max(0.0, left - (now - t.charged_at)))
         else:
             queued.append(first_s + t.decode_charged * tpot_s)
             p = t.placement
@@ -155,4 +167,4 @@ def releases(tickets: Iterable[Ticket], slots: int, external: int, first_s: floa
     if beyond <= 0:
         return ()
     running.extend([more_s] * external)
-    return slot_releases(running, queued, slots, more_s, min(RELEASES_MAX, beyond + 8), prefill)
+    return tuple(now + r for r in slot_releases(running, queued, slots, more_s, min(RELEASES_MAX, beyond + 8), prefill))

@@ -206,14 +206,15 @@ def slot_releases(running_s: Sequence[float], queued_s: Sequence[float], slots: 
     return tuple(out)
 
 
-def released_wait_s(releases: Sequence[float], position: int, more_s: float, slots: int) -> float:
-    """The wait of the ``position``-th request beyond the slots (1-based; below 1: none) on
-    :func:`slot_releases` ``releases``; past their end, ``more_s`` per ``slots`` more."""
+def released_wait_s(releases: Sequence[float], position: int, more_s: float, slots: int, now: float = 0.0) -> float:
+    """The wait from ``now`` of the ``position``-th request beyond the slots (1-based; below 1:
+    none) on :func:`slot_releases` ``releases`` (times on the clock of ``now``: a release already
+    due is none); past their end, ``more_s`` per ``slots`` more."""
     if position <= 0:
         return 0.0
     if position <= len(releases):
-        return releases[position - 1]
-    last = releases[-1] if releases else 0.0
+        return max(0.0, releases[position - 1] - now)
+    last = max(0.0, releases[-1] - now) if releases else 0.0
     return last + (position - len(releases)) * more_s / max(1, slots)
 
 

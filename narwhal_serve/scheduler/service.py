@@ -136,7 +136,7 @@ class SchedulerService(AdminOps):
                         and not e.prefix_exact:  # (an engine's own KV events say what it holds)
                     e.prefix.insert(t.placement.prefix)  # its prefill is done: the engine holds its blocks now
                     self.touch(e.cfg.name)
-                self._ticket_event(tid, t, lambda t: ledger.first_token(t, engines))  # (called at once)
+                self._ticket_event(tid, t, lambda t: ledger.first_token(t, engines, self.clock()))  # (called at once)
                 if t.decode_engine is not None:  # it holds a slot there now (its slot releases)
                     self.touch(t.decode_engine)
         for tid, tokens in rep.progress.items():

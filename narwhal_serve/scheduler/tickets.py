@@ -102,7 +102,7 @@ class TicketBook(SchedulerState):
         """Decode correction: the ticket's remaining decode from the tokens it generated so far."""
         t = self._tickets.get(tid)
         if t is not None:
-            self._apply(ledger.progressed(t, tokens))
+            self._apply(ledger.progressed(t, tokens, self.clock()))
             if t.lease is None and tokens > t.output_charged:  # (a lease charges its own tickets' outputs)
                 self.tenants.charge_output(t.placement.tenant, tokens - t.output_charged, self.clock())
                 t.output_charged = tokens

@@ -18,7 +18,7 @@ from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.scheduler.learning import learn_from
 from narwhal_serve.scheduler.monitor import scraped
 from narwhal_serve.telemetry import Histogram
-from tests.unit.admission.test_overload_decisions import engine, placed, view
+from tests.unit.admission.test_overload_decisions import NOW, engine, placed, view
 
 
 def _metrics(running: int, waiting: int) -> str:
@@ -58,7 +58,7 @@ def test_in_line_for_a_slot_its_prefill_starts_when_a_slot_frees_and_the_prefill
     free = placed(view(engine("e", inflight=4, slots=8, **pending)), Ask(100, 30.0))
     assert free.slot_wait_s == 0.0 and free.x_tokens == 4100  # prefilled after those pending now
     assert free.predicted_s == pytest.approx(0.02 + 0.0002 * 4100)
-    in_line = placed(view(engine("e", inflight=8, slots=8, releases=(0.9,), **pending)), Ask(100, 30.0))
+    in_line = placed(view(engine("e", inflight=8, slots=8, releases=(NOW + 0.9,), **pending)), Ask(100, 30.0))
     # the releases hold the pending prefills (each started when its slot freed): its own is left
     assert in_line.slot_wait_s == pytest.approx(0.9) and in_line.x_tokens == 100
     assert in_line.predicted_s == pytest.approx(0.9 + 0.02 + 0.0002 * 100)
@@ -103,7 +103,7 @@ def test_prompts_placed_since_the_view_was_taken_are_added_to_a_release() -> Non
     lease placed there since (a burst decided before the next grant) are not in them, and are
     added (they were dropped: a lease under-predicted by their prefills)."""
     pending = dict(pending_prefill_tokens=4000, pending_prefill_requests=4, ttft_a=0.02, ttft_b=0.0002)
-    taken = engine("e", inflight=8, slots=8, releases=(0.5, 0.9, 1.2), **pending)
+    taken = engine("e", inflight=8, slots=8, releases=(NOW + 0.5, NOW + 0.9, NOW + 1.2), **pending)
     since = copied(taken, inflight=10, pending_prefill_tokens=8000, pending_prefill_requests=6)
     p = placed(view(taken, changed={"e": since}), Ask(100, 30.0))
     # 10 in flight now: it is the third beyond the slots (1.2 s), after the 4,000 tokens placed since

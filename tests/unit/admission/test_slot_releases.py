@@ -11,7 +11,7 @@ import statistics
 
 import pytest
 
-from narwhal_serve.admission.core import Ask
+from narwhal_serve.admission.core import Ask, decide
 from narwhal_serve.admission.ledger import Ticket, releases
 from narwhal_serve.admission.view import Placement
 from narwhal_serve.config import NarwhalConfig
@@ -20,7 +20,7 @@ from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest, Report
 from narwhal_serve.scheduler.service import SchedulerService
 from tests.support.scheduler import Clock
-from tests.unit.admission.test_overload_decisions import engine, placed, view
+from tests.unit.admission.test_overload_decisions import NOW, engine, placed, view
 
 
 def test_each_place_in_line_gets_the_slot_that_frees_first() -> None:
@@ -89,7 +89,7 @@ def test_an_engines_tickets_make_its_releases() -> None:
 def test_a_decision_reads_the_releases_at_its_place_in_line() -> None:
     full = dict(inflight=10, slots=8, decode_tokens=10 * 500.0)
     mean = placed(view(engine("a", **full)), Ask(100, 30.0))
-    by_rel = placed(view(engine("a", releases=(0.2, 0.3, 0.9, 1.5), **full)), Ask(100, 30.0))
+    by_rel = placed(view(engine("a", releases=tuple(NOW + r for r in (0.2, 0.3, 0.9, 1.5)), **full)), Ask(100, 30.0))
     assert by_rel.slot_wait_s == pytest.approx(0.9)  # third beyond the 8 slots
     assert by_rel.predicted_s == pytest.approx(mean.predicted_s - mean.slot_wait_s + 0.9)
 
@@ -109,8 +109,8 @@ async def test_the_scheduler_grants_releases_from_the_tickets_on_each_engine() -
     e.tpot_model.a, e.tpot_model.b = 0.01, 0.0
     e.ttft_model.a, e.ttft_model.b, e.ttft_model.c = 0.05, 0.001, 0.0  # 10-token prompts: 0.01 s each
 
-    def facts() -> tuple[float, ...]:
-        return svc.view(clock.t, frozen=True).facts()["u"].releases
+    def facts() -> tuple[float, ...]:  # (from now: the facts carry them as times)
+        return tuple(r - clock.t for r in svc.view(clock.t, frozen=True).facts()["u"].releases)
 
     for i, out in enumerate((10, 40, 20)):
         res = await svc.admit(AdmitRequest(f"t{i}", clock.t + 60, 10, out, 30.0, kind="completion",
@@ -131,3 +131,58 @@ async def test_the_scheduler_grants_releases_from_the_tickets_on_each_engine() -
     assert facts() == ()  # one in flight, two slots: no line
     svc.report(Report(released=[("t2", None, False)]))
     assert svc._decoding == {}
+
+
+def test_a_release_runs_down_from_when_its_tokens_were_counted() -> None:
+    """A running ticket's remaining decode is counted from when its tokens were (its first token,
+    its last progress), not from when the facts are read: the releases are times, the same
+    whenever they are read, and a decision later in a view's life waits only for what is left.
+    (They were durations from the read: between two progress reports each read, and a lease
+    deciding a second after its grant, waited for decode that had run already — the Mooncake
+    replay at 2x over-predicted slot waits by 80 %.)"""
+    t0 = _ticket(10, True)  # 10 tokens to go at 0.01 s: free 0.1 s after they were counted
+    t0.charged_at = NOW
+    t1 = _ticket(40, True)
+    t1.charged_at = NOW + 0.05
+    line = [_ticket(20, False)]
+    at_count = releases([t0, t1] + line, 2, 0, 0.05, 0.01, 1.0, now=NOW + 0.05)
+    later = releases([t0, t1] + line, 2, 0, 0.05, 0.01, 1.0, now=NOW + 0.08)
+    assert at_count[0] == pytest.approx(NOW + 0.1) and later == pytest.approx(at_count)
+    assert at_count[1] == pytest.approx(NOW + 0.1 + 0.05 + 0.2)  # the one in line: the first slot, then its service
+    # a decision reads them at its own time: 0.03 s later, the wait is 0.03 s shorter; once due, none
+    full = dict(inflight=10, slots=8, decode_tokens=10 * 500.0)
+    facts = engine("a", releases=(NOW + 0.2, NOW + 0.3, NOW + 0.9), **full)
+    assert decide(view(facts), Ask(100, 30.0), NOW + 0.03, 0).slot_wait_s == pytest.approx(0.87)  # type: ignore[union-attr]
+    late = view(engine("a", releases=(NOW + 0.2, NOW + 0.3), inflight=9, slots=8, decode_tokens=4500.0))
+    assert decide(late, Ask(100, 30.0), NOW + 0.5, 0).slot_wait_s == 0.0  # type: ignore[union-attr]
+    # a ticket overdue holds its slot until it ends, from the read on
+    overdue = releases([t0, _ticket(40, True), _ticket(20, False)], 2, 0, 0.05, 0.01, 1.0, now=NOW + 0.5)
+    assert overdue[0] == pytest.approx(NOW + 0.5)
+
+
+async def test_the_scheduler_counts_a_running_tickets_decode_from_its_progress() -> None:
+    clock = Clock()
+    cfg = NarwhalConfig.model_validate({
+        "admission": {"mode": "predictive"},
+        "engines": [{"name": "u", "url": "http://127.0.0.1:1", "role": "unified", "max_num_seqs": 1}],
+    })
+    svc = SchedulerService(cfg, clock=clock)
+    svc.check_views = True
+    e = svc.engines["u"]
+    e.healthy, e.last_ok = True, clock.t
+    svc.router.started = True
+    e.tpot_model.samples.append((1.0, 0.01))
+    e.tpot_model.a, e.tpot_model.b = 0.01, 0.0
+    e.ttft_model.a, e.ttft_model.b, e.ttft_model.c = 0.05, 0.001, 0.0
+    for i in range(2):
+        res = await svc.admit(AdmitRequest(f"t{i}", clock.t + 60, 10, 50, 30.0, kind="completion", min_output_tokens=50))
+        assert res.error is None
+    svc.report(Report(decode_started=[("t0", ("u",))], progress={"t0": 10}))  # 40 to go: 0.4 s from now
+    counted = clock.t
+    [first, *_] = svc.view(clock.t, frozen=True).facts()["u"].releases
+    assert first == pytest.approx(counted + 0.4)
+    clock.t += 0.3  # (a full read: every engine read again)
+    assert svc.view(clock.t, frozen=True).facts()["u"].releases[0] == pytest.approx(counted + 0.4)
+    svc.report(Report(progress={"t0": 45}))  # it ran faster: 5 to go
+    assert svc.view(clock.t, frozen=True).facts()["u"].releases[0] == pytest.approx(clock.t + 0.05)
+
