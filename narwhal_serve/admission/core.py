@@ -67,7 +67,7 @@ class _Scored:
     done: int = 0  # tokens of the prompt at the head of the line counted as prefilled already
 
 
-def _slot_wait(d: EngineFacts | None, expected_out: float, held: int = 0, t: float = 0.0) -> float:
+def _slot_wait(d: EngineFacts | None, expected_out: float, held: int, t: float) -> float:
     """Wait for a sequence slot at the decode engine.  With a TPOT model: when the scheduler's
     releases say this one's prefill can start at its place in line (a slot freed, from each
     request's own remaining decode, and the prefills ahead of it done), that; else the requests

@@ -36,9 +36,11 @@ class Ticket:
     prefill_done: bool = False
     decode_engine: str | None = None  # where its decode work is charged
     decode_charged: float = 0.0  # that charge, corrected as its tokens arrive
-    # when that charge was last set from its tokens (its first token, its progress; the holder's
-    # clock, None: not told): its remaining decode runs down from then (:func:`releases`)
+    # when that charge was last set from its tokens (its first token, its progress, as the holder
+    # heard them; its clock, None: not told) and how many it had then: its decode runs on from there
+    # (:func:`releases`)
     charged_at: float | None = None
+    charged_tokens: float = 0.0
 
 
 def add(into: Deltas, more: Mapping[str, EngineDelta]) -> None:
@@ -115,8 +117,8 @@ def first_token(t: Ticket, engines: tuple[str, ...], now: float | None = None) -
     ``now`` (its decode starts running down then)."""
     out = moved(t, engines)
     add(out, prefill_finished(t))
-    if now is not None:
-        t.charged_at = now
+    if now is not None and t.charged_at is None:
+        t.charged_at, t.charged_tokens = now, 1.0
     return out
 
 
@@ -127,7 +129,7 @@ def progressed(t: Ticket, tokens: int, now: float | None = None) -> Deltas:
     p = t.placement
     _recharge(t, t.decode_engine, remaining_tokens(p.expected_out, tokens, p.max_output_tokens), out)
     if now is not None:
-        t.charged_at = now
+        t.charged_at, t.charged_tokens = now, float(tokens)
     return out
 
 
@@ -140,13 +142,15 @@ def released(t: Ticket) -> Deltas:
 
 
 def releases(tickets: Iterable[Ticket], slots: int, external: int, first_s: float, tpot_s: float,
-             more_s: float, per_token_s: float = 0.0, per_request_s: float = 0.0,
-             now: float = 0.0) -> tuple[float, ...]:
+             more_s: float, per_token_s: float = 0.0, per_request_s: float = 0.0, *,
+             now: float) -> tuple[float, ...]:
     """When each of the next requests beyond a decode engine's ``slots`` can start its prefill
     (``prediction/ttft.py`` :func:`slot_releases`), as times on the clock of ``now`` (the
     tickets'), from the ``tickets`` decoding there in the order they came: one past its first
-    token holds a slot for its remaining decode (its charge, at ``tpot_s`` a token, less what ran
-    since the charge was set), one before it is in line for its prefill there (``per_token_s`` a
+    token holds a slot for its remaining decode at ``tpot_s`` a token (its charge; once its tokens
+    were counted, what :func:`remaining_tokens` leaves of its expected output after those and the
+    ones made at ``tpot_s`` since — one past its expected length still holds its slot, for a
+    quarter of what it made), one before it is in line for its prefill there (``per_token_s`` a
     pending token plus ``per_request_s``; none when another engine prefills it), then ``first_s``
     and its expected decode; other clients' ``external`` requests hold slots for ``more_s`` each
     (their lengths are unknown), as do the requests after the known ones.  Empty while the engine
@@ -156,8 +160,12 @@ def releases(tickets: Iterable[Ticket], slots: int, external: int, first_s: floa
     prefill: list[float] = []
     for t in tickets:
         if t.prefill_done:
-            left = t.decode_charged * tpot_s
-            running.append(left if t.charged_at is None else max(0.0, left - (now - t.charged_at)))
+            if t.charged_at is None or tpot_s <= 0.0:
+                running.append(t.decode_charged * tpot_s)
+            else:
+                made = t.charged_tokens + max(0.0, now - t.charged_at) / tpot_s
+                p = t.placement
+                running.append(remaining_tokens(p.expected_out, made, p.max_output_tokens) * tpot_s)
         else:
             queued.append(first_s + t.decode_charged * tpot_s)
             p = t.placement

@@ -58,12 +58,13 @@ def outcome_of(err: ErrorInfo) -> Outcome:
 
 class Flow:
     """One admitted request's phase; reports its first token and its end exactly once.  An end
-    without the relay's stats after the first token (the stream cut: the client left, read too
-    slowly, the router stopped) reports what the flow saw instead (RelayStats.cut): the route that
-    was answering and the output tokens identified so far."""
+    without stats reports the relay's final ones if they came (the client left during the last
+    writes), else, after the first token (the stream cut: the client left, read too slowly, the
+    router stopped; a non-streaming answer left or past its deadline), what the flow saw
+    (RelayStats.cut): the route that was answering and the output tokens identified so far."""
 
     __slots__ = ("on_first_token", "on_end", "on_health", "on_progress", "on_resumes", "decoding", "ended",
-                 "engines", "tokens")
+                 "engines", "tokens", "final")
 
     def __init__(
         self,
@@ -82,6 +83,7 @@ class Flow:
         self.ended = False
         self.engines: tuple[str, ...] = ()  # the route answering, as last announced
         self.tokens = 0  # output tokens identified so far
+        self.final: RelayStats | None = None  # the relay's stats, once its final message came
 
     def observe(self, msg: RelayMessage) -> None:
         if msg.health and self.on_health is not None:
@@ -92,6 +94,8 @@ class Flow:
             self.engines = msg.engines
         if msg.tokens > self.tokens:
             self.tokens = msg.tokens
+        if msg.final and msg.stats is not None:
+            self.final = msg.stats
         if msg.first_token and not self.decoding and not msg.final:
             self.decoding = True
             self.on_first_token(msg)
@@ -104,8 +108,8 @@ class Flow:
         """``status``: the HTTP status the client got (200 once stream headers are out)."""
         if not self.ended:
             self.ended = True
-            if stats is None and self.decoding:
-                stats = RelayStats.cut(self.engines, self.tokens)
+            if stats is None:
+                stats = self.final if self.final is not None or not self.decoding else RelayStats.cut(self.engines, self.tokens)
             self.on_end(outcome, reason, stats, status)
 
 

@@ -116,7 +116,7 @@ def mean_remaining(decode_tokens: float, inflight: int, otherwise: float) -> flo
     return decode_tokens / inflight if inflight > 0 and decode_tokens > 0 else otherwise
 
 
-def remaining_tokens(expected: float, generated: int, max_tokens: int | None) -> float:
+def remaining_tokens(expected: float, generated: float, max_tokens: int | None) -> float:
     """Decode tokens still ahead of a running request (the correction as its tokens arrive)."""
     left = expected - generated
     if left < 1.0:

@@ -206,7 +206,7 @@ def slot_releases(running_s: Sequence[float], queued_s: Sequence[float], slots: 
     return tuple(out)
 
 
-def released_wait_s(releases: Sequence[float], position: int, more_s: float, slots: int, now: float = 0.0) -> float:
+def released_wait_s(releases: Sequence[float], position: int, more_s: float, slots: int, now: float) -> float:
     """The wait from ``now`` of the ``position``-th request beyond the slots (1-based; below 1:
     none) on :func:`slot_releases` ``releases`` (times on the clock of ``now``: a release already
     due is none); past their end, ``more_s`` per ``slots`` more."""

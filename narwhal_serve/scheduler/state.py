@@ -227,7 +227,7 @@ class SchedulerState(ABC):
         tpot = tpot_at(e.tpot_model.a, e.tpot_model.b, slots)
         per_request = mean_remaining(e.decode_tokens, e.inflight, 0.0)
         return releases(self._decoding.get(e.cfg.name, {}).values(), slots, e.external(), m.a, tpot,
-                        m.a + per_request * tpot, m.b, m.c, now)
+                        m.a + per_request * tpot, m.b, m.c, now=now)
 
     @staticmethod
     def _facts(inputs: tuple[object, ...]) -> EngineFacts:
@@ -255,8 +255,9 @@ class SchedulerState(ABC):
             return
         self._read(touched, now)
         if self.check_views:  # tests: the touched engines were all that changed (an eligibility time
-            # kept at the last full read may be kept until the next one; slot releases are times,
-            # read again as time passes only where one is due or a slot is free: not compared)
+            # kept at the last full read may be kept until the next one; slot releases are times
+            # that move as time passes — a running request's decode runs on, a free slot or another
+            # client's request is counted from the read — so they are not compared)
             for name, e in self.engines.items():
                 kept = self._granted[name][0]
                 fresh = _kept_eligible(self._inputs(e, now, self._fleet_prior, True), kept, self._full_view_at)

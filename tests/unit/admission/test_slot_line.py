@@ -75,10 +75,10 @@ def test_the_tickets_in_line_carry_their_prefills_into_the_releases() -> None:
         return Ticket(p, ("d",), prefill_done=done, decode_engine="d", decode_charged=10)
 
     running = [ticket("d", True)]  # 10 tokens left at 0.01 s: its slot frees at 0.1 s
-    here = releases(running + [ticket("d", False)], 1, 0, 0.05, 0.01, 1.0, per_token_s=0.001, per_request_s=0.1)
+    here = releases(running + [ticket("d", False)], 1, 0, 0.05, 0.01, 1.0, per_token_s=0.001, per_request_s=0.1, now=0.0)
     # in line: slot at 0.1, prefill 1000 x 0.001 + 0.1 = 1.1 s, then 0.05 + 0.1: the next at 1.35
     assert here[:2] == pytest.approx((0.1, 1.35))
-    there = releases(running + [ticket("p", False)], 1, 0, 0.05, 0.01, 1.0, per_token_s=0.001, per_request_s=0.1)
+    there = releases(running + [ticket("p", False)], 1, 0, 0.05, 0.01, 1.0, per_token_s=0.001, per_request_s=0.1, now=0.0)
     assert there[:2] == pytest.approx((0.1, 0.25))
 
 

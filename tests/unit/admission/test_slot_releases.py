@@ -28,9 +28,9 @@ def test_each_place_in_line_gets_the_slot_that_frees_first() -> None:
     assert slot_releases([5, 1, 3, 2], [10, 10], 4, 1.0, 6) == (1, 2, 3, 4, 5, 5)
     # two slots free: the first two in line hold them already; the third waits for the 1 s one
     assert slot_releases([5, 1], [10, 10, 10], 4, 1.0, 4) == (1, 5, 6, 7)
-    assert released_wait_s((1.0, 2.0), 0, 4.0, 2) == 0.0  # a free slot
-    assert released_wait_s((1.0, 2.0), 2, 4.0, 2) == 2.0
-    assert released_wait_s((1.0, 2.0), 4, 4.0, 2) == 2.0 + 2 * 4.0 / 2  # past the known: the mean drain
+    assert released_wait_s((1.0, 2.0), 0, 4.0, 2, 0.0) == 0.0  # a free slot
+    assert released_wait_s((1.0, 2.0), 2, 4.0, 2, 0.0) == 2.0
+    assert released_wait_s((1.0, 2.0), 4, 4.0, 2, 0.0) == 2.0 + 2 * 4.0 / 2  # past the known: the mean drain
 
 
 def test_on_a_lognormal_queue_the_releases_are_exact_where_the_mean_drain_is_not() -> None:
@@ -54,7 +54,7 @@ def test_on_a_lognormal_queue_the_releases_are_exact_where_the_mean_drain_is_not
                 beyond = len(rest) + len(ahead) + 1 - slots
                 rel = slot_releases(rest, ahead, slots, length, max(1, beyond)) if beyond > 0 else ()
                 mean = (sum(rest) + sum(ahead)) / max(1, len(rest) + len(ahead))
-                line.append((now, length, released_wait_s(rel, beyond, length, slots),
+                line.append((now, length, released_wait_s(rel, beyond, length, slots, 0.0),
                              slot_wait_s(len(rest) + len(ahead), slots, mean)))
         while line and len(running) < slots:
             arrived, length, by_rel, by_mean = line.pop(0)
@@ -80,10 +80,10 @@ def test_an_engines_tickets_make_its_releases() -> None:
     line = [_ticket(20, False)]
     # 2 slots, TPOT 0.01 s, first step 0.05 s: slots free at 0.1 and 0.4 s; the one in line takes
     # the first (0.1 + 0.05 + 0.2 = 0.35), the next request the one at 0.35
-    rel = releases(held + line, 2, 0, 0.05, 0.01, 1.0)
+    rel = releases(held + line, 2, 0, 0.05, 0.01, 1.0, now=0.0)
     assert rel[:3] == pytest.approx((0.1, 0.35, 0.4))
-    assert releases(held, 3, 0, 0.05, 0.01, 1.0) == ()  # a free slot for the next one
-    assert releases(held, 3, 1, 0.05, 0.01, 1.0)[0] == pytest.approx(0.1)  # another client's fills it
+    assert releases(held, 3, 0, 0.05, 0.01, 1.0, now=0.0) == ()  # a free slot for the next one
+    assert releases(held, 3, 1, 0.05, 0.01, 1.0, now=0.0)[0] == pytest.approx(0.1)  # another client's fills it
 
 
 def test_a_decision_reads_the_releases_at_its_place_in_line() -> None:
@@ -94,20 +94,27 @@ def test_a_decision_reads_the_releases_at_its_place_in_line() -> None:
     assert by_rel.predicted_s == pytest.approx(mean.predicted_s - mean.slot_wait_s + 0.9)
 
 
-async def test_the_scheduler_grants_releases_from_the_tickets_on_each_engine() -> None:
+def _one_engine(slots: int) -> tuple[SchedulerService, Clock]:
+    """A predictive scheduler over one engine ``u`` of ``slots`` sequences, TPOT 0.01 s, TTFT
+    0.05 s + 1 ms a token (10-token prompts: 0.01 s each), every grant checked."""
     clock = Clock()
     cfg = NarwhalConfig.model_validate({
         "admission": {"mode": "predictive"},
-        "engines": [{"name": "u", "url": "http://127.0.0.1:1", "role": "unified", "max_num_seqs": 2}],
+        "engines": [{"name": "u", "url": "http://127.0.0.1:1", "role": "unified", "max_num_seqs": slots}],
     })
     svc = SchedulerService(cfg, clock=clock)
     svc.check_views = True  # every incremental grant checked against the engines read anew
     e = svc.engines["u"]
     e.healthy, e.last_ok = True, clock.t
     svc.router.started = True
-    e.tpot_model.samples.append((2.0, 0.01))
+    e.tpot_model.samples.append((float(slots), 0.01))
     e.tpot_model.a, e.tpot_model.b = 0.01, 0.0
-    e.ttft_model.a, e.ttft_model.b, e.ttft_model.c = 0.05, 0.001, 0.0  # 10-token prompts: 0.01 s each
+    e.ttft_model.a, e.ttft_model.b, e.ttft_model.c = 0.05, 0.001, 0.0
+    return svc, clock
+
+
+async def test_the_scheduler_grants_releases_from_the_tickets_on_each_engine() -> None:
+    svc, clock = _one_engine(2)
 
     def facts() -> tuple[float, ...]:  # (from now: the facts carry them as times)
         return tuple(r - clock.t for r in svc.view(clock.t, frozen=True).facts()["u"].releases)
@@ -155,25 +162,15 @@ def test_a_release_runs_down_from_when_its_tokens_were_counted() -> None:
     assert decide(view(facts), Ask(100, 30.0), NOW + 0.03, 0).slot_wait_s == pytest.approx(0.87)  # type: ignore[union-attr]
     late = view(engine("a", releases=(NOW + 0.2, NOW + 0.3), inflight=9, slots=8, decode_tokens=4500.0))
     assert decide(late, Ask(100, 30.0), NOW + 0.5, 0).slot_wait_s == 0.0  # type: ignore[union-attr]
-    # a ticket overdue holds its slot until it ends, from the read on
+    # a ticket past its expected length still holds its slot: for a quarter of what it made (the
+    # ledger's own correction, remaining_tokens), never none (a free slot it does not have, which
+    # a request then in line would teach the prefill model as its prefill)
     overdue = releases([t0, _ticket(40, True), _ticket(20, False)], 2, 0, 0.05, 0.01, 1.0, now=NOW + 0.5)
-    assert overdue[0] == pytest.approx(NOW + 0.5)
+    assert overdue[0] == pytest.approx(NOW + 0.5 + 0.25 * 50 * 0.01)
 
 
 async def test_the_scheduler_counts_a_running_tickets_decode_from_its_progress() -> None:
-    clock = Clock()
-    cfg = NarwhalConfig.model_validate({
-        "admission": {"mode": "predictive"},
-        "engines": [{"name": "u", "url": "http://127.0.0.1:1", "role": "unified", "max_num_seqs": 1}],
-    })
-    svc = SchedulerService(cfg, clock=clock)
-    svc.check_views = True
-    e = svc.engines["u"]
-    e.healthy, e.last_ok = True, clock.t
-    svc.router.started = True
-    e.tpot_model.samples.append((1.0, 0.01))
-    e.tpot_model.a, e.tpot_model.b = 0.01, 0.0
-    e.ttft_model.a, e.ttft_model.b, e.ttft_model.c = 0.05, 0.001, 0.0
+    svc, clock = _one_engine(1)
     for i in range(2):
         res = await svc.admit(AdmitRequest(f"t{i}", clock.t + 60, 10, 50, 30.0, kind="completion", min_output_tokens=50))
         assert res.error is None

@@ -99,6 +99,14 @@ async def test_a_stream_that_ends_keeps_the_relays_own_stats() -> None:
     assert outcome is Outcome.COMPLETED and stats is not None and not stats.partial and stats.output_tokens == 21
 
 
+async def test_a_client_that_leaves_during_the_last_writes_is_counted_with_the_relays_own_stats() -> None:
+    relay, ends = Tokens(20), []
+    await _serve(relay, Leaves(21), ends)  # the first message and 20 tokens written; [DONE]'s write fails
+    [(outcome, _, stats)] = ends
+    assert outcome is Outcome.CANCELLED and stats is not None and not stats.partial
+    assert stats.output_tokens == 21 and stats.ttft_s == 0.1  # the relay's own, exact
+
+
 def test_an_end_before_the_first_token_has_no_stats() -> None:
     ends: Ends = []
     flow = _flow(ends)
