@@ -109,7 +109,9 @@ class Flow:
         if not self.ended:
             self.ended = True
             if stats is None:
-                stats = self.final if self.final is not None or not self.decoding else RelayStats.cut(self.engines, self.tokens)
+                stats = self.final
+            if stats is None and self.decoding:
+                stats = RelayStats.cut(self.engines, self.tokens)
             self.on_end(outcome, reason, stats, status)
 
 
