@@ -166,8 +166,9 @@ class SetUnion(AbstractSet[int]):
 
 
 class PrefixIndex:
-    """One engine's blocks, bounded to ``capacity``, least recently placed evicted first; and the
-    *pending* blocks of requests placed there whose prefill has not finished (reference counted)."""
+    """One engine's blocks, bounded to ``capacity``, least recently placed or used evicted first;
+    and the *pending* blocks of requests placed there whose prefill has not finished (reference
+    counted)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -191,6 +192,20 @@ class PrefixIndex:
         while len(self._blocks) > self.capacity:
             self._blocks.popitem(last=False)
         self._recent = self._frozen = None
+
+    def touch(self, hashes: Iterable[int]) -> None:
+        """A request just used these blocks here (its prefill is done): those held become the most
+        recently used, as in the engine's own cache, whose least recently used free blocks are
+        evicted first.  An index fed by the engine's KV events hears of a block only when it is
+        stored, so without this a prefix every request hits (a system prompt) would count as
+        old, and leave the ``frozen`` view's most recent blocks as soon as newer ones were
+        stored, while the engine keeps it."""
+        blocks, recent = self._blocks, self._recent
+        for h in hashes:
+            if h in blocks:
+                blocks.move_to_end(h)
+                if recent is not None and h not in recent:
+                    self._recent = self._frozen = recent = None
 
     def remove(self, hashes: Iterable[int]) -> None:
         for h in hashes:
@@ -239,8 +254,8 @@ class PrefixIndex:
         return SetUnion(self._blocks.keys(), self._pending.keys()) if self._pending else self._blocks.keys()
 
     def frozen(self, limit: int) -> frozenset[int]:
-        """A copy of the ``limit`` most recently placed blocks and the pending ones, for a fleet view
-        that crosses the Ray hop (cached until the next change)."""
+        """A copy of the ``limit`` most recently placed or used blocks and the pending ones, for a
+        fleet view that crosses the Ray hop (cached until the next change)."""
         if self._recent is None or self._frozen_limit != limit:
             n = min(limit, len(self._blocks))
             self._recent = frozenset(itertools.islice(reversed(self._blocks), n)) if n else frozenset()

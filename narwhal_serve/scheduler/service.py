@@ -132,9 +132,13 @@ class SchedulerService(AdminOps):
             t = self._tickets.get(tid)
             if t is not None:
                 if not t.prefill_done and engines == t.placement.engines and self.cfg.placement.prefix_aware \
-                        and (e := self.engines.get(t.placement.first_engine or "")) is not None \
-                        and not e.prefix_exact:  # (an engine's own KV events say what it holds)
-                    e.prefix.insert(t.placement.prefix)  # its prefill is done: the engine holds its blocks now
+                        and (e := self.engines.get(t.placement.first_engine or "")) is not None:
+                    # its prefill is done: the engine holds its blocks now, just used (an engine's
+                    # own KV events say which it holds: those are only the most recently used now)
+                    if e.prefix_exact:
+                        e.prefix.touch(t.placement.prefix)
+                    else:
+                        e.prefix.insert(t.placement.prefix)
                     self.touch(e.cfg.name)
                 self._ticket_event(tid, t, lambda t: ledger.first_token(t, engines, self.clock()))  # (called at once)
                 if t.decode_engine is not None:  # it holds a slot there now (its slot releases)

@@ -262,3 +262,25 @@ async def test_a_resume_moves_the_ticket_to_the_engine_it_resumed_on_and_counts_
     assert 'narwhal_resumes_total{reason="reset",outcome="resumed"} 1' in text
     assert 'narwhal_resumes_total{reason="stall",outcome="not_exact"} 0' in text  # every pair from the start
     assert "narwhal_resume_gap_seconds_count 1" in text
+
+
+async def test_an_engine_followed_by_its_kv_events_keeps_a_hit_prefix_in_the_leases_view() -> None:
+    """A request's first token from the engine it was placed on marks the prompt's blocks that the
+    engine's events said it holds as just used: the prefix stays in the view a lease is granted
+    (its most recent blocks) while more newer blocks than that view carries are stored after it."""
+    svc, clock = scheduler_service({"mode": "predictive"}, placement={"prefix_view_blocks": 64})
+    for e in svc.engines.values():
+        e.prefix_exact = True
+    u = svc.engines["u"]
+    shared = (11, 12, 13, 14)
+    u.prefix.insert(list(shared))
+    for i in range(4):
+        got = await svc.admit(AdmitRequest(f"t{i}", 2000.0, 600, 16, 2.0, prefix=shared + (50 + i,),
+                                           prefix_block_tokens=64.0))
+        placement = svc._tickets[f"t{i}"].placement
+        assert got.error is None and placement.first_engine == "u"  # (the holder of its prefix)
+        svc.report(Report(decode_started=[(f"t{i}", placement.engines)]))
+        u.prefix.insert(list(range(1000 + 40 * i, 1040 + 40 * i)))  # others' prompts stored since (160 in all)
+        clock.t += 0.1
+        assert set(shared) <= svc.view(clock.t, frozen=True).facts()["u"].prefix
+        svc.report(Report(released=[(f"t{i}", None, False)]))

@@ -10,7 +10,7 @@ from narwhal_serve.placement.prefix import PrefixIndex
 
 
 def anew(blocks: list[int], pending: Counter[int], limit: int) -> frozenset[int]:
-    """The definition: the ``limit`` most recently placed blocks, and every pending one."""
+    """The definition: the ``limit`` most recently placed or used blocks, and every pending one."""
     return frozenset(list(reversed(blocks))[:limit]) | {h for h, n in pending.items() if n > 0}
 
 
@@ -19,7 +19,8 @@ def test_the_frozen_copy_is_a_fresh_copy_after_any_sequence_of_changes() -> None
     for capacity, limit in ((12, 8), (12, 20), (40, 16)):
         idx, blocks, pending = PrefixIndex(capacity), [], Counter[int]()
         for step in range(3000):
-            op = rng.choice(("insert", "remove", "pend", "unpend", "pend", "unpend", "read", "clear"[:5 if step % 97 else 0]))
+            op = rng.choice(("insert", "remove", "pend", "unpend", "pend", "unpend", "read", "touch",
+                             "clear"[:5 if step % 97 else 0]))
             hs = [rng.randrange(0, 30) for _ in range(rng.randrange(1, 6))]
             if op == "insert":
                 idx.insert(hs)
@@ -28,6 +29,12 @@ def test_the_frozen_copy_is_a_fresh_copy_after_any_sequence_of_changes() -> None
                         blocks.remove(h)
                     blocks.append(h)
                 del blocks[:max(0, len(blocks) - capacity)]
+            elif op == "touch":  # a request used them: those held become the most recent
+                idx.touch(hs)
+                for h in hs:
+                    if h in blocks:
+                        blocks.remove(h)
+                        blocks.append(h)
             elif op == "remove":
                 idx.remove(hs)
                 blocks = [b for b in blocks if b not in hs]
@@ -65,3 +72,21 @@ def test_a_request_pending_on_blocks_held_keeps_the_copy() -> None:
     assert idx.frozen(32) is second  # one still pending
     idx.unpend([99, 3])
     assert idx.frozen(32) == first and 99 not in idx.frozen(32)
+
+
+def test_a_block_every_request_uses_stays_in_the_copy_however_many_are_stored_after_it() -> None:
+    """An index fed by KV events hears of a block once, when the engine stores it; a prefix every
+    request then hits (a system prompt) is the engine's most recently used, not its oldest."""
+    idx = PrefixIndex(4096)
+    idx.insert([1, 2, 3])  # the shared prefix, stored first
+    for i in range(10):
+        idx.insert(list(range(1000 + 100 * i, 1100 + 100 * i)))  # others' prompts after it
+        idx.touch([1, 2, 3, 7777])  # each request used the prefix (a block never stored: nothing)
+    assert {1, 2, 3} <= idx.frozen(64) and 7777 not in idx.frozen(64)
+    untouched = PrefixIndex(4096)
+    untouched.insert([1, 2, 3])
+    untouched.insert(list(range(1000, 2000)))
+    assert not {1, 2, 3} & untouched.frozen(64)
+    first = idx.frozen(64)
+    idx.touch([1, 2])  # already among the most recent: the same copy
+    assert idx.frozen(64) is first
