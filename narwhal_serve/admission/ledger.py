@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from narwhal_serve.admission.core import EngineDelta, Placement
 from narwhal_serve.prediction.decode import remaining_tokens
-from narwhal_serve.prediction.ttft import RELEASES_MAX, RELEASES_NEAR, slot_releases
+from narwhal_serve.prediction.ttft import RELEASES_MAX, slot_releases
 
 Deltas = dict[str, EngineDelta]
 
@@ -41,7 +41,6 @@ class Ticket:
     # (:func:`releases`)
     charged_at: float | None = None
     charged_tokens: float = 0.0
-    decoding_since: float | None = None  # its first token, on that clock (None: not told)
 
 
 def add(into: Deltas, more: Mapping[str, EngineDelta]) -> None:
@@ -119,8 +118,7 @@ def first_token(t: Ticket, engines: tuple[str, ...], now: float | None = None) -
     out = moved(t, engines)
     add(out, prefill_finished(t))
     if now is not None and t.charged_at is None:
-        t.charged_at = t.decoding_since = now
-        t.charged_tokens = 1.0
+        t.charged_at, t.charged_tokens = now, 1.0
     return out
 
 
@@ -143,19 +141,6 @@ def released(t: Ticket) -> Deltas:
     return out
 
 
-MEASURED_TOKENS = 16  # a running request's own pace counts once this many tokens measured it
-MEASURED_S = 0.1  # over at least this long
-
-
-def measured_tpot(t: Ticket) -> float | None:
-    """Seconds per token of a running request's own decode so far (from its first token to the
-    tokens last counted), once enough of it was measured; else None."""
-    if t.decoding_since is None or t.charged_at is None:
-        return None
-    made, took = t.charged_tokens - 1.0, t.charged_at - t.decoding_since
-    return took / made if made >= MEASURED_TOKENS and took >= MEASURED_S else None
-
-
 def releases(tickets: Iterable[Ticket], slots: int, external: int, first_s: float, tpot_s: float,
              more_s: float, per_token_s: float = 0.0, per_request_s: float = 0.0, *,
              now: float) -> tuple[float, ...]:
@@ -164,37 +149,30 @@ def releases(tickets: Iterable[Ticket], slots: int, external: int, first_s: floa
     tickets'), from the ``tickets`` decoding there in the order they came: one past its first
     token holds a slot for its remaining decode at ``tpot_s`` a token (its charge; once its tokens
     were counted, what :func:`remaining_tokens` leaves of its expected output after those and the
-    ones made since — at its own measured pace where that is known (:func:`measured_tpot`), else
-    at the median of the others' there, else at ``tpot_s``; one past its expected length still holds its slot, for a quarter of what it
-    made), one before it is in line for its prefill there (``per_token_s`` a
+    ones made at ``tpot_s`` since — one past its expected length still holds its slot, for a
+    quarter of what it made), one before it is in line for its prefill there (``per_token_s`` a
     pending token plus ``per_request_s``; none when another engine prefills it), then ``first_s``
     and its expected decode; other clients' ``external`` requests hold slots for ``more_s`` each
     (their lengths are unknown), as do the requests after the known ones.  Empty while the engine
-    has ``RELEASES_NEAR`` free slots or more (with fewer free, the first releases after those fill:
-    a burst placed there before the next grant fills them)."""
+    has a free slot for the next one."""
     running: list[float] = []
     queued: list[float] = []
     prefill: list[float] = []
-    tickets = list(tickets)
-    paces = sorted(m for t in tickets if t.prefill_done and (m := measured_tpot(t)) is not None)
-    pace = paces[len(paces) // 2] if paces else tpot_s  # (the engine's, for one not measured yet)
     for t in tickets:
         if t.prefill_done:
             if t.charged_at is None or tpot_s <= 0.0:
                 running.append(t.decode_charged * tpot_s)
             else:
-                per = measured_tpot(t) or pace
-                made = t.charged_tokens + max(0.0, now - t.charged_at) / per
+                made = t.charged_tokens + max(0.0, now - t.charged_at) / tpot_s
                 p = t.placement
-                running.append(remaining_tokens(p.expected_out, made, p.max_output_tokens) * per)
+                running.append(remaining_tokens(p.expected_out, made, p.max_output_tokens) * tpot_s)
         else:
             queued.append(first_s + t.decode_charged * tpot_s)
             p = t.placement
             here = p.first_engine is not None and p.first_engine == t.decode_engine
             prefill.append(per_token_s * p.prefill_tokens + per_request_s if here else 0.0)
     beyond = len(running) + len(queued) + external + 1 - slots
-    if beyond <= -RELEASES_NEAR:
+    if beyond <= 0:
         return ()
     running.extend([more_s] * external)
-    count = min(RELEASES_MAX, max(0, beyond) + RELEASES_NEAR)
-    return tuple(now + r for r in slot_releases(running, queued, slots, more_s, count, prefill))
+    return tuple(now + r for r in slot_releases(running, queued, slots, more_s, min(RELEASES_MAX, beyond + 8), prefill))

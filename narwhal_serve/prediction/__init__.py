@@ -21,7 +21,6 @@ _EXPORTS = {
     "PRIOR_B": "ttft",
     "PRIOR_TPOT_A": "decode",
     "RELEASES_MAX": "ttft",
-    "RELEASES_NEAR": "ttft",
     "PrefillModel": "ttft",
     "Projection": "ttft",
     "TpotModel": "decode",
@@ -39,7 +38,7 @@ _EXPORTS = {
 }
 __all__ = [
     "DEFAULT_OUTPUT_PRIOR", "ErrorWindow", "OutputLengths", "PRIOR_A", "PRIOR_B", "PRIOR_TPOT_A",
-    "RELEASES_MAX", "RELEASES_NEAR", "PrefillModel", "Projection", "TpotModel", "expected_output", "linear_ttft",
+    "RELEASES_MAX", "PrefillModel", "Projection", "TpotModel", "expected_output", "linear_ttft",
     "mean_remaining", "project_linear", "projected_pair", "released_wait_s", "remaining_tokens",
     "slot_releases", "slot_wait_s", "tpot_at", "with_margin",
 ]
@@ -54,7 +53,6 @@ if TYPE_CHECKING:
     from narwhal_serve.prediction.decode import PRIOR_TPOT_A as PRIOR_TPOT_A
     from narwhal_serve.prediction.ttft import PrefillModel as PrefillModel
     from narwhal_serve.prediction.ttft import RELEASES_MAX as RELEASES_MAX
-    from narwhal_serve.prediction.ttft import RELEASES_NEAR as RELEASES_NEAR
     from narwhal_serve.prediction.ttft import Projection as Projection
     from narwhal_serve.prediction.decode import TpotModel as TpotModel
     from narwhal_serve.prediction.decode import expected_output as expected_output

@@ -172,11 +172,6 @@ def slot_wait_s(in_flight: int, slots: int | None, service_s: float | None) -> f
 
 
 RELEASES_MAX = 64  # slot releases an engine's facts carry (later positions: extrapolated)
-# An engine this many requests short of full has its slot releases granted too: a lease placing a
-# burst there before its next grant fills the free slots itself, and the requests beyond them wait
-# for the releases (without them, for the mean drain: most waits of a burst were predicted so,
-# 0.4 s off at the median in the Mooncake 2x run)
-RELEASES_NEAR = 8
 
 
 def slot_releases(running_s: Sequence[float], queued_s: Sequence[float], slots: int, more_s: float,

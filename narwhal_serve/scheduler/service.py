@@ -135,8 +135,8 @@ class SchedulerService(AdminOps):
                         and (e := self.engines.get(t.placement.first_engine or "")) is not None:
                     # its prefill is done: the engine holds its blocks now, just used (an engine's
                     # own KV events say which it holds: those are only the most recently used now)
-                    if e.prefix_exact:
-                        e.prefix.touch(t.placement.prefix)
+                    if e.prefix_exact:  # (its first block last: the prompt's start is the most recent)
+                        e.prefix.touch(reversed(t.placement.prefix))
                     else:
                         e.prefix.insert(t.placement.prefix)
                     self.touch(e.cfg.name)

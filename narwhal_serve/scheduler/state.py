@@ -24,7 +24,7 @@ from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.ha.state import RouterState
 from narwhal_serve.placement.engines import EngineState, FleetPrior, PriorCoeffs, borrows_ttft, fleet_ttft
-from narwhal_serve.prediction.ttft import RELEASES_NEAR, PrefillModel
+from narwhal_serve.prediction.ttft import PrefillModel
 from narwhal_serve.prediction.decode import OutputLengths, mean_remaining, tpot_at
 from narwhal_serve.scheduler.ha import RouterHA
 from narwhal_serve.scheduler.health import Profiler, Prober
@@ -220,9 +220,9 @@ class SchedulerState(ABC):
     def _releases(self, e: EngineState, m: PrefillModel | PriorCoeffs, now: float) -> tuple[float, ...]:
         """When each of the next requests beyond its slots can start its prefill at ``e``, from the
         tickets decoding there and its prefill model ``m`` (admission/ledger.py releases); none
-        before a TPOT measurement or with RELEASES_NEAR free slots or more."""
+        before a TPOT measurement or with a free slot."""
         slots = e.slots()
-        if not slots or not e.tpot_model.samples or e.in_flight() + 1 + RELEASES_NEAR <= slots:
+        if not slots or not e.tpot_model.samples or e.in_flight() + 1 <= slots:
             return ()
         tpot = tpot_at(e.tpot_model.a, e.tpot_model.b, slots)
         per_request = mean_remaining(e.decode_tokens, e.inflight, 0.0)

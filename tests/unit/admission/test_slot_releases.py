@@ -12,11 +12,10 @@ import statistics
 import pytest
 
 from narwhal_serve.admission.core import Ask, decide
-from narwhal_serve.admission.ledger import (MEASURED_TOKENS, Ticket, first_token, measured_tpot, progressed,
-                                            releases)
+from narwhal_serve.admission.ledger import Ticket, releases
 from narwhal_serve.admission.view import Placement
 from narwhal_serve.config import NarwhalConfig
-from narwhal_serve.prediction.ttft import RELEASES_NEAR, released_wait_s, slot_releases, slot_wait_s
+from narwhal_serve.prediction.ttft import released_wait_s, slot_releases, slot_wait_s
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.scheduler.messages import AdmitRequest, Report
 from narwhal_serve.scheduler.service import SchedulerService
@@ -76,38 +75,15 @@ def _ticket(expected: float, running: bool) -> Ticket:
 def test_an_engines_tickets_make_its_releases() -> None:
     """Past its first token a ticket holds a slot for its remaining decode; before it, it is in
     line for a first step and its whole decode; other clients' requests hold slots for a mean
-    service; with a few slots free, the releases after those fill (a burst placed there before the
-    next grant fills them); nothing while RELEASES_NEAR slots or more are free."""
+    service; nothing while a slot is free for the next request."""
     held = [_ticket(10, True), _ticket(40, True)]
     line = [_ticket(20, False)]
     # 2 slots, TPOT 0.01 s, first step 0.05 s: slots free at 0.1 and 0.4 s; the one in line takes
     # the first (0.1 + 0.05 + 0.2 = 0.35), the next request the one at 0.35
     rel = releases(held + line, 2, 0, 0.05, 0.01, 1.0, now=0.0)
     assert rel[:3] == pytest.approx((0.1, 0.35, 0.4))
-    # a free slot: the next request takes it (a mean service there), the one after it waits for 0.1
-    assert releases(held, 3, 0, 0.05, 0.01, 1.0, now=0.0)[:3] == pytest.approx((0.1, 0.4, 1.0))
+    assert releases(held, 3, 0, 0.05, 0.01, 1.0, now=0.0) == ()  # a free slot for the next one
     assert releases(held, 3, 1, 0.05, 0.01, 1.0, now=0.0)[0] == pytest.approx(0.1)  # another client's fills it
-    assert releases(held, 2 + RELEASES_NEAR, 0, 0.05, 0.01, 1.0, now=0.0)[0] == pytest.approx(0.1)
-    assert releases(held, 3 + RELEASES_NEAR, 0, 0.05, 0.01, 1.0, now=0.0) == ()  # far from full
-
-
-def test_a_running_request_runs_down_at_its_own_measured_pace() -> None:
-    """Counted at its first token and then 100 tokens later, 0.5 s after it (5 ms a token, where
-    the model says 10): its remaining 200 tokens free its slot 1.0 s after that count, not 2.0; a
-    request not measured yet runs at the median pace of those measured there; before
-    MEASURED_TOKENS tokens or MEASURED_S seconds, at the model's."""
-    fast, new = _ticket(301, True), _ticket(101, True)
-    first_token(fast, ("e",), now=0.0)
-    progressed(fast, 101, now=0.5)
-    first_token(new, ("e",), now=0.4)
-    assert measured_tpot(fast) == pytest.approx(0.005) and measured_tpot(new) is None
-    # 2 slots: the new one (100 left at 5 ms from 0.4: 0.9 s) frees first, then the fast one (1.5 s)
-    assert releases([fast, new], 2, 0, 0.05, 0.01, 1.0, now=0.5)[:2] == pytest.approx((0.9, 1.5))
-    early = _ticket(301, True)
-    first_token(early, ("e",), now=0.0)
-    progressed(early, 1 + MEASURED_TOKENS - 1, now=0.5)  # too few tokens to count its pace
-    assert measured_tpot(early) is None
-    assert releases([early], 1, 0, 0.05, 0.01, 1.0, now=0.5)[0] == pytest.approx(0.5 + (301 - 16) * 0.01)
 
 
 def test_a_decision_reads_the_releases_at_its_place_in_line() -> None:
@@ -159,8 +135,7 @@ async def test_the_scheduler_grants_releases_from_the_tickets_on_each_engine() -
     assert rel[1] == pytest.approx(0.05 + 0.01 + 0.05 + 0.20)
     for tid in ("t0", "t1"):
         svc.report(Report(released=[(tid, RelayStats("single", ("u",), 0.05, 10, 0.1, 1), True)]))
-    rel = facts()  # one in flight, two slots: the next request takes the free one, the one after it
-    assert len(rel) == RELEASES_NEAR and rel[0] > 0.0  # waits (a burst placed before the next grant)
+    assert facts() == ()  # one in flight, two slots: no line
     svc.report(Report(released=[("t2", None, False)]))
     assert svc._decoding == {}
 
@@ -205,6 +180,6 @@ async def test_the_scheduler_counts_a_running_tickets_decode_from_its_progress()
     assert first == pytest.approx(counted + 0.4)
     clock.t += 0.3  # (a full read: every engine read again)
     assert svc.view(clock.t, frozen=True).facts()["u"].releases[0] == pytest.approx(counted + 0.4)
-    svc.report(Report(progress={"t0": 45}))  # it ran faster: 5 to go, at its own pace (44 tokens in 0.3 s)
-    assert svc.view(clock.t, frozen=True).facts()["u"].releases[0] == pytest.approx(clock.t + 5 * 0.3 / 44)
+    svc.report(Report(progress={"t0": 45}))  # it ran faster: 5 to go
+    assert svc.view(clock.t, frozen=True).facts()["u"].releases[0] == pytest.approx(clock.t + 0.05)
 

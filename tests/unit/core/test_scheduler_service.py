@@ -281,6 +281,8 @@ async def test_an_engine_followed_by_its_kv_events_keeps_a_hit_prefix_in_the_lea
         assert got.error is None and placement.first_engine == "u"  # (the holder of its prefix)
         svc.report(Report(decode_started=[(f"t{i}", placement.engines)]))
         u.prefix.insert(list(range(1000 + 40 * i, 1040 + 40 * i)))  # others' prompts stored since (160 in all)
+        svc.touch("u")  # (as the engine's events do)
         clock.t += 0.1
-        assert set(shared) <= svc.view(clock.t, frozen=True).facts()["u"].prefix
+        held = svc.view(clock.t, frozen=True).facts()["u"].prefix
+        assert set(shared) <= held and 50 + i not in held  # (used, not stored: the events never named it)
         svc.report(Report(released=[(f"t{i}", None, False)]))
