@@ -70,7 +70,8 @@ def build_app(args: dict[str, Any]) -> Application:
     pl = cfg.placement
     shards = [
         serve.deployment(KVEventShard, name=f"KVEventShard{i}", num_replicas=1, max_ongoing_requests=100_000,
-                         ray_actor_options=free, logging_config=quiet).bind(pl.prefix_block_tokens)
+                         ray_actor_options=free, logging_config=quiet).bind(pl.prefix_block_tokens,
+                                                                            max_blocks=pl.prefix_max_blocks)
         for i in range(pl.kv_event_shards if pl.prefix_aware else 0)
     ]
     scheduler = scheduler_dep.bind(conf, fleet, *engines, kv_shards=shards)

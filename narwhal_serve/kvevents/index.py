@@ -57,6 +57,10 @@ class KVEventIndex:
     capacity: int
     target: Target
     on_block_size: "Callable[[int], None] | None" = None  # told the engine's block size when it is learned
+    # router blocks of a prompt's start that a request can match (``placement.prefix_max_blocks``:
+    # an ingress hashes no more of a prompt); deeper ones are neither hashed nor put in the target
+    # (None: all)
+    max_blocks: int | None = None
     last_seq: int | None = None
     last_ts: float = 0.0
     engine_block_size: int | None = None
@@ -142,11 +146,18 @@ class KVEventIndex:
                 self._nodes.move_to_end(h)
                 parent = node
                 continue
-            node = _Node(ev.parent_block_hash if i == 0 else ev.block_hashes[i - 1],
-                         parent.depth + 1 if parent is not None else 1, tuple(ev.token_ids[i * b:(i + 1) * b]))
+            depth = parent.depth + 1 if parent is not None else 1
+            # router blocks wholly before this engine block: past placement.prefix_max_blocks, no
+            # request matches it (its tokens are not kept, nor is it hashed or put in the target)
+            deep = self.max_blocks is not None and \
+                ((depth - 1) * (b // r) if b > r else (depth - 1) // per) >= self.max_blocks
+            node = _Node(ev.parent_block_hash if i == 0 else ev.block_hashes[i - 1], depth,
+                         () if deep else tuple(ev.token_ids[i * b:(i + 1) * b]))
             self._nodes[h] = node
             self.stats["stored"] += 1
-            if b > r:
+            if deep:
+                pass
+            elif b > r:
                 self._split(node, parent, r)
             elif node.depth % per == 0:
                 self._complete(node, per)
@@ -160,9 +171,12 @@ class KVEventIndex:
         """An engine block of several router blocks: all of them, chained from the one before."""
         if parent is not None and parent.ours is None:
             return
+        first = (node.depth - 1) * (len(node.tokens) // r)  # router blocks before this engine block's
         prev = None if parent is None else parent.ours
         ours: list[int] = []
         for k in range(0, len(node.tokens), r):
+            if self.max_blocks is not None and first + len(ours) >= self.max_blocks:
+                break
             prev = next_id_block_hash(prev, node.tokens[k:k + r])
             ours.append(prev)
         node.ours, node.covered_by, node.tokens = prev, ours, ()

@@ -136,9 +136,11 @@ class _Feed:
 class KVShard:
     """One shard: its engines' subscriptions and indexes, and the changes not taken yet."""
 
-    def __init__(self, router_block_tokens: int, capacity: int = MAX_ENGINE_BLOCKS) -> None:
+    def __init__(self, router_block_tokens: int, capacity: int = MAX_ENGINE_BLOCKS,
+                 max_blocks: int | None = None) -> None:
         self.router_block_tokens = router_block_tokens
         self.capacity = capacity
+        self.max_blocks = max_blocks  # placement.prefix_max_blocks (KVEventIndex)
         self.incarnation = secrets.token_hex(8)
         self.feeds: dict[str, _Feed] = {}
         self._changed = asyncio.Event()
@@ -152,7 +154,8 @@ class KVShard:
     async def follow(self, engine: str, gen: int, endpoint: str, replay_endpoint: str | None, topic: str) -> str:
         await self.drop(engine)
         target = DeltaTarget(self._changed.set)
-        feed = _Feed(gen, KVEventIndex(self.router_block_tokens, self.capacity, target, on_block_size=target.learned),
+        feed = _Feed(gen, KVEventIndex(self.router_block_tokens, self.capacity, target, on_block_size=target.learned,
+                                       max_blocks=self.max_blocks),
                      target)
         self.feeds[engine] = feed
         self._subscribe(feed, engine, endpoint, replay_endpoint, topic)

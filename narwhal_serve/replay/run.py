@@ -135,8 +135,8 @@ class _DirectKV(KVEventSink):
 class _ReplayShard(KVShard):
     """A KV-event shard whose engines' events come from the replayed engines (``kvshard.events``)."""
 
-    def __init__(self, router_block_tokens: int, sinks: dict[str, _DirectKV]) -> None:
-        super().__init__(router_block_tokens)
+    def __init__(self, router_block_tokens: int, sinks: dict[str, _DirectKV], max_blocks: int | None = None) -> None:
+        super().__init__(router_block_tokens, max_blocks=max_blocks)
         self.sinks = sinks
 
     def _subscribe(self, feed: Any, engine: str, endpoint: str, replay_endpoint: str | None, topic: str) -> None:
@@ -208,7 +208,8 @@ class Replay:
         pl = self.cfg.placement
         costs = self.costs
         sinks = {s.name: _DirectKV(loop, costs) for s in sims} if pl.prefix_aware else {}
-        shards = [_ReplayShard(pl.prefix_block_tokens, sinks) for _ in range(pl.kv_event_shards if sinks else 0)]
+        shards = [_ReplayShard(pl.prefix_block_tokens, sinks, pl.prefix_max_blocks)
+                  for _ in range(pl.kv_event_shards if sinks else 0)]
         # with shards, every engine is followed by its KV events (as the simulator's are, over sockets)
         ends = KVEventsEndpoint(endpoint="inproc://replay") if shards else None
         engines = tuple(EngineConfig(name=s.name, url=_url(s.name), role=s.role, max_num_seqs=s.max_num_seqs,

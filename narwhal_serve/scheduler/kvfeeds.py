@@ -67,7 +67,7 @@ def exact_index(e: EngineState, placement: PlacementConfig, touch: Callable[[str
     _exact(e)
     touch(e.cfg.name)
     return KVEventIndex(placement.prefix_block_tokens, MAX_ENGINE_BLOCKS, _Touching(e, touch),
-                        on_block_size=_block_size_of(e))
+                        on_block_size=_block_size_of(e), max_blocks=placement.prefix_max_blocks)
 
 
 def _followed(e: EngineState, placement: PlacementConfig) -> bool:

@@ -56,6 +56,28 @@ def test_router_keys_are_its_own_token_block_hashes_over_whole_engine_blocks() -
     assert not set(target.held()) and len(idx) == 0
 
 
+def test_blocks_deeper_than_a_request_matches_stay_out_of_the_index() -> None:
+    """An ingress hashes a prompt's first ``placement.prefix_max_blocks`` blocks; the engine's
+    deeper blocks are followed (their removal, their children) but neither hashed nor held, with
+    engine blocks smaller or larger than the router's."""
+    ids = list(range(5000, 5000 + 64 * 6))  # 6 router blocks of 64
+    ours = id_block_hashes(ids, 64, 10)
+    for bs in (16, 128):
+        target = PrefixIndex(1000)
+        idx = KVEventIndex(64, 10_000, target, max_blocks=3)
+        eh = chain(ids, bs)
+        idx.offer(0, batch(stored(eh, None, ids, bs)))
+        assert set(target.held()) == set(ours[:3]), bs  # what a request can match, no more
+        assert len(idx) == len(eh)  # (every engine block followed)
+        idx.offer(1, batch(BlockRemoved(eh[-1:], "GPU")))  # a deep one evicted: nothing to take out
+        assert set(target.held()) == set(ours[:3]) and len(idx) == len(eh) - 1
+        idx.offer(2, batch(BlockRemoved(eh[:1], "GPU")))  # the first: the router blocks it is part of go
+        assert set(target.held()) == set(ours[max(1, bs // 64):3])
+    whole = PrefixIndex(1000)
+    KVEventIndex(64, 10_000, whole).offer(0, batch(stored(chain(ids, 16), None, ids, 16)))
+    assert set(whole.held()) == set(ours)  # (no bound: all of them)
+
+
 def test_a_hashed_block_keeps_no_tokens_and_is_found_again_when_stored_again() -> None:
     target = PrefixIndex(1000)
     idx = KVEventIndex(router_block_tokens=64, capacity=10_000, target=target)
