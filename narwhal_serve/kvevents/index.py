@@ -147,31 +147,34 @@ class KVEventIndex:
                 parent = node
                 continue
             depth = parent.depth + 1 if parent is not None else 1
-            # router blocks wholly before this engine block: past placement.prefix_max_blocks, no
-            # request matches it (its tokens are not kept, nor is it hashed or put in the target)
-            deep = self.max_blocks is not None and \
-                ((depth - 1) * (b // r) if b > r else (depth - 1) // per) >= self.max_blocks
+            # past placement.prefix_max_blocks no request matches it: its tokens are not kept, nor
+            # is it hashed or put in the target
+            deep = self.max_blocks is not None and self._blocks_before(depth, b) >= self.max_blocks
             node = _Node(ev.parent_block_hash if i == 0 else ev.block_hashes[i - 1], depth,
                          () if deep else tuple(ev.token_ids[i * b:(i + 1) * b]))
             self._nodes[h] = node
             self.stats["stored"] += 1
-            if deep:
-                pass
-            elif b > r:
-                self._split(node, parent, r)
-            elif node.depth % per == 0:
-                self._complete(node, per)
+            if not deep:
+                if b > r:
+                    self._split(node, parent, r)
+                elif depth % per == 0:
+                    self._complete(node, per)
             parent = node
         while len(self._nodes) > self.capacity:
             _, old = self._nodes.popitem(last=False)
             if old.covered_by:
                 self.target.remove(old.covered_by)
 
+    def _blocks_before(self, depth: int, b: int) -> int:
+        """Router blocks wholly before an engine block of ``b`` tokens at ``depth``."""
+        r = self.router_block_tokens
+        return (depth - 1) * (b // r) if b > r else (depth - 1) // (r // b)
+
     def _split(self, node: _Node, parent: _Node | None, r: int) -> None:
         """An engine block of several router blocks: all of them, chained from the one before."""
         if parent is not None and parent.ours is None:
             return
-        first = (node.depth - 1) * (len(node.tokens) // r)  # router blocks before this engine block's
+        first = self._blocks_before(node.depth, len(node.tokens))
         prev = None if parent is None else parent.ours
         ours: list[int] = []
         for k in range(0, len(node.tokens), r):
