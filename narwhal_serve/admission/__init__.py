@@ -36,6 +36,7 @@ _EXPORTS = {
     "Counters": "counters",
     "EngineFacts": "core",
     "Enqueued": "controller",
+    "FACT_FIELDS": "facts",
     "FactsRow": "facts",
     "FleetView": "view",
     "Grant": "controller",
@@ -52,6 +53,7 @@ _EXPORTS = {
     "Ticket": "ledger",
     "decide": "core",
     "earliest": "retry",
+    "facts_from": "facts",
     "prefix_change": "facts",
     "rank": "core",
     "releases": "ledger",
@@ -60,9 +62,9 @@ _EXPORTS = {
 }
 __all__ = [
     "AdmissionController", "AdmissionLease", "Ask", "ChangedRow", "CounterDelta", "Counters", "EngineFacts",
-    "Enqueued", "FactsRow", "FleetView", "Grant", "LeaseGrant", "LeasePart", "LocalPlacement",
+    "Enqueued", "FACT_FIELDS", "FactsRow", "FleetView", "Grant", "LeaseGrant", "LeasePart", "LocalPlacement",
     "MAX_RESERVATIONS", "NONE", "Permits", "Placement", "PrefixChange", "Refusal", "Reservation", "Ticket",
-    "decide", "earliest", "prefix_change", "rank", "releases", "retry_count", "unbalanced",
+    "decide", "earliest", "facts_from", "prefix_change", "rank", "releases", "retry_count", "unbalanced",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
@@ -75,6 +77,7 @@ if TYPE_CHECKING:
     from narwhal_serve.admission.counters import Counters as Counters
     from narwhal_serve.admission.core import EngineFacts as EngineFacts
     from narwhal_serve.admission.controller import Enqueued as Enqueued
+    from narwhal_serve.admission.facts import FACT_FIELDS as FACT_FIELDS
     from narwhal_serve.admission.facts import FactsRow as FactsRow
     from narwhal_serve.admission.view import FleetView as FleetView
     from narwhal_serve.admission.controller import Grant as Grant
@@ -92,6 +95,7 @@ if TYPE_CHECKING:
     from narwhal_serve.admission.ledger import releases as releases
     from narwhal_serve.admission.core import decide as decide
     from narwhal_serve.admission.retry import earliest as earliest
+    from narwhal_serve.admission.facts import facts_from as facts_from
     from narwhal_serve.admission.facts import prefix_change as prefix_change
     from narwhal_serve.admission.core import rank as rank
     from narwhal_serve.admission.retry import retry_count as retry_count

@@ -200,12 +200,12 @@ class PrefixIndex:
         stored, so without this a prefix every request hits (a system prompt) would count as
         old, and leave the ``frozen`` view's most recent blocks as soon as newer ones were
         stored, while the engine keeps it."""
-        blocks, recent = self._blocks, self._recent
-        for h in hashes:
-            if h in blocks:
-                blocks.move_to_end(h)
-                if recent is not None and h not in recent:
-                    self._recent = self._frozen = recent = None
+        blocks = self._blocks
+        held = [h for h in hashes if h in blocks]
+        for h in held:
+            blocks.move_to_end(h)
+        if self._recent is not None and not self._recent.issuperset(held):
+            self._recent = self._frozen = None
 
     def remove(self, hashes: Iterable[int]) -> None:
         for h in hashes:
@@ -225,12 +225,12 @@ class PrefixIndex:
 
     def pend(self, hashes: Iterable[int]) -> None:
         """A request placed here with these blocks, its prefill not done yet."""
-        pending, recent = self._pending, self._recent
-        for h in hashes:
-            n = pending.get(h, 0)  # (not pending[h]: a Counter's missing key is a call in Python)
-            if not n and (recent is None or h not in recent):
+        hashes = hashes if isinstance(hashes, (tuple, list)) else tuple(hashes)
+        if self._frozen is not None:  # (a block newly pending and not among the recent ones changes it)
+            recent = self._recent
+            if recent is None or not recent.issuperset(set(hashes).difference(self._pending)):
                 self._frozen = None
-            pending[h] = n + 1
+        self._pending.update(hashes)  # (counted in C)
 
     def unpend(self, hashes: Iterable[int]) -> None:
         pending, recent = self._pending, self._recent
@@ -240,6 +240,15 @@ class PrefixIndex:
                 pending[h] = n
             elif pending.pop(h, None) is not None and (recent is None or h not in recent):
                 self._frozen = None
+
+    def unpend_stored(self, hashes: Iterable[int]) -> tuple[int, ...]:
+        """Those of these blocks that are held leave pending; the others are returned (not stored
+        yet), in their order."""
+        blocks = self._blocks
+        hashes = tuple(hashes)
+        later = tuple(h for h in hashes if h not in blocks)
+        self.unpend([h for h in hashes if h in blocks] if later else hashes)
+        return later
 
     def stored(self, h: int) -> bool:
         """Held (placed, or named by the engine's events), pending or not."""
@@ -257,8 +266,11 @@ class PrefixIndex:
         """A copy of the ``limit`` most recently placed or used blocks and the pending ones, for a
         fleet view that crosses the Ray hop (cached until the next change)."""
         if self._recent is None or self._frozen_limit != limit:
-            n = min(limit, len(self._blocks))
-            self._recent = frozenset(itertools.islice(reversed(self._blocks), n)) if n else frozenset()
+            blocks = self._blocks
+            if len(blocks) <= limit:  # (all of them: read from the dict's table, not its order's links)
+                self._recent = frozenset(blocks)
+            else:
+                self._recent = frozenset(itertools.islice(reversed(blocks), limit)) if limit > 0 else frozenset()
             self._frozen, self._frozen_limit = None, limit
         if self._frozen is None:
             self._frozen = self._recent.union(self._pending) if self._pending else self._recent

@@ -257,9 +257,7 @@ class ShardedKVFeeds(_Feeds):
         take's round trip), or after UNPEND_GRACE_S (the engine did not keep them)."""
         if e.cfg.name not in self.followed:
             return False
-        blocks = tuple(blocks)
-        later = tuple(h for h in blocks if not e.prefix.stored(h))
-        e.prefix.unpend([h for h in blocks if e.prefix.stored(h)] if later else blocks)
+        later = e.prefix.unpend_stored(blocks)
         if later:
             self._unpend.setdefault(e.cfg.name, []).append((self.clock() + UNPEND_GRACE_S, later))
         return True

@@ -10,14 +10,14 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence, Set as AbstractSet
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set as AbstractSet
 from dataclasses import dataclass, replace
 
 import httpx
 
 from narwhal_serve.admission.controller import AdmissionController
 from narwhal_serve.admission.core import EngineFacts, FleetView
-from narwhal_serve.admission.facts import ChangedRow, FactsRow, PrefixChange, prefix_change
+from narwhal_serve.admission.facts import FACT_FIELDS, ChangedRow, FactsRow, PrefixChange, facts_from, prefix_change
 from narwhal_serve.admission.counters import Counters
 from narwhal_serve.admission.ledger import Ticket, releases
 from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation
@@ -58,7 +58,13 @@ CLOCK_STEP_S = 1.0
 KEEP_ELIGIBLE_S = LEASE_TTL_S + FULL_VIEW_S + CLOCK_STEP_S
 
 
-_RELEASES = 20  # the slot releases' place in an engine's facts' inputs (SchedulerState._inputs)
+# the fields of an engine's facts, in the order of their inputs (SchedulerState._inputs)
+_INPUT_FIELDS = ("eligible_until", "inflight", "load", "pending_prefill_tokens", "ttft_a", "ttft_b", "slots",
+                 "service_s", "external", "pending_prefill_requests", "ttft_c", "tpot_a", "tpot_b", "tpot_known",
+                 "decode_tokens", "penalty", "ttft_margin", "prefix_credit", "cache_block_tokens", "node",
+                 "releases", "line_since", "line_head_tokens", "prefix", "cfg")
+assert len(_INPUT_FIELDS) == len(FACT_FIELDS) and set(_INPUT_FIELDS) == FACT_FIELDS, set(_INPUT_FIELDS) ^ FACT_FIELDS
+_RELEASES = _INPUT_FIELDS.index("releases")  # the slot releases' place in the inputs
 
 
 def _kept_eligible(inputs: tuple[object, ...], kept: tuple[object, ...], now: float) -> tuple[object, ...]:
@@ -231,15 +237,7 @@ class SchedulerState(ABC):
 
     @staticmethod
     def _facts(inputs: tuple[object, ...]) -> EngineFacts:
-        (eu, inflight, load, ppt, ta, tb, slots, service_s, external, ppr, tc, pa, pb, pk, decode, penalty,
-         margin, credit, cbt, node, rel, since, head, prefix, cfg) = inputs
-        return EngineFacts(
-            cfg=cfg, eligible_until=eu, inflight=inflight, load=load, pending_prefill_tokens=ppt, ttft_a=ta,  # type: ignore[arg-type]
-            ttft_b=tb, slots=slots, service_s=service_s, external=external, pending_prefill_requests=ppr,  # type: ignore[arg-type]
-            ttft_c=tc, tpot_a=pa, tpot_b=pb, tpot_known=pk, decode_tokens=decode, penalty=penalty,  # type: ignore[arg-type]
-            ttft_margin=margin, prefix_credit=credit, cache_block_tokens=cbt, node=node, prefix=prefix,  # type: ignore[arg-type]
-            releases=rel, line_since=since, line_head_tokens=head,  # type: ignore[arg-type]
-        )
+        return facts_from(_INPUT_FIELDS, inputs)
 
     def _refresh_granted(self, now: float) -> None:
         """The facts granted to leases brought up to date: every engine's when due (FULL_VIEW_S
@@ -296,12 +294,13 @@ class SchedulerState(ABC):
 
     def granted_since(self, seq: int) -> list[EngineFacts]:
         """The engines whose granted facts changed after change number ``seq`` (O(changed))."""
-        out = []
+        return [self._granted[name][1] for name in self._changed_since(seq)]
+
+    def _changed_since(self, seq: int) -> Iterator[str]:
         for name, at in reversed(self._changed_at.items()):
             if at <= seq:
-                break
-            out.append(self._granted[name][1])
-        return out
+                return
+            yield name
 
     def view(self, now: float, *, queued_tokens: int | None = None, frozen: bool = False) -> FleetView:
         """``frozen``: for a lease grant (it crosses the Ray hop: prefix sets copied, not live),
@@ -350,8 +349,9 @@ class SchedulerState(ABC):
             return view, None, ()
         prefixes: dict[str, PrefixChange] = {}
         rows: list[ChangedRow] = []
-        for f in self.granted_since(since):
-            name = f.cfg.name
+        granted = self._granted
+        for name in self._changed_since(since):
+            f = granted[name][1]
             kept = held.get(name)
             if kept is None or kept[1] is not f.prefix:
                 was = None if kept is None else kept[1]
