@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 from narwhal_serve.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from narwhal_serve.placement.prefix import next_id_block_hash
@@ -42,13 +42,23 @@ class Target(Protocol):
     def clear(self) -> None: ...
 
 
-@dataclass(slots=True)
-class _Node:
-    parent: Any
-    depth: int  # engine blocks from the start of the prompt (1: the first)
-    tokens: tuple[int, ...]  # its token IDs until its router block is hashed
-    ours: int | None = None  # the router block ending at this engine block
-    covered_by: list[int] | None = None  # the router blocks this engine block is part of
+# One engine block the index follows: a plain tuple of untracked values (ints, bytes, None and
+# tuples of those), which the garbage collector stops following after its first pass over it.  As
+# objects (a slots dataclass and a list each), an index at 1,000 engines of Mooncake-length prompts
+# was 2.5 million objects the collector walked at each of its full passes: about 0.5 ms of a
+# replay's CPU per request, and pauses of the shard's loop (docs/performance.md, "Scale: what one scheduler holds").
+#   (parent, depth, tokens, ours, covered_by)
+#   parent: the engine's hash of the block before it (None: the first)
+#   depth: engine blocks from the start of the prompt (1: the first)
+#   tokens: its token IDs until its router block is hashed (then ())
+#   ours: the router block ending at this engine block (None: none, or not known)
+#   covered_by: the router blocks this engine block is part of (() : none)
+_Node = tuple[Any, int, tuple[int, ...], int | None, tuple[int, ...]]
+_PARENT: Final = 0
+_DEPTH: Final = 1
+_TOKENS: Final = 2
+_OURS: Final = 3
+_COVERED: Final = 4
 
 
 @dataclass
@@ -135,80 +145,86 @@ class KVEventIndex:
                 self.on_block_size(b)
         if ev.lora_id is not None or ev.lora_name is not None or any(k for k in ev.extra_keys or ()):
             return  # a LoRA's, a cache salt's or a multimodal prompt's blocks are not the plain prompt's
-        parent = self._nodes.get(ev.parent_block_hash) if ev.parent_block_hash is not None else None
+        nodes = self._nodes
+        parent = nodes.get(ev.parent_block_hash) if ev.parent_block_hash is not None else None
         if ev.parent_block_hash is not None and parent is None:
             self.stats["orphans"] += len(ev.block_hashes)  # its prefix was missed: the next reuse re-sends it
             return
+        parent_h = ev.parent_block_hash
         per = max(1, r // b)
         for i, h in enumerate(ev.block_hashes):
-            node = self._nodes.get(h)
+            node = nodes.get(h)
             if node is not None:  # a reused block announced again
-                self._nodes.move_to_end(h)
-                parent = node
+                nodes.move_to_end(h)
+                parent, parent_h = node, h
                 continue
-            depth = parent.depth + 1 if parent is not None else 1
+            depth = parent[_DEPTH] + 1 if parent is not None else 1
             # past placement.prefix_max_blocks no request matches it: its tokens are not kept, nor
             # is it hashed or put in the target
             deep = self.max_blocks is not None and self._blocks_before(depth, b) >= self.max_blocks
-            node = _Node(ev.parent_block_hash if i == 0 else ev.block_hashes[i - 1], depth,
-                         () if deep else tuple(ev.token_ids[i * b:(i + 1) * b]))
-            self._nodes[h] = node
+            node = nodes[h] = (parent_h, depth, () if deep else tuple(ev.token_ids[i * b:(i + 1) * b]), None, ())
             self.stats["stored"] += 1
             if not deep:
                 if b > r:
-                    self._split(node, parent, r)
+                    node = self._split(h, node, parent, r)
                 elif depth % per == 0:
-                    self._complete(node, per)
-            parent = node
-        while len(self._nodes) > self.capacity:
-            _, old = self._nodes.popitem(last=False)
-            if old.covered_by:
-                self.target.remove(old.covered_by)
+                    node = self._complete(h, node, per)
+            parent, parent_h = node, h
+        while len(nodes) > self.capacity:
+            _, old = nodes.popitem(last=False)
+            if old[_COVERED]:
+                self.target.remove(old[_COVERED])
 
     def _blocks_before(self, depth: int, b: int) -> int:
         """Router blocks wholly before an engine block of ``b`` tokens at ``depth``."""
         r = self.router_block_tokens
         return (depth - 1) * (b // r) if b > r else (depth - 1) // (r // b)
 
-    def _split(self, node: _Node, parent: _Node | None, r: int) -> None:
-        """An engine block of several router blocks: all of them, chained from the one before."""
-        if parent is not None and parent.ours is None:
-            return
-        first = self._blocks_before(node.depth, len(node.tokens))
-        prev = None if parent is None else parent.ours
+    def _split(self, h: Any, node: _Node, parent: _Node | None, r: int) -> _Node:
+        """An engine block (``h``) of several router blocks: all of them, chained from the one
+        before.  Returns the node as it is now."""
+        if parent is not None and parent[_OURS] is None:
+            return node
+        tokens = node[_TOKENS]
+        first = self._blocks_before(node[_DEPTH], len(tokens))
+        prev = None if parent is None else parent[_OURS]
         ours: list[int] = []
-        for k in range(0, len(node.tokens), r):
+        for k in range(0, len(tokens), r):
             if self.max_blocks is not None and first + len(ours) >= self.max_blocks:
                 break
-            prev = next_id_block_hash(prev, node.tokens[k:k + r])
+            prev = next_id_block_hash(prev, tokens[k:k + r])
             ours.append(prev)
-        node.ours, node.covered_by, node.tokens = prev, ours, ()
+        node = self._nodes[h] = (node[_PARENT], node[_DEPTH], (), prev, tuple(ours))
         self.target.insert(ours)
+        return node
 
-    def _complete(self, last: _Node, per: int) -> None:
-        """``last`` ends a router block: hash it from its engine blocks' tokens."""
-        chain = [last]
+    def _complete(self, h: Any, last: _Node, per: int) -> _Node:
+        """``last`` (``h``) ends a router block: hash it from its engine blocks' tokens.  Returns
+        ``last`` as it is now."""
+        nodes = self._nodes
+        chain = [(h, last)]
         node = last
         for _ in range(per - 1):
-            node_or_none = self._nodes.get(node.parent)
+            key = node[_PARENT]
+            node_or_none = nodes.get(key)
             if node_or_none is None:
-                return
+                return last
             node = node_or_none
-            chain.append(node)
+            chain.append((key, node))
         prev: int | None = None
-        if node.depth > 1:
-            before = self._nodes.get(node.parent)
-            if before is None or before.ours is None:
-                return  # the router block before it is not known: neither is this one's hash
-            prev = before.ours
-        done = next((n.covered_by[0] for n in chain[1:] if n.covered_by), None)
+        if node[_DEPTH] > 1:
+            before = nodes.get(node[_PARENT])
+            if before is None or before[_OURS] is None:
+                return last  # the router block before it is not known: neither is this one's hash
+            prev = before[_OURS]
+        done = next((n[_COVERED][0] for _, n in chain[1:] if n[_COVERED]), None)
         # hashed before (its last engine block was removed and stored again): the same block
-        ours = done if done is not None else next_id_block_hash(prev, [t for n in reversed(chain) for t in n.tokens])
-        last.ours = ours
-        for n in chain:
-            n.covered_by = [ours]
-            n.tokens = ()  # hashed: what it held is not needed again (a third of the index's memory)
+        ours = done if done is not None else next_id_block_hash(prev, [t for _, n in reversed(chain) for t in n[_TOKENS]])
+        # hashed: what they held is not needed again (a third of the index's memory)
+        for key, n in chain:
+            nodes[key] = (n[_PARENT], n[_DEPTH], (), ours if key == h else n[_OURS], (ours,))
         self.target.insert([ours])
+        return nodes[h]
 
     def _removed(self, hashes: list[Any]) -> None:
         for h in hashes:
@@ -216,8 +232,8 @@ class KVEventIndex:
             if node is None:
                 continue
             self.stats["removed"] += 1
-            if node.covered_by:
-                self.target.remove(node.covered_by)
+            if node[_COVERED]:
+                self.target.remove(node[_COVERED])
 
     def view(self) -> dict[str, Any]:
         return {"last_seq": self.last_seq, "engine_blocks": len(self._nodes), "engine_block_size": self.engine_block_size,

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from narwhal_serve.kvevents import index
 from narwhal_serve.kvevents.index import KVEventIndex
 from narwhal_serve.kvevents.subscriber import KVEventSubscriber
 from narwhal_serve.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
@@ -84,7 +85,7 @@ def test_a_hashed_block_keeps_no_tokens_and_is_found_again_when_stored_again() -
     ids = list(range(5000, 5200))
     eh = chain(ids, 16)
     idx.offer(0, batch(stored(eh[:10], None, ids[:160], 16)))  # router blocks 1 and 2; half of the third
-    assert [len(idx._nodes[h].tokens) for h in eh[:10]] == [0] * 8 + [16, 16]  # hashed ones hold none
+    assert [len(idx._nodes[h][index._TOKENS]) for h in eh[:10]] == [0] * 8 + [16, 16]  # hashed ones hold none
     ours = id_block_hashes(ids, 64, 10)
     # the last engine block of the second router block leaves, and comes back (the engine computed it again)
     idx.offer(1, batch(BlockRemoved([eh[7]], "GPU")))
@@ -298,3 +299,24 @@ def test_admission_credits_only_whole_engine_blocks() -> None:
     assert placed(view(holder), ask).cached_tokens == 192
     assert placed(view(replace(holder, cache_block_tokens=128)), ask).cached_tokens == 128
     assert placed(view(replace(holder, cache_block_tokens=16)), ask).cached_tokens == 192
+
+
+def test_the_index_leaves_the_garbage_collector_nothing_to_follow_per_block() -> None:
+    """Each block the index follows is a tuple of plain values, which the collector stops tracking
+    after one pass: at 1,000 engines the index is millions of blocks, and as objects each full
+    collection walked them all (docs/performance.md, "Scale: what one scheduler holds")."""
+    import gc
+
+    target = PrefixIndex(10_000)
+    idx = KVEventIndex(router_block_tokens=64, capacity=10_000, target=target)
+    ids = list(range(9000, 9000 + 64 * 40))
+    eh = chain(ids, 16)
+    idx.offer(0, batch(stored(eh[:100], None, ids[:1600], 16)))  # hashed blocks and a half one
+    idx.offer(1, batch(BlockRemoved([eh[50]], "GPU"), stored(eh[100:], eh[99], ids[1600:], 16)))
+    wide = KVEventIndex(router_block_tokens=64, capacity=10_000, target=PrefixIndex(10_000))
+    wide.offer(0, batch(stored(chain(ids, 128), None, ids, 128)))  # an engine block of two router blocks
+    gc.collect()
+    gc.collect()  # (a tuple is untracked once what it holds is)
+    for i in (idx, wide):
+        assert len(i._nodes) > 10
+        assert not [n for n in i._nodes.values() if gc.is_tracked(n)]
