@@ -45,8 +45,8 @@ class Target(Protocol):
 # One engine block the index follows: a plain tuple of untracked values (ints, bytes, None and
 # tuples of those), which the garbage collector stops following after its first pass over it.  As
 # objects (a slots dataclass and a list each), an index at 1,000 engines of Mooncake-length prompts
-# was 2.5 million objects the collector walked at each of its full passes: about 0.5 ms of a
-# replay's CPU per request, and pauses of the shard's loop (docs/performance.md, "Scale: what one scheduler holds").
+# was 2.5 million objects that each of the collector's full passes walked: about 0.4 s a pass,
+# during which a shard's loop stands still (docs/performance.md, "Scale: what one scheduler holds").
 #   (parent, depth, tokens, ours, covered_by)
 #   parent: the engine's hash of the block before it (None: the first)
 #   depth: engine blocks from the start of the prompt (1: the first)
