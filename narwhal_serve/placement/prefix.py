@@ -175,7 +175,8 @@ class PrefixIndex:
         self._pending: Counter[int] = Counter()
         self._blocks: OrderedDict[int, None] = OrderedDict()
         # frozen(): the most recent blocks (until the blocks change), and with the pending ones (until
-        # the pending ones change what it holds: a request pending on blocks held already changes nothing)
+        # what it holds changes: a request pending on blocks held already, a pending block stored, a
+        # block used again while every block is in the copy change nothing)
         self._recent: frozenset[int] | None = frozenset()
         self._frozen: frozenset[int] | None = frozenset()
         self._frozen_limit = 0
@@ -183,15 +184,33 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def _whole(self) -> bool:
+        """Every block is among the most recent ones the frozen copy holds."""
+        return len(self._blocks) <= self._frozen_limit
+
+    def _in_copy(self, hashes: AbstractSet[int]) -> bool:
+        """All of ``hashes`` are among the blocks the frozen copy holds as held (False: not known)."""
+        if self._recent is not None:
+            return self._recent.issuperset(hashes)
+        return self._whole() and self._blocks.keys() >= hashes
+
     def insert(self, hashes: Sequence[int]) -> None:
         if not hashes or self.capacity <= 0:
             return
+        blocks, pending = self._blocks, self._pending
+        new = False  # a block neither held nor pending before: the copy holds more
         for h in hashes:
-            self._blocks[h] = None
-            self._blocks.move_to_end(h)
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
-        self._recent = self._frozen = None
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                new = new or h not in pending
+                blocks[h] = None
+        while len(blocks) > self.capacity:
+            h, _ = blocks.popitem(last=False)
+            new = new or h not in pending  # (one evicted and not pending: the copy holds less)
+        self._recent = None
+        if new or not self._whole():  # (a block may have left the most recent ones)
+            self._frozen = None
 
     def touch(self, hashes: Iterable[int]) -> None:
         """A request just used these blocks here (its prefill is done): those held become the most
@@ -204,13 +223,18 @@ class PrefixIndex:
         held = [h for h in hashes if h in blocks]
         for h in held:
             blocks.move_to_end(h)
+        if self._whole():  # (all of them are in the copy, in any order)
+            return
         if self._recent is not None and not self._recent.issuperset(held):
             self._recent = self._frozen = None
 
     def remove(self, hashes: Iterable[int]) -> None:
+        blocks, pending = self._blocks, self._pending
         for h in hashes:
-            if self._blocks.pop(h, 0) is None:
-                self._recent = self._frozen = None
+            if blocks.pop(h, 0) is None:
+                self._recent = None
+                if h not in pending or not self._whole():  # (an older block may enter the most recent)
+                    self._frozen = None
 
     def resize(self, capacity: int) -> None:
         if capacity != self.capacity:
@@ -226,19 +250,19 @@ class PrefixIndex:
     def pend(self, hashes: Iterable[int]) -> None:
         """A request placed here with these blocks, its prefill not done yet."""
         hashes = hashes if isinstance(hashes, (tuple, list)) else tuple(hashes)
-        if self._frozen is not None:  # (a block newly pending and not among the recent ones changes it)
-            recent = self._recent
-            if recent is None or not recent.issuperset(set(hashes).difference(self._pending)):
+        if self._frozen is not None:  # (a block newly pending and not held changes it)
+            fresh = set(hashes).difference(self._pending)
+            if fresh and not self._in_copy(fresh):
                 self._frozen = None
         self._pending.update(hashes)  # (counted in C)
 
     def unpend(self, hashes: Iterable[int]) -> None:
-        pending, recent = self._pending, self._recent
+        pending = self._pending
         for h in hashes:
             n = pending.get(h, 0) - 1
             if n > 0:
                 pending[h] = n
-            elif pending.pop(h, None) is not None and (recent is None or h not in recent):
+            elif pending.pop(h, None) is not None and self._frozen is not None and not self._in_copy({h}):
                 self._frozen = None
 
     def unpend_stored(self, hashes: Iterable[int]) -> tuple[int, ...]:
@@ -265,13 +289,17 @@ class PrefixIndex:
     def frozen(self, limit: int) -> frozenset[int]:
         """A copy of the ``limit`` most recently placed or used blocks and the pending ones, for a
         fleet view that crosses the Ray hop (cached until the next change)."""
-        if self._recent is None or self._frozen_limit != limit:
-            blocks = self._blocks
-            if len(blocks) <= limit:  # (all of them: read from the dict's table, not its order's links)
-                self._recent = frozenset(blocks)
-            else:
-                self._recent = frozenset(itertools.islice(reversed(blocks), limit)) if limit > 0 else frozenset()
-            self._frozen, self._frozen_limit = None, limit
+        if self._frozen_limit != limit:
+            self._recent = self._frozen = None
+            self._frozen_limit = limit
         if self._frozen is None:
-            self._frozen = self._recent.union(self._pending) if self._pending else self._recent
+            recent = self._recent
+            if recent is None:
+                blocks = self._blocks
+                if len(blocks) <= limit:  # (all of them: read from the dict's table, not its order's links)
+                    recent = frozenset(blocks)
+                else:
+                    recent = frozenset(itertools.islice(reversed(blocks), limit)) if limit > 0 else frozenset()
+                self._recent = recent
+            self._frozen = recent.union(self._pending) if self._pending else recent
         return self._frozen

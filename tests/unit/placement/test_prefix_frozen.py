@@ -94,3 +94,35 @@ def test_a_block_every_request_uses_stays_in_the_copy_however_many_are_stored_af
     first = idx.frozen(64)
     idx.touch([1, 2])  # already among the most recent: the same copy
     assert idx.frozen(64) is first
+
+
+def test_a_pending_block_stored_keeps_the_copy_while_every_block_is_in_it() -> None:
+    """What a KV-event engine does with each request: its blocks are pending, then stored (its
+    events), then its prefill is done; the copy holds the same blocks throughout, so it stays the
+    same object (no new facts, no grant carries it) — half the rebuilds at 1,000 engines."""
+    idx = PrefixIndex(1000)
+    idx.insert(list(range(10)))
+    idx.frozen(64)
+    idx.pend([5, 6, 100, 101])
+    copy = idx.frozen(64)
+    assert copy == frozenset(range(10)) | {100, 101}
+    idx.insert([100, 101])  # the engine stored them
+    assert idx.frozen(64) is copy
+    idx.touch([101, 100, 3])  # used again: only their order changed
+    assert idx.frozen(64) is copy
+    idx.unpend_stored([5, 6, 100, 101])
+    assert idx.frozen(64) is copy
+    idx.pend([7])
+    idx.remove([7])  # evicted while a request still pends on it: still in the copy
+    assert idx.frozen(64) is copy
+    idx.unpend([7])
+    assert idx.frozen(64) == copy - {7}
+    # more blocks than the copy carries: the most recent ones, rebuilt as they move
+    small = PrefixIndex(1000)
+    small.insert(list(range(8)))
+    first = small.frozen(4)
+    assert first == {4, 5, 6, 7}
+    small.touch([0])
+    assert small.frozen(4) == {0, 5, 6, 7}
+    small.insert([5])  # held already, now the most recent
+    assert small.frozen(4) == {0, 5, 6, 7}
