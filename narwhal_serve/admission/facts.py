@@ -125,7 +125,7 @@ def facts_from(names: tuple[str, ...], values: Iterable[object]) -> EngineFacts:
     scheduler takes to read an engine's facts, for each engine changed).  The caller checks
     ``names`` once (:data:`FACT_FIELDS`)."""
     out = object.__new__(EngineFacts)
-    out.__dict__.update(zip(names, values))
+    out.__dict__.update(zip(names, values, strict=True))
     return out
 
 

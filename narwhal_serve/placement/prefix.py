@@ -231,9 +231,10 @@ class PrefixIndex:
     def remove(self, hashes: Iterable[int]) -> None:
         blocks, pending = self._blocks, self._pending
         for h in hashes:
+            whole = self._whole()  # (before: with more blocks than the copy carries, an older one enters it)
             if blocks.pop(h, 0) is None:
                 self._recent = None
-                if h not in pending or not self._whole():  # (an older block may enter the most recent)
+                if h not in pending or not whole:
                     self._frozen = None
 
     def resize(self, capacity: int) -> None:

@@ -126,3 +126,71 @@ def test_a_pending_block_stored_keeps_the_copy_while_every_block_is_in_it() -> N
     assert small.frozen(4) == {0, 5, 6, 7}
     small.insert([5])  # held already, now the most recent
     assert small.frozen(4) == {0, 5, 6, 7}
+
+
+def test_a_pending_block_evicted_from_a_full_copy_lets_an_older_one_in() -> None:
+    """(Found by review.) With more blocks than the copy carries, a block leaving the engine makes
+    room among the most recent for an older one, pending or not."""
+    idx = PrefixIndex(10)
+    idx.insert([1, 2, 3])
+    idx.pend([3])
+    assert idx.frozen(2) == {2, 3}
+    idx.remove([3])  # still pending
+    assert idx.frozen(2) == {1, 2, 3}
+
+
+def test_the_frozen_copy_is_a_fresh_copy_over_many_shapes() -> None:
+    """(After a review's fuzzer.) Capacities below, at and above the copy's limit, several limits
+    read in turn, arbitrary unpends (never pended, repeated), resizes, clears, iterators for
+    lists: the copy is always the definition, and cached until a change."""
+    for seed in range(400):
+        rng = random.Random(seed)
+        capacity = rng.choice([0, 1, 2, 3, 5, 8, 12, 20, 40])
+        universe = rng.choice([3, 6, 10, 30, 60])
+        limits = rng.sample([0, 1, 2, 3, 5, 8, 12, 20, 50], rng.choice([1, 1, 2, 3]))
+        idx, blocks, pending = PrefixIndex(capacity), list[int](), Counter[int]()
+        for step in range(300):
+            op = rng.choice(("insert", "insert", "remove", "pend", "pend", "unpend", "unpend_stored",
+                             "touch", "touch", "read", "clear" if rng.random() < .05 else "read",
+                             "resize" if rng.random() < .1 else "read"))
+            hs = [rng.randrange(universe) for _ in range(rng.randrange(0, 7))]
+            if op == "insert":
+                idx.insert(hs)
+                if hs and capacity > 0:
+                    for h in hs:
+                        if h in blocks:
+                            blocks.remove(h)
+                        blocks.append(h)
+                    del blocks[:max(0, len(blocks) - capacity)]
+            elif op == "touch":
+                idx.touch(iter(hs) if step % 2 else hs)
+                for h in hs:
+                    if h in blocks:
+                        blocks.remove(h)
+                        blocks.append(h)
+            elif op == "remove":
+                idx.remove(hs)
+                blocks = [b for b in blocks if b not in hs]
+            elif op == "pend":
+                idx.pend(iter(hs) if step % 3 == 0 else hs)
+                pending.update(hs)
+            elif op == "unpend":
+                idx.unpend(hs)
+                for h in hs:
+                    pending[h] = max(0, pending[h] - 1)
+            elif op == "unpend_stored":
+                later = tuple(h for h in hs if h not in blocks)
+                assert idx.unpend_stored(hs) == later
+                for h in (hs if not later else [h for h in hs if h in blocks]):
+                    pending[h] = max(0, pending[h] - 1)
+            elif op == "clear":
+                idx.clear()
+                blocks = []
+            elif op == "resize":
+                capacity = rng.choice([0, 1, 2, 4, 8, 12, 40])
+                idx.resize(capacity)
+                del blocks[:max(0, len(blocks) - capacity)]
+            for limit in rng.sample(limits, len(limits)):
+                copy = idx.frozen(limit)
+                assert copy == anew(blocks, pending, limit), (seed, step, op, limit)
+                assert idx.frozen(limit) is copy
