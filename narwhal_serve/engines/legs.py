@@ -12,6 +12,7 @@ import httpx
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.client import post_json, stream_chunks
 from narwhal_serve.engines.dialect import PATHS, Dialect
+from narwhal_serve.engines.errors import EngineFailure
 from narwhal_serve.engines.openai import OPENAI
 from narwhal_serve.engines.sglang import SGLANG
 from narwhal_serve.engines.vllm import VLLM
@@ -88,11 +89,22 @@ async def open_route(
     if cursor is not None:
         cursor.engine = prefill.name
     with leg_span(tracing, parent, "narwhal.prefill", prefill.name, headers) as h:
-        pre = await post_json(client, prefill.name, _url(prefill, req), prioritized(prefill, VLLM.prefill_body(req), priority), h)
+        try:
+            pre = await post_json(client, prefill.name, _url(prefill, req),
+                                  prioritized(prefill, VLLM.prefill_body(req), priority), h)
+        except EngineFailure as exc:
+            if not exc.client_error:
+                raise
+            # the engine refused the prefill leg's request (its max_tokens 1, not the client's: an
+            # answer about it would misstate what the client asked): the client's own request goes
+            # to the decode engine, which refuses it in the client's terms, or serves it whole
+            pre = None
     if cursor is not None:
         cursor.engine = decode.name
-    kv = pre.get("kv_transfer_params")
-    body = prioritized(decode, VLLM.decode_body(req, kv), priority)
+    if pre is None:
+        body = prioritized(decode, dialect.decode_body(req), priority)
+    else:
+        body = prioritized(decode, VLLM.decode_body(req, pre.get("kv_transfer_params")), priority)
     with leg_span(tracing, parent, "narwhal.decode", decode.name, headers) as h:
         async with aclosing(stream_chunks(client, decode.name, _url(decode, req), body, h)) as chunks:
             async for batch in chunks:
