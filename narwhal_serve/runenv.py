@@ -48,6 +48,10 @@ and no body.  No body byte within ``serving.body_timeout_s`` is HAProxy's 408, i
 ``errorfile``: it applies to this 408, unlike the header one).  An ``Expect`` whose
 ``Content-Length`` is over ``serving.max_request_bytes`` gets the router's 413 envelope from HAProxy,
 before any ``100 Continue`` invites the body.  Neither is counted: the router never sees them.
+Ray's configuration has ``option abortonclose`` (a client that closes its side while its request
+waits is gone: HAProxy drops the request, and the router sees it leave and counts it cancelled);
+HAProxy then answers a client that only half-closed (a complete request, then ``shutdown(SHUT_WR)``,
+as ``nc -N`` does) with its own 400, whose page is an ``errorfile``: the envelope, saying why.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ for a in "$@"; do
     http-request return status 404 content-type application/json file {not_found} if {{ method OPTIONS }} {{ url * }}\\
     http-request return status 413 content-type application/json file {too_large} if {{ req.hdr(expect) -m found }} {{ req.hdr_val(content-length) gt {max_request_bytes} }}\\
     errorfile 408 {body_timeout}\\
+    errorfile 400 {client_left}\\
     http-request wait-for-body time {body_timeout_ms}ms at-least 1 if {{ req.hdr(expect) -m found }}\\
     http-request del-header expect' "$a" > "$a.narwhal"
     a="$a.narwhal"
@@ -217,13 +222,20 @@ def haproxy_wrapper(limits: IngressLimits, folder: str | None = None) -> str | N
     payload = json.dumps(BodyTimeout.after(limits.body_timeout_s).info().body())
     body_timeout.write_text(f"HTTP/1.1 408 Request Time-out\r\ncontent-type: application/json\r\n"
                             f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n{payload}")
+    client_left = d / "client-left.http"  # HAProxy's own 400 for a request it dropped (docs/contract.md, "Errors")
+    payload = json.dumps(InvalidRequest(
+        "the request was dropped before its answer: the client closed its side of the connection (an "
+        "HTTP/1.1 half-close, an HTTP/2 stream reset), which reads as leaving").info().body())
+    client_left.write_text(f"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                           f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n{payload}")
     path.write_text(_WRAPPER.format(real=real.replace("'", "'\\''"), header_timeout_s=f"{header_timeout:g}",
                                     bad_rid=str(bad_rid), bad_header=str(bad_header), not_found=str(not_found),
                                     bad_target=str(bad_target), bad_name=str(bad_name),
                                     big_headers=str(big_headers), max_header_bytes=MAX_HEADER_BYTES,
                                     max_headers=MAX_HEADERS, too_large=str(too_large),
                                     max_request_bytes=limits.max_request_bytes, body_timeout=str(body_timeout),
-                                    body_timeout_ms=math.ceil(limits.body_timeout_s * 1000)))
+                                    body_timeout_ms=math.ceil(limits.body_timeout_s * 1000),
+                                    client_left=str(client_left)))
     path.chmod(0o755)
     return str(path)
 

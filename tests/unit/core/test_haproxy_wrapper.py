@@ -31,7 +31,7 @@ class Proxy:
 
 
 async def _replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seen: list[dict[str, object]]) -> None:
-    """Answers 200 with what it read; on ``/early`` a 408 with ``connection: close`` before reading
+    """Answers 200 with what it read (on ``/slow`` after half a second); on ``/early`` a 408 with ``connection: close`` before reading
     the body (as the router does when a body is late)."""
     try:
         while True:
@@ -45,6 +45,8 @@ async def _replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, s
                 return
             body = await reader.readexactly(int(headers.get("content-length", "0")))
             seen.append({"expect": headers.get("expect"), "body": len(body)})
+            if lines[0].split()[1] == "/slow":  # an answer that takes a while (a model's)
+                await asyncio.sleep(0.5)
             out = json.dumps({"body": len(body)}).encode()
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(out) + out)
             await writer.drain()
@@ -67,6 +69,7 @@ async def proxy(tmp_path: Path) -> AsyncIterator[Proxy]:
     maxconn 100
 defaults
     mode http
+    option abortonclose
     timeout connect 5s
     timeout client {LIMITS.client_idle_s}s
     timeout server 60s
@@ -224,3 +227,19 @@ def test_the_run_reads_its_limits_from_its_config(tmp_path: Path) -> None:
     unreadable.write_text("applications: [\n")
     said.clear()
     assert drain_targets([str(unreadable)], log=said.append) == [] and "default serving limits" in said[0]
+
+
+async def test_a_client_that_half_closes_after_its_request_gets_the_envelope(proxy: Proxy) -> None:
+    """(Found by a hostile probe.) A whole request, then the client's side shut (``nc -N``): with
+    Ray's ``option abortonclose`` HAProxy drops it as a client gone and answers 400 itself — in
+    the envelope, saying why, not its HTML page."""
+    reader, writer = await _connect(proxy)
+    body = b'{"model": "m"}'
+    writer.write(_post("/slow", len(body), expect=False) + body)
+    await writer.drain()
+    writer.write_eof()
+    code, headers, raw = await _answer(reader, 5)
+    writer.close()
+    assert code == 400 and headers.get("content-type") == "application/json", raw
+    err = json.loads(raw)["error"]
+    assert err["code"] == "invalid_request" and "half-close" in err["message"]
