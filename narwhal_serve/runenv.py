@@ -199,7 +199,7 @@ def haproxy_wrapper(limits: IngressLimits, folder: str | None = None) -> str | N
     path = d / "haproxy"
     bad_rid = d / "bad-request-id.json"
     bad_rid.write_text(json.dumps(InvalidRequest(
-        "header X-Request-Id must be 1-128 printable ASCII characters", param="x-request-id").info().body()))
+        "header X-Request-Id must be 1-128 printable ASCII characters, no spaces", param="x-request-id").info().body()))
     bad_header = d / "bad-header.json"
     bad_header.write_text(json.dumps(InvalidRequest(
         "a request header holds a control character (bytes 0x00-0x1f other than tab, or 0x7f)").info().body()))

@@ -173,7 +173,7 @@ class CompletionHandler:
         trail = self.obs.trail(rid, request.url.path, arrived, request.headers)
         try:
             if given is not None and given != rid:  # it goes to every engine leg as a header: keep it plain
-                raise InvalidRequest("header X-Request-Id must be 1-128 printable ASCII characters", param="x-request-id")
+                raise InvalidRequest("header X-Request-Id must be 1-128 printable ASCII characters, no spaces", param="x-request-id")
             tenant = self.tenancy.identify(request)
             trail.tenant = self.tenancy.label(tenant)
             priority = self.tenancy.priority(request, tenant)
