@@ -11,8 +11,10 @@ export RAY_SERVE_THROUGHPUT_OPTIMIZED := 1
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q --upgrade pip || $(PY) -m pip install -q --upgrade pip
+	# A registry that drops a connection fails one try (seen in CI): up to three, the last one verbose.
+	$(PY) -m pip install -q -e '.[test,bench]' || $(PY) -m pip install -q -e '.[test,bench]' || \
+		$(PY) -m pip install -e '.[test,bench]'
 	touch $@
 
 install: $(VENV)/.installed

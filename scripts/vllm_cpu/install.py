@@ -70,7 +70,14 @@ def install(force: bool = False) -> Path:
             _run_logged([base, "-m", "venv", str(VENV)], logfile, "creating the vLLM venv")
         pip = [str(venv_python()), "-m", "pip"]
         log(f"install: pip install {' '.join(PINS)} (about 3 min and 3.5 GB when not cached; log {logfile})")
-        _run_logged([*pip, "install", "--progress-bar", "off", *PINS], logfile, "pip install " + " ".join(PINS))
+        for attempt in (1, 2, 3):  # a registry that drops a connection fails one try (seen in CI)
+            try:
+                _run_logged([*pip, "install", "--progress-bar", "off", *PINS], logfile, "pip install " + " ".join(PINS))
+                break
+            except EngineError:
+                if attempt == 3:
+                    raise
+                log(f"install: pip install failed (try {attempt} of 3), trying again")
         _run_logged([*pip, "uninstall", "-y", *BROKEN], logfile, "pip uninstall " + " ".join(BROKEN))
         _run_logged(
             [str(venv_python()), "-c", "import torch, vllm, transformers, tokenizers; print('vllm', vllm.__version__, 'torch', torch.__version__)"],
