@@ -8,10 +8,14 @@ import json
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
 import httpx
 
 from tests.fault.conftest import App
@@ -260,6 +264,79 @@ class Raw:
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.writer.transport.abort()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# -- raw cleartext HTTP/2 --------------------------------------------------------------------------
+
+class H2:
+    """One cleartext HTTP/2 connection (prior knowledge, as ``curl --http2-prior-knowledge``; HAProxy
+    accepts it on the router's port in direct-ingress mode), driven frame by frame with the ``h2``
+    library: several requests at once on it, and a client that cancels one with ``RST_STREAM`` while
+    it keeps the connection."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, app: App) -> None:
+        self.reader, self.writer, self.app = reader, writer, app
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.status: dict[int, int] = {}
+        self.body: dict[int, bytearray] = {}
+        self.ended: set[int] = set()  # streams the server ended (END_STREAM)
+        self.reset_by_server: set[int] = set()
+        self.closed = False  # the server closed the connection (GOAWAY or EOF)
+
+    @classmethod
+    async def open(cls, app: App) -> H2:
+        reader, writer = await asyncio.open_connection(*app.host_port)
+        out = cls(reader, writer, app)
+        out.conn.initiate_connection()
+        await out._flush()
+        return out
+
+    async def _flush(self) -> None:
+        self.writer.write(self.conn.data_to_send())
+        await self.writer.drain()
+
+    async def post(self, path: str, body: dict[str, Any]) -> int:
+        """Send one whole POST on a new stream; its stream ID."""
+        raw = json.dumps(body).encode()
+        sid = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(sid, [(":method", "POST"), (":path", self.app.prefix + path), (":scheme", "http"),
+                                     (":authority", self.app.host_port[0]), ("content-type", "application/json"),
+                                     ("content-length", str(len(raw)))])
+        self.conn.send_data(sid, raw, end_stream=True)
+        self.body[sid] = bytearray()
+        await self._flush()
+        return sid
+
+    async def reset(self, sid: int) -> None:
+        """Cancel one request (``RST_STREAM CANCEL``); the connection stays open."""
+        self.conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+        await self._flush()
+
+    async def until(self, done: Callable[[], bool], what: str, timeout: float) -> None:
+        """Read frames (acknowledging data, so flow control never stalls a stream) until ``done()``."""
+        async with asyncio.timeout(timeout):
+            while not done():
+                assert not self.closed, f"the server closed the connection before {what}"
+                data = await self.reader.read(65536)
+                if not data:
+                    self.closed = True
+                    continue
+                for ev in self.conn.receive_data(data):
+                    if isinstance(ev, h2.events.ResponseReceived):
+                        self.status[ev.stream_id] = int(dict(ev.headers)[":status"])
+                    elif isinstance(ev, h2.events.DataReceived):
+                        self.body.setdefault(ev.stream_id, bytearray()).extend(ev.data)
+                        self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                    elif isinstance(ev, h2.events.StreamEnded):
+                        self.ended.add(ev.stream_id)
+                    elif isinstance(ev, h2.events.StreamReset):
+                        self.reset_by_server.add(ev.stream_id)
+                    elif isinstance(ev, h2.events.ConnectionTerminated):
+                        self.closed = True
+                await self._flush()
 
     def close(self) -> None:
         self.writer.close()

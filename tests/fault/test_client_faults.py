@@ -10,12 +10,14 @@ import socket
 import time
 from typing import Any
 
+import httpx
 import pytest
 
 from narwhal_serve.config import ServingConfig
 from tests.fault.conftest import BODY_TIMEOUT_S, KEEPALIVE_S, SLOW_READER_TIMEOUT_S, STREAM_BUFFER_BYTES, Fleet
 from tests.fault.helpers import (
     CHAT,
+    H2,
     Raw,
     Streaming,
     assert_clean_end,
@@ -123,6 +125,42 @@ async def test_client_leaving_mid_stream_aborts_the_engine_request(fleet: Fleet)
     assert delta(before, snap) == {"offered": 1, "cancelled": 1, "cancelled/client_disconnected": 1}
     # its output tokens up to the cut are counted (the class's tokens), not the answer it asked for
     assert 1 <= output_tokens(snap) - output_tokens(before) < 400
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "non_streamed"])
+async def test_an_http2_stream_reset_ends_that_request_and_spares_the_connection(fleet: Fleet, stream: bool) -> None:
+    """Over cleartext HTTP/2 a client cancels one request with ``RST_STREAM`` and keeps the
+    connection (a hostile probe reported such a request unseen, running to its end): that request is
+    counted ``cancelled{client_disconnected}`` and aborted on the engine, and the next request on the
+    same connection runs to its end."""
+    app = fleet.tight
+    engine = app.engines["tight-0"]
+    before = await status(app.url)
+    async with engine_set(app, "tight-0", tpot_base_s=0.05):
+        conn = await H2.open(app)
+        try:
+            body = long_stream(400) if stream else chat_body("a long answer", max_tokens=400, ignore_eos=True)
+            gone = await conn.post(CHAT, body)  # ~20 s of tokens
+            if stream:
+                await conn.until(lambda: len(conn.body[gone]) > 0, "the first event", 15)
+            else:  # mid-decode: nothing is sent before the whole answer
+                loop = asyncio.get_running_loop()
+                end = loop.time() + 15
+                while (await engine_stats(engine))["running"] != 1:
+                    assert loop.time() < end, "the request never reached the engine"
+                    await asyncio.sleep(0.05)
+                assert conn.status.get(gone) is None
+            await conn.reset(gone)
+            kept = await conn.post(CHAT, long_stream(5))
+            await conn.until(lambda: kept in conn.ended, "the second request's end", 20)
+            assert kept not in conn.reset_by_server
+            assert_clean_end(httpx.Response(conn.status[kept], content=bytes(conn.body[kept])))
+            await wait_engine_idle(engine, timeout=5)  # the cancelled one aborted, not left to run 20 s
+            assert gone not in conn.ended
+        finally:
+            conn.close()
+    snap = await assert_quiescent(app)
+    assert delta(before, snap) == {"offered": 2, "completed": 1, "cancelled": 1, "cancelled/client_disconnected": 1}
 
 
 async def test_slow_reader_is_cut_not_buffered(fleet: Fleet) -> None:
