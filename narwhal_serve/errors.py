@@ -108,8 +108,14 @@ class InvalidRequest(NarwhalError):
 class InvalidSamplingWidth(InvalidRequest):
     code = "invalid_sampling_width"
 
-    def __init__(self, param: str) -> None:
-        super().__init__(f"Invalid sampling width: {param} must be 1", param=param)
+    def __init__(self, param: str, message: str | None = None) -> None:
+        super().__init__(message or f"Invalid sampling width: {param} must be 1", param=param)
+
+    @classmethod
+    def prompts(cls, n: int) -> InvalidSamplingWidth:
+        """A batch of prompts on ``/v1/completions``: each prompt is its own request here."""
+        return cls("prompt", f"Invalid sampling width: a list of {n} prompts; send one prompt per request "
+                             "(each is admitted against its own TTFT budget)")
 
 
 class UnsupportedOption(InvalidRequest):

@@ -29,6 +29,7 @@ from narwhal_serve.gateway.body import BodyIncomplete, read_body
 from narwhal_serve.gateway.responses import error_response
 from narwhal_serve.gateway.streaming import internal_error
 from narwhal_serve.gateway.tokenize import detokenize, tokenize
+from narwhal_serve.protocol.requests import model_not_found
 from narwhal_serve.tokenization.sizer import PromptSizer
 
 log = logging.getLogger(__name__)
@@ -176,11 +177,18 @@ def build_api(
     app.add_api_route("/tokenize", token_route(tokenize), methods=["POST"])
     app.add_api_route("/detokenize", token_route(detokenize), methods=["POST"])
 
+    # `root` as vLLM sends it: `vllm bench serve` without --model reads data[0]["root"]
+    card = {"id": cfg.model, "object": "model", "created": created, "owned_by": "narwhal", "root": cfg.model}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        # `root` as vLLM sends it: `vllm bench serve` without --model reads data[0]["root"]
-        card = {"id": cfg.model, "object": "model", "created": created, "owned_by": "narwhal", "root": cfg.model}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's "retrieve model" (`client.models.retrieve`); a name may hold "/"
+    async def model(model: str) -> Response:
+        if model != cfg.model:
+            return error_response(model_not_found(model, cfg.model).info(), None)
+        return JSONResponse(card)
 
     @app.get("/health")
     async def health() -> Response:

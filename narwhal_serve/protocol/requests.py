@@ -284,13 +284,13 @@ def _check_prompt(body: dict[str, Any]) -> tuple[int, tuple[int, ...] | None]:
     if isinstance(p, list) and p:
         if all(isinstance(s, str) for s in p):
             if len(p) > 1:
-                raise InvalidSamplingWidth("prompt")
+                raise InvalidSamplingWidth.prompts(len(p))
             return len(p[0]), None
         if all(_is_int(t) and t >= 0 for t in p):
             return 0, tuple(p)
         if all(isinstance(s, list) for s in p):
             if len(p) > 1:
-                raise InvalidSamplingWidth("prompt")
+                raise InvalidSamplingWidth.prompts(len(p))
             if p[0] and all(_is_int(t) and t >= 0 for t in p[0]):  # [[]] is as empty as []
                 return 0, tuple(p[0])
     raise _bad("prompt", "is required and must be a string or a list of token ids")

@@ -20,6 +20,10 @@ def client(graph: Graph) -> openai.AsyncOpenAI:
 async def test_models_health_ready(graph: Graph) -> None:
     models = await client(graph).models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert (await client(graph).models.retrieve(MODEL)).id == MODEL
+    with pytest.raises(openai.NotFoundError) as gone:
+        await client(graph).models.retrieve("not-" + MODEL)
+    assert gone.value.code == "model_not_found"
     async with httpx.AsyncClient(base_url=graph.url) as c:
         assert (await c.get("/health")).status_code == 200
         r = await c.get("/ready")

@@ -27,6 +27,8 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
     ("other-model", "chat", {"model": "gpt-4o", "messages": M}, 404, "model_not_found", "model"),
     ("n>1", "chat", {"model": MODEL, "messages": M, "n": 2}, 400, "invalid_sampling_width", "n"),
     ("best_of>1", "completion", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "invalid_sampling_width", "best_of"),
+    ("prompt-batch", "completion", {"model": MODEL, "prompt": ["x", "y"]}, 400, "invalid_sampling_width", "prompt"),
+    ("prompt-id-batch", "completion", {"model": MODEL, "prompt": [[1, 2], [3]]}, 400, "invalid_sampling_width", "prompt"),
     ("audio-nonstream", "chat", {"model": MODEL, "messages": M, "audio": {"voice": "alloy", "format": "wav"}}, 400, "unsupported_option", "audio"),
     ("modality-nonstream", "chat", {"model": MODEL, "messages": M, "modalities": ["text", "audio"]}, 400, "unsupported_option", "modalities"),
     ("custom-tool-nonstream", "chat", {"model": MODEL, "messages": M, "tools": [{"type": "custom", "custom": {"name": "x"}}]}, 400, "unsupported_option", "tools.0.type"),
@@ -56,6 +58,8 @@ async def test_validation_row(graph: Graph, case: tuple[str, str, Any, int, str,
     assert r.headers["x-narwhal-reason"] == code and "retry-after" not in r.headers
     if code == "invalid_sampling_width":
         assert err["message"].startswith("Invalid sampling width")
+        if param == "prompt":  # says what to do instead, not "prompt must be 1"
+            assert "a list of 2 prompts" in err["message"] and "one prompt per request" in err["message"], err
     assert counter(await status(graph.url), "invalid_requests", code) == before + 1
 
 

@@ -100,6 +100,21 @@ async def test_no_redirect_from_the_host_header_and_no_long_echo(plain: LocalRou
         assert len(r.json()["error"]["message"]) < 300 and "100000 characters" in r.json()["error"]["message"]
 
 
+async def test_a_model_is_retrieved_by_name_and_another_is_a_model_not_found(plain: LocalRouter) -> None:
+    """OpenAI's ``GET /v1/models/{model}`` (``client.models.retrieve``): the served model's card, as
+    listed; any other name, one with a ``/`` included, the 404 ``model_not_found`` envelope."""
+    async with httpx.AsyncClient(base_url=plain.url, timeout=30) as c:
+        listed = (await c.get("/v1/models")).json()["data"]
+        r = await c.get(f"/v1/models/{listed[0]['id']}")
+        assert r.status_code == 200 and [r.json()] == listed, r.text
+        for other in ("nope", "org/model", "x" * 500):
+            r = await c.get(f"/v1/models/{other}")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+            assert r.json()["error"]["param"] == "model" and len(r.json()["error"]["message"]) < 300
+        r = await c.delete(f"/v1/models/{listed[0]['id']}")
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
 async def test_head_answers_as_get_without_a_body_and_a_405_names_the_methods_allowed(plain: LocalRouter) -> None:
     """Load balancers check health with HEAD: a GET route answers it as GET, without the body
     (RFC 9110); a method a route does not take is a 405 in the envelope with ``Allow``."""
