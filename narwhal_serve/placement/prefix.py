@@ -21,7 +21,7 @@ import operator
 import sys
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -188,11 +188,11 @@ class PrefixIndex:
         """Every block is among the most recent ones the frozen copy holds."""
         return len(self._blocks) <= self._frozen_limit
 
-    def _in_copy(self, hashes: AbstractSet[int]) -> bool:
+    def _in_copy(self, hashes: Collection[int]) -> bool:
         """All of ``hashes`` are among the blocks the frozen copy holds as held (False: not known)."""
         if self._recent is not None:
             return self._recent.issuperset(hashes)
-        return self._whole() and self._blocks.keys() >= hashes
+        return self._whole() and self._blocks.keys() >= (hashes if isinstance(hashes, AbstractSet) else set(hashes))
 
     def insert(self, hashes: Sequence[int]) -> None:
         if not hashes or self.capacity <= 0:
@@ -258,13 +258,19 @@ class PrefixIndex:
         self._pending.update(hashes)  # (counted in C)
 
     def unpend(self, hashes: Iterable[int]) -> None:
-        pending = self._pending
+        pending, get, gone = self._pending, self._pending.get, []
         for h in hashes:
-            n = pending.get(h, 0) - 1
-            if n > 0:
-                pending[h] = n
-            elif pending.pop(h, None) is not None and self._frozen is not None and not self._in_copy({h}):
-                self._frozen = None
+            n = get(h)
+            if n is None:
+                continue
+            if n > 1:
+                pending[h] = n - 1
+            else:
+                del pending[h]
+                gone.append(h)
+        # (one look for them all: what the copy holds as held does not change while pending ones leave)
+        if gone and self._frozen is not None and not self._in_copy(gone):
+            self._frozen = None
 
     def unpend_stored(self, hashes: Iterable[int]) -> tuple[int, ...]:
         """Those of these blocks that are held leave pending; the others are returned (not stored
