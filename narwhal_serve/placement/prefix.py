@@ -266,7 +266,7 @@ class PrefixIndex:
             if n > 1:
                 pending[h] = n - 1
             else:
-                del pending[h]
+                pending.pop(h)  # (dict's own: Counter's `del` is Python code)
                 gone.append(h)
         # (one look for them all: what the copy holds as held does not change while pending ones leave)
         if gone and self._frozen is not None and not self._in_copy(gone):
