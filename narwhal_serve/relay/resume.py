@@ -93,6 +93,8 @@ def continuation_body(req: ParsedRequest, prompt_ids: list[int], output_ids: lis
         if limit - done < 1:
             return None
         body["max_tokens"] = limit - done
+    else:  # none given: up to the context, as chat's default is (the completions endpoint's is 16 tokens)
+        body["max_tokens"] = None
     least = b.get("min_tokens")
     if isinstance(least, int) and least > done:
         body["min_tokens"] = least - done
@@ -190,7 +192,9 @@ class Reshaper:
         self.prompt_tokens = len(t.prompt_ids or ())
         self.before = len(t.output_ids)  # output tokens before the cut
         self.new_tokens = 0
-        self.offset = t.text_len  # text_offset of the continuation's text in the whole answer
+        # where the continuation's text starts in the whole answer: its engine's offsets count from
+        # its own first character, across its chunks (vLLM's do), so this base never moves
+        self.offset = t.text_len
         self.pre = t.tail  # the end of the text sent before the cut, where a stop string may begin
         self.post = ""  # the continuation's first characters, while a stop string may still straddle
         self.ended = False
@@ -249,7 +253,6 @@ class Reshaper:
                        "prompt_token_ids": None}
                 if isinstance(lp, dict) and isinstance(lp.get("text_offset"), list):
                     out["logprobs"] = {**lp, "text_offset": [o + self.offset for o in lp["text_offset"]]}
-            self.offset += len(text)
             choices.append(out)
         if not choices and usage is None:
             return None

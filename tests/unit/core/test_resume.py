@@ -175,14 +175,21 @@ async def test_completions_keep_their_shape_and_text_offsets_continue() -> None:
     first = {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "m",
              "choices": [{"index": 0, "text": "aa", "logprobs": lp1, "finish_reason": None, "stop_reason": None,
                           "token_ids": [1], "prompt_token_ids": PROMPT}]}
+    # the continuation engine's offsets count from its own first character, across its chunks (as vLLM's)
     lp2 = {"text_offset": [0], "token_logprobs": [-0.1], "tokens": ["c"], "top_logprobs": [{"c": -0.1}]}
-    eng = Engines(sse(first, done=False), continuation(cmpl_tok("c", 3, "length", lp=lp2)))
-    msgs = await run(eng, placed("completion", return_token_ids=True, logprobs=1, max_tokens=2))
-    assert eng.bodies[-1][2]["logprobs"] == 1 and eng.bodies[-1][2]["max_tokens"] == 1
+    lp3 = {"text_offset": [1], "token_logprobs": [-0.2], "tokens": ["dd"], "top_logprobs": [{"dd": -0.2}]}
+    lp4 = {"text_offset": [3], "token_logprobs": [-0.3], "tokens": ["e"], "top_logprobs": [{"e": -0.3}]}
+    eng = Engines(sse(first, done=False), continuation(cmpl_tok("c", 3, lp=lp2), cmpl_tok("dd", 4, lp=lp3),
+                                                       cmpl_tok("e", 5, "length", lp=lp4)))
+    msgs = await run(eng, placed("completion", return_token_ids=True, logprobs=1, max_tokens=4))
+    assert eng.bodies[-1][2]["logprobs"] == 1 and eng.bodies[-1][2]["max_tokens"] == 3
     evs = [e for e in events(msgs) if isinstance(e, dict)]
-    assert ids_of(evs) == [1, 3]
+    assert ids_of(evs) == [1, 3, 4, 5]
+    cont = [e["choices"][0] for e in evs if e.get("choices") and e["choices"][0].get("token_ids") != [1]]
+    assert [c["text"] for c in cont] == ["c", "dd", "e"]
+    assert [c["logprobs"]["text_offset"] for c in cont] == [[2], [3], [5]]  # "aa" + "c" + "dd" before "e"
     last = evs[-1]["choices"][0]
-    assert evs[-1]["id"] == "cmpl-1" and last["text"] == "c" and last["logprobs"]["text_offset"] == [2]
+    assert evs[-1]["id"] == "cmpl-1" and last["text"] == "e"
     assert last.get("prompt_token_ids") is None  # the client got them once, with the first chunk
 
 
@@ -391,3 +398,20 @@ async def test_usage_on_every_chunk_continues_after_the_cut_counting_one_answer(
                and e["choices"][0].get("token_ids")]
     assert counted == [1, 2, 3, 4, 5]  # one answer's count, through the cut
     assert all(e["usage"]["prompt_tokens"] == 3 for e in evs if isinstance(e, dict) and e.get("usage"))
+
+
+def test_a_continuation_without_a_client_limit_asks_for_up_to_the_context() -> None:
+    """(Found by a hostile probe.) The continuation goes to the completions endpoint, whose
+    ``max_tokens`` defaults to 16 on vLLM; a chat (or completion) sent without a limit runs up to
+    the context, so its continuation says ``max_tokens: null`` (vLLM: up to the context) instead of
+    leaving it out. With a limit, what is left of it."""
+    from narwhal_serve.relay.resume import continuation_body
+    for route, body in (("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}),
+                        ("completion", {"model": "m", "prompt": "hi"})):
+        req = parse_request(route, json.dumps(body).encode(), model="m")
+        out = continuation_body(req, [1, 2], [3, 4, 5])
+        assert out is not None and "max_tokens" in out and out["max_tokens"] is None, out
+        assert json.loads(json.dumps(out))["max_tokens"] is None
+    req = parse_request("chat", json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                            "max_completion_tokens": 10}).encode(), model="m")
+    assert (continuation_body(req, [1], [2, 3]) or {})["max_tokens"] == 8
