@@ -105,6 +105,13 @@ class InvalidRequest(NarwhalError):
     code = "invalid_request"
 
 
+def bad_request_id() -> InvalidRequest:
+    """An ``X-Request-Id`` the router will not carry to its engines: the ingress's answer, and the
+    one HAProxy's rule gives in direct-ingress mode (``narwhal_serve.runenv``), word for word."""
+    return InvalidRequest("header X-Request-Id must be 1-128 printable ASCII characters, no spaces",
+                          param="x-request-id")
+
+
 class InvalidSamplingWidth(InvalidRequest):
     code = "invalid_sampling_width"
 

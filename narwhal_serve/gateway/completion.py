@@ -24,7 +24,7 @@ from narwhal_serve.admission.core import Ask, FleetView
 from narwhal_serve.admission.retry import retry_count
 from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.config import NarwhalConfig
-from narwhal_serve.errors import BodyTimeout, ErrorInfo, InvalidRequest, NarwhalError, TerminalExpiry
+from narwhal_serve.errors import BodyTimeout, ErrorInfo, InvalidRequest, NarwhalError, TerminalExpiry, bad_request_id
 from narwhal_serve.gateway.admit import Refused, admit
 from narwhal_serve.gateway.backend import Backend
 from narwhal_serve.gateway.body import BodyIncomplete, read_body
@@ -173,7 +173,7 @@ class CompletionHandler:
         trail = self.obs.trail(rid, request.url.path, arrived, request.headers)
         try:
             if given is not None and given != rid:  # it goes to every engine leg as a header: keep it plain
-                raise InvalidRequest("header X-Request-Id must be 1-128 printable ASCII characters, no spaces", param="x-request-id")
+                raise bad_request_id()
             tenant = self.tenancy.identify(request)
             trail.tenant = self.tenancy.label(tenant)
             priority = self.tenancy.priority(request, tenant)
