@@ -159,6 +159,18 @@ def _opt(body: dict[str, Any], key: str, check: Any, what: str) -> None:
         raise _bad(key, what)
 
 
+# Integer fields: a whole-number float (``2.0``) is taken, as vLLM's schema takes it (pydantic's lax
+# mode), and sent on as the integer; ``2.5`` is still refused.
+_INT_FIELDS = ("max_tokens", "min_tokens", "seed", "n", "best_of", "max_completion_tokens", "top_logprobs")
+
+
+def _whole_numbers(body: dict[str, Any], route: Route) -> None:
+    for key in _INT_FIELDS + (("logprobs",) if route == "completion" else ()):
+        v = body.get(key)
+        if isinstance(v, float) and v.is_integer():
+            body[key] = int(v)
+
+
 def least_output(body: dict[str, Any], max_out: Any) -> int:
     """Output tokens an answer has at least: all of ``max_tokens`` with ``ignore_eos`` (vLLM's
     benchmark sends it, as every fixed-length load test does), else ``min_tokens`` (never above
@@ -254,7 +266,7 @@ def _check_nonstream_options(body: dict[str, Any]) -> None:
         for i, tool in enumerate(tools):
             if not isinstance(tool, dict):
                 raise _bad(f"tools.{i}", "must be an object")
-            if tool.get("type") not in _ASSEMBLABLE_TOOL_TYPES:
+            if tool.get("type", "function") not in _ASSEMBLABLE_TOOL_TYPES:  # (vLLM's default type)
                 raise UnsupportedOption(
                     f"tool type '{tool.get('type')}' is not supported for non-streaming requests",
                     param=f"tools.{i}.type",
@@ -305,6 +317,7 @@ def parse_request(route: Route, raw: bytes, *, model: str, max_logprobs: int = M
     router's words, instead of relaying the engine's validation dump."""
     cap = f"an integer from 0 to {max_logprobs}"
     body = decode_json(raw)
+    _whole_numbers(body, route)
     _check_common(body, model)
     stream = bool(body.get("stream", False))
     ids: tuple[int, ...] | None = None

@@ -263,8 +263,10 @@ class Reshaper:
             "model": chunk.get("model"),
             "choices": choices,
         }
-        if "system_fingerprint" in meta:
-            shaped["system_fingerprint"] = meta["system_fingerprint"]
+        # (the first engine's, else the continuation's own: vLLM may send it on its last chunk only)
+        fingerprint = meta.get("system_fingerprint", chunk.get("system_fingerprint"))
+        if fingerprint is not None:
+            shaped["system_fingerprint"] = fingerprint
         if isinstance(usage, dict):
             done = self.before + self.new_tokens
             shaped["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,

@@ -415,3 +415,21 @@ def test_a_continuation_without_a_client_limit_asks_for_up_to_the_context() -> N
     req = parse_request("chat", json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                             "max_completion_tokens": 10}).encode(), model="m")
     assert (continuation_body(req, [1], [2, 3]) or {})["max_tokens"] == 8
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_fingerprint_sent_only_at_the_end_still_reaches_a_resumed_answer(stream: bool) -> None:
+    """vLLM may put ``system_fingerprint`` on its last chunk only: an answer cut before it gets the
+    continuation engine's (it used to go without one); the first engine's, when it came, wins."""
+    last = {**cmpl_tok("e", 5, "length"), "system_fingerprint": "fp-e2"}
+    eng = Engines(FIRST_TWO, continuation(cmpl_tok("c", 3), cmpl_tok("d", 4), last))
+    msgs = await run(eng, placed(stream=stream, return_token_ids=True))
+    if stream:
+        fps = [e.get("system_fingerprint") for e in events(msgs) if isinstance(e, dict) and e.get("choices")]
+        assert fps[-1] == "fp-e2" and set(fps[:-1]) == {None}
+    else:
+        assert json.loads(msgs[-1].data)["system_fingerprint"] == "fp-e2"
+    first = sse({**CHAT_ROLE, "system_fingerprint": "fp-e1"}, chat_tok("a", 1), chat_tok("b", 2), done=False)
+    msgs = await run(Engines(first, continuation(cmpl_tok("c", 3), cmpl_tok("d", 4), last)), placed(return_token_ids=True))
+    fps = {e.get("system_fingerprint") for e in events(msgs) if isinstance(e, dict) and e.get("choices")}
+    assert fps - {None} == {"fp-e1"}

@@ -57,3 +57,36 @@ def test_a_null_sampling_width_is_the_default_and_not_sent_on() -> None:
                         ("completion", b'{"model": "m", "prompt": "x", "n": null}')):
         req = parse_request(route, body, model="m")  # type: ignore[arg-type]
         assert "n" not in req.body and "best_of" not in req.body
+
+
+def test_whole_number_floats_are_integers_as_vllm_takes_them_and_fractions_are_refused() -> None:
+    """``max_tokens: 2.0`` (a Python client's ``float(2)``): vLLM's schema takes it, so the router
+    does and sends the integer on; ``2.5`` stays a 400 naming the field, as at vLLM."""
+    chat = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3.0, ' \
+           b'"top_logprobs": 2.0, "logprobs": true, "n": 1.0, "seed": 7.0, "min_tokens": 1.0}'
+    req = parse_request("chat", chat, model="m")
+    assert req.max_output_tokens == 3 and req.min_output_tokens == 1
+    for key, value in (("max_completion_tokens", 3), ("top_logprobs", 2), ("n", 1), ("seed", 7), ("min_tokens", 1)):
+        assert req.body[key] == value and type(req.body[key]) is int
+    req = parse_request("completion", b'{"model": "m", "prompt": "x", "max_tokens": 4.0, "logprobs": 1.0, "best_of": 1.0}', model="m")
+    assert (req.max_output_tokens, req.body["logprobs"], req.body["best_of"]) == (4, 1, 1)
+    assert type(req.body["max_tokens"]) is int
+    for route, raw, param in (("completion", b'{"model": "m", "prompt": "x", "max_tokens": 2.5}', "max_tokens"),
+                              ("completion", b'{"model": "m", "prompt": "x", "logprobs": 0.5}', "logprobs"),
+                              # (a boolean stays a boolean, as OpenAI has it: chat's logprobs 1.0 is refused)
+                              ("chat", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": 1.0}', "logprobs")):
+        with pytest.raises(InvalidRequest) as ei:
+            parse_request(route, raw, model="m")  # type: ignore[arg-type]
+        assert ei.value.param == param
+
+
+def test_a_tool_without_a_type_is_a_function_as_at_vllm() -> None:
+    """vLLM's tool schema defaults ``type`` to ``function``: a non-streaming request with such a
+    tool is assembled like any other; a tool of another type is still refused there."""
+    tools = [{"function": {"name": "f", "parameters": {}}}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools}
+    assert parse_request("chat", json.dumps(body).encode(), model="m").body["tools"] == tools
+    body["tools"] = [{"type": "custom", "custom": {"name": "f"}}]
+    with pytest.raises(InvalidRequest) as ei:
+        parse_request("chat", json.dumps(body).encode(), model="m")
+    assert ei.value.param == "tools.0.type"
