@@ -212,6 +212,8 @@ def _check_common(body: dict[str, Any], model: str) -> None:
         iu = so.get("include_usage")
         if iu is not None and not isinstance(iu, bool):
             raise _bad("stream_options.include_usage", "must be a boolean")
+        if so and not body.get("stream"):  # (as OpenAI and vLLM refuse it)
+            raise _bad("stream_options", "is only allowed when 'stream' is true")
     for key in ("n", "best_of"):
         v = body.get(key)
         if v is None:  # (null is OpenAI's default, 1: not sent on, where an engine's schema wants a number)

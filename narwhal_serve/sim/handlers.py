@@ -32,6 +32,8 @@ from narwhal_serve.sim.reqparse import (
     CompletionRequest,
     SimError,
     bad_request,
+    check_before,
+    check_sampling,
     check_sim_ext,
     error_response,
     parse_body,
@@ -102,6 +104,7 @@ def _completion_prompt(prompt: str | list[str] | list[int] | list[list[int]], sp
 def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> Prepared:
     cfg = engine.cfg
     req: ChatRequest | CompletionRequest
+    check_before(raw, kind)
     if kind == "chat":
         req = parse_body(ChatRequest, raw)
         prompt_ids = render_chat([(m.role, m.text()) for m in req.messages],
@@ -131,6 +134,7 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
                           f"{n_prompt} input tokens and requested {max_tokens} output tokens. Please reduce the "
                           f"length of the input messages or completion. (parameter=input_tokens, value={n_prompt})",
                           "input_tokens")
+    check_sampling(req, max_tokens)
     sim = req.sim
     plan = FaultPlan.of(cfg.faults, sim.faults() if sim else [], sim.fault_after if sim else 2)
 
@@ -150,7 +154,7 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
     else:
         k = req.logprobs
     rng_seed = request_rng_seed(cfg.seed, req.seed, prompt_ids)
-    greedy = (req.model_extra or {}).get("temperature") == 0
+    greedy = req.temperature == 0
     gen = generate(rng_seed, max_tokens=max_tokens, min_tokens=min(req.min_tokens, max_tokens),
                    stop=req.stop_list(), ignore_eos=req.ignore_eos, eos_prob=cfg.eos_prob, num_top=k or 0,
                    context=prompt_ids if greedy else None, include_stop=req.include_stop_str_in_output)

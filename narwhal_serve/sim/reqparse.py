@@ -85,6 +85,13 @@ class _Common(BaseModel):
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     priority: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     sim: SimExt | None = None
 
     def stop_list(self) -> list[str]:
@@ -130,6 +137,56 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool | None = False
+
+
+def _vllm_error(message: str, param: str | None = None, value: Any = None) -> SimError:
+    """A ``VLLMValidationError``'s 400: its message carries the parameter and value it names."""
+    extras = [f"{k}={v}" for k, v in (("parameter", param), ("value", value)) if v is not None]
+    return bad_request(f"{message} ({', '.join(extras)})" if extras else message, param)
+
+
+def check_before(body: Any, kind: str) -> None:
+    """vLLM's request models' ``mode="before"`` checks, on the raw body (before the schema)."""
+    if not isinstance(body, dict):
+        return
+    if body.get("stream_options") and not body.get("stream"):
+        raise _vllm_error("Stream options can only be defined when `stream=True`.", "stream_options")
+    top = body.get("top_logprobs")
+    if kind == "chat" and isinstance(top, (int, float)) and not isinstance(top, bool) \
+            and (top == -1 or top > 0) and not body.get("logprobs"):
+        raise _vllm_error("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+
+
+def check_sampling(req: "ChatRequest | CompletionRequest", max_tokens: int) -> None:
+    """vLLM 0.32's ``SamplingParams._verify_args``, in its order and words, for the fields the
+    simulator takes (``max_tokens``: the one the request runs with, asked or defaulted)."""
+    presence = req.presence_penalty or 0.0
+    frequency = req.frequency_penalty or 0.0
+    repetition = 1.0 if req.repetition_penalty is None else req.repetition_penalty
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    top_k = req.top_k or 0
+    min_p = req.min_p or 0.0
+    if not -2.0 <= presence <= 2.0:
+        raise _vllm_error(f"presence_penalty must be in [-2, 2], got {presence}.")
+    if not -2.0 <= frequency <= 2.0:
+        raise _vllm_error(f"frequency_penalty must be in [-2, 2], got {frequency}.")
+    if repetition <= 0.0:
+        raise _vllm_error(f"repetition_penalty must be greater than zero, got {repetition}.")
+    if temperature < 0.0:
+        raise _vllm_error(f"temperature must be non-negative, got {temperature}.", "temperature", temperature)
+    if temperature > 2.0:
+        raise _vllm_error(f"temperature must be in [0, 2], got {temperature}.", "temperature", temperature)
+    if not 0.0 < top_p <= 1.0:
+        raise _vllm_error(f"top_p must be in (0, 1], got {top_p}.", "top_p", top_p)
+    if top_k < -1:
+        raise _vllm_error(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+    if not 0.0 <= min_p <= 1.0:
+        raise _vllm_error(f"min_p must be in [0, 1], got {min_p}.")
+    if req.min_tokens > max_tokens:
+        raise _vllm_error(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {req.min_tokens}.")
+    if any(not s for s in req.stop_list()):
+        raise _vllm_error("stop cannot contain an empty string.")
 
 
 def parse_body(model: type[M], body: Any) -> M:

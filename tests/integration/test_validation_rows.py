@@ -23,6 +23,7 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
     ("role-type", "chat", {"model": MODEL, "messages": [{"role": 1, "content": "x"}]}, 400, "invalid_request", "messages.0.role"),
     ("max-tokens-type", "chat", {"model": MODEL, "messages": M, "max_tokens": "9"}, 400, "invalid_request", "max_tokens"),
     ("stream-type", "completion", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "invalid_request", "stream"),
+    ("stream-options-without-stream", "completion", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "invalid_request", "stream_options"),
     ("prompt-type", "completion", {"model": MODEL, "prompt": {"a": 1}}, 400, "invalid_request", "prompt"),
     ("other-model", "chat", {"model": "gpt-4o", "messages": M}, 404, "model_not_found", "model"),
     ("n>1", "chat", {"model": MODEL, "messages": M, "n": 2}, 400, "invalid_sampling_width", "n"),

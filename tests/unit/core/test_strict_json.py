@@ -90,3 +90,16 @@ def test_a_tool_without_a_type_is_a_function_as_at_vllm() -> None:
     with pytest.raises(InvalidRequest) as ei:
         parse_request("chat", json.dumps(body).encode(), model="m")
     assert ei.value.param == "tools.0.type"
+
+
+def test_stream_options_without_stream_are_refused_as_openai_and_vllm_refuse_them() -> None:
+    """A non-streaming request with ``stream_options`` used to be served (the router streams from
+    the engine anyway); OpenAI and vLLM both answer it with a 400, so the router does too.  An
+    empty ``stream_options`` passes, as at vLLM."""
+    for route, raw in (("chat", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}}'),
+                       ("completion", b'{"model": "m", "prompt": "x", "stream": false, "stream_options": {"include_usage": false}}')):
+        with pytest.raises(InvalidRequest) as ei:
+            parse_request(route, raw, model="m")  # type: ignore[arg-type]
+        assert ei.value.param == "stream_options"
+    assert parse_request("completion", b'{"model": "m", "prompt": "x", "stream_options": {}}', model="m")
+    assert parse_request("completion", b'{"model": "m", "prompt": "x", "stream": true, "stream_options": {"include_usage": true}}', model="m").include_usage

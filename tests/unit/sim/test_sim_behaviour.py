@@ -218,3 +218,46 @@ def test_config_rejects_unknown_fault_and_extra_fields() -> None:
         SimEngineConfig(faults=["nope"])
     with pytest.raises(ValueError):
         SimEngineConfig.model_validate({"bogus": 1})
+
+
+SAMPLING_REFUSALS = [
+    # (route, body, param, message): vLLM 0.32's words (SamplingParams._verify_args and its request
+    # models' before-validators), which the simulator used to accept and serve
+    ("chat", {"temperature": -0.5}, "temperature", "temperature must be non-negative, got -0.5. (parameter=temperature, value=-0.5)"),
+    ("completion", {"temperature": 2.5}, "temperature", "temperature must be in [0, 2], got 2.5. (parameter=temperature, value=2.5)"),
+    ("completion", {"top_p": 2}, "top_p", "top_p must be in (0, 1], got 2.0. (parameter=top_p, value=2.0)"),
+    ("chat", {"top_p": 0}, "top_p", "top_p must be in (0, 1], got 0.0. (parameter=top_p, value=0.0)"),
+    ("completion", {"top_k": -2}, None, "top_k must be 0 (disable), or at least 1, got -2."),
+    ("chat", {"presence_penalty": 3}, None, "presence_penalty must be in [-2, 2], got 3.0."),
+    ("completion", {"frequency_penalty": -2.5}, None, "frequency_penalty must be in [-2, 2], got -2.5."),
+    ("completion", {"repetition_penalty": 0}, None, "repetition_penalty must be greater than zero, got 0.0."),
+    ("chat", {"min_p": 1.5}, None, "min_p must be in [0, 1], got 1.5."),
+    ("completion", {"min_tokens": 5, "max_tokens": 2}, None, "min_tokens must be less than or equal to max_tokens=2, got 5."),
+    ("chat", {"stop": ["x", ""]}, None, "stop cannot contain an empty string."),
+    ("chat", {"stream_options": {"include_usage": True}}, "stream_options",
+     "Stream options can only be defined when `stream=True`. (parameter=stream_options)"),
+    ("completion", {"stream": False, "stream_options": {"include_usage": True}}, "stream_options",
+     "Stream options can only be defined when `stream=True`. (parameter=stream_options)"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)"),
+]
+
+
+@pytest.mark.parametrize("route,extra,param,message", SAMPLING_REFUSALS)
+async def test_sampling_values_vllm_refuses_are_refused_in_its_words(route: str, extra: dict[str, Any],
+                                                                     param: str | None, message: str) -> None:
+    body = chat_body(model=None, **extra) if route == "chat" else completion_body(model=None, **extra)
+    async with sim_client() as c:
+        r = await c.post(CHAT if route == "chat" else COMPLETIONS, json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+
+
+async def test_sampling_values_at_their_bounds_are_served() -> None:
+    """The edges vLLM takes: top_k -1 (off) and 0, top_p 1, temperature 0 and 2, penalties ±2,
+    min_tokens = max_tokens, top_logprobs 0 without logprobs, stream_options {} without stream."""
+    async with sim_client() as c:
+        for extra in ({"top_k": -1, "top_p": 1, "temperature": 2, "presence_penalty": -2, "frequency_penalty": 2},
+                      {"top_k": 0, "temperature": 0, "min_p": 1, "repetition_penalty": 1.5, "min_tokens": 2},
+                      {"top_logprobs": 0, "stream_options": {}}):
+            r = await c.post(CHAT, json=chat_body(model=None, max_tokens=2, **extra))
+            assert r.status_code == 200, (extra, r.text)
