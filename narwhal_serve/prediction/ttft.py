@@ -17,6 +17,7 @@ fades as measurements arrive (regularization toward the prior).  Pure: no clock,
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections import deque
@@ -86,8 +87,15 @@ class Gram:
 
     def at(self, i: int, j: int) -> float:
         """Σ z_i·z_j (i ≤ j)."""
-        n = self.k + 1
-        return self.sums[i * n - i * (i - 1) // 2 + (j - i)]
+        return self.sums[positions(self.k)[i][j]]
+
+
+@functools.cache
+def positions(k: int) -> tuple[tuple[int, ...], ...]:
+    """Where Σ z_i·z_j lies in the sums of a :class:`Gram` of ``k`` values per sample, for every i, j."""
+    n = k + 1
+    return tuple(tuple(min(i, j) * n - min(i, j) * (min(i, j) - 1) // 2 + abs(j - i) for j in range(n))
+                 for i in range(n))
 
 
 def fit_with_prior(g: Gram, prior: tuple[tuple[float, float], ...]) -> list[float]:
@@ -95,28 +103,46 @@ def fit_with_prior(g: Gram, prior: tuple[tuple[float, float], ...]) -> list[floa
     ``g`` sums, regularized toward ``prior`` (per coefficient: its value and the spread of data
     that would hold it as firmly), with a weight that fades as data arrive (``PRIOR_WEIGHT``
     pseudo-observations with none).  Solved from the normal equations, scaled to a unit diagonal
-    (the prior keeps them positive definite), by elimination with partial pivoting."""
+    (the prior keeps them positive definite), by elimination with partial pivoting.  Plain loops
+    over lists, row by row: at a thousand engines a fit follows nearly every measurement, and
+    this form costs 40 % of one written with comprehensions and a keyed max (same operations,
+    in the same order: the same coefficients to the last bit)."""
     k, y = len(prior), g.k
-    n = g.at(0, 0)
-    lam = PRIOR_WEIGHT / (1.0 + n / 8.0) / 2
-    m = [[g.at(min(i, j), max(i, j)) for j in range(k)] for i in range(k)]
-    rhs = [g.at(i, y) for i in range(k)]
+    s, ix = g.sums, positions(y)
+    lam = PRIOR_WEIGHT / (1.0 + s[0] / 8.0) / 2
+    a: list[list[float]] = []  # the normal equations, augmented with their right-hand side
+    d: list[float] = []
     for i, (value, span) in enumerate(prior):
         w = lam * span * span
-        m[i][i] += w
-        rhs[i] += w * value
-    d = [math.sqrt(m[i][i]) for i in range(k)]
-    a = [[m[i][j] / (d[i] * d[j]) for j in range(k)] + [rhs[i] / d[i]] for i in range(k)]
+        row = [s[at] for at in ix[i][:k]]
+        row[i] += w
+        row.append(s[ix[i][y]] + w * value)
+        a.append(row)
+        d.append(math.sqrt(row[i]))
+    for i in range(k):  # scaled to a unit diagonal
+        row, di = a[i], d[i]
+        for j in range(k):
+            row[j] = row[j] / (di * d[j])
+        row[k] = row[k] / di
     for c in range(k):
-        p = max(range(c, k), key=lambda r: abs(a[r][c]))
-        a[c], a[p] = a[p], a[c]
+        p, best = c, abs(a[c][c])
         for r in range(c + 1, k):
-            f = a[r][c] / a[c][c]
+            v = abs(a[r][c])
+            if v > best:
+                p, best = r, v
+        a[c], a[p] = a[p], a[c]
+        ac = a[c]
+        for r in range(c + 1, k):
+            ar = a[r]
+            f = ar[c] / ac[c]
             for j in range(c, k + 1):
-                a[r][j] -= f * a[c][j]
+                ar[j] -= f * ac[j]
     z = [0.0] * k
     for i in range(k - 1, -1, -1):
-        z[i] = (a[i][k] - sum(a[i][j] * z[j] for j in range(i + 1, k))) / a[i][i]
+        ai, acc = a[i], 0.0
+        for j in range(i + 1, k):
+            acc += ai[j] * z[j]
+        z[i] = (ai[k] - acc) / ai[i]
     return [z[i] / d[i] for i in range(k)]
 
 
