@@ -142,7 +142,7 @@ class EngineConfig(_Strict):
     max_num_seqs: int | None = Field(None, gt=0)
     # The TTFT model's prior for this engine, before any measurement (and fading as measurements
     # arrive): fixed cost and seconds per prompt token. Unset: the model measured on the engines of
-    # its role and dialect (the one with the most samples), until it has measurements of its own;
+    # its role and dialect (their measurements pooled), until it has measurements of its own;
     # with none measured yet, 0.02 s + 0.0002 s/token.
     ttft_prior_a_s: float | None = Field(None, ge=0)
     ttft_prior_b_s_per_token: float | None = Field(None, gt=0)

@@ -20,6 +20,7 @@ from narwhal_serve.exports import lazy_exports
 # the package's public names (what the rest of Narwhal uses), each with the module that defines it:
 # imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
 _EXPORTS = {
+    "settled_prior": "engines",
     "Breaker": "health",
     "CREDIT_EWMA": "prefix",
     "EngineState": "engines",
@@ -45,6 +46,7 @@ _EXPORTS = {
     "was_hit": "prefix",
 }
 __all__ = [
+    "settled_prior",
     "Breaker", "CREDIT_EWMA", "EngineState", "FleetPrior", "MAX_CANDIDATES", "PROFILE_OUTPUT_TOKENS",
     "PROFILE_PROMPT_CHARS", "PrefixIndex", "PriorCoeffs", "ProfileErrors", "RouteOrder", "SetUnion",
     "adopt_fleet_prior", "borrows_ttft", "fleet_ttft", "index_capacity", "matched_blocks", "may_open",
@@ -53,6 +55,7 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
 if TYPE_CHECKING:
+    from narwhal_serve.placement.engines import settled_prior as settled_prior
     from narwhal_serve.placement.health import Breaker as Breaker
     from narwhal_serve.placement.prefix import CREDIT_EWMA as CREDIT_EWMA
     from narwhal_serve.placement.engines import EngineState as EngineState

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -13,7 +14,7 @@ from narwhal_serve.placement.drift import Drift
 from narwhal_serve.placement.health import Breaker
 from narwhal_serve.placement.prefix import CREDIT_PRIOR, PrefixIndex
 from narwhal_serve.prediction.decode import TpotModel
-from narwhal_serve.prediction.ttft import PRIOR_A, PRIOR_B, ErrorWindow, PrefillModel
+from narwhal_serve.prediction.ttft import PRIOR_A, PRIOR_B, ErrorWindow, Gram, PrefillModel, fit_prefill, linear_ttft
 
 PREFIX_INDEX_BLOCKS = 4096  # config.PlacementConfig.prefix_index_blocks (the scheduler sets it)
 
@@ -136,16 +137,23 @@ class EngineState:
         }
 
 
-def fleet_ttft(engines: Iterable[EngineState]) -> dict[tuple[str, str], PrefillModel]:
-    """Per role and dialect, the measured TTFT model with the most samples: what an engine with
-    no measurement of its own and no prior from its operator is projected with (a generic prior
-    would make it look faster or slower than the fleet it joins; at a thousand engines most are
-    such, and a too slow prior refused their long prompts as over the budget on their own)."""
-    out: dict[tuple[str, str], PrefillModel] = {}
+def fleet_ttft(engines: Iterable[EngineState]) -> dict[tuple[str, str], PriorCoeffs]:
+    """Per role and dialect, the TTFT model fitted to every measurement of the engines of that kind
+    (their windows' sums pooled, with the generic prior): what an engine with no measurement of its
+    own and no prior from its operator is projected with (a generic prior would make it look
+    faster or slower than the fleet it joins; at a thousand engines most are such, and a too slow
+    prior refused their long prompts as over the budget on their own).  Pooled, not the model of
+    the engine with the most samples: that one fit moved by a third when its engine refitted, and
+    every move re-granted hundreds of engines' facts."""
+    measured: dict[tuple[str, str], list[list[float]]] = {}
     for e in engines:
-        m, kind = e.ttft_model, (e.cfg.role, e.cfg.dialect)
-        if m.samples and (kind not in out or len(m.samples) > len(out[kind].samples)):
-            out[kind] = m
+        if e.ttft_model.samples:
+            measured.setdefault((e.cfg.role, e.cfg.dialect), []).append(e.ttft_model.gram.sums)
+    out: dict[tuple[str, str], PriorCoeffs] = {}
+    for kind, all_sums in measured.items():
+        g = Gram(3)
+        g.sums = [math.fsum(column) for column in zip(*all_sums)]  # (a pass in C per sum, not a list per engine)
+        out[kind] = PriorCoeffs(*fit_prefill(g))
     return out
 
 
@@ -159,6 +167,29 @@ class PriorCoeffs(NamedTuple):
 
 # per role and dialect, the TTFT model an engine without a measurement is projected with
 FleetPrior = Mapping[tuple[str, str], PrefillModel | PriorCoeffs]
+
+# The fleet's prior as granted is kept while the fleet's model projects within PRIOR_TOLERANCE of
+# it, plus PRIOR_FLOOR_S, for every prompt of 1 to PRIOR_SPAN[0] tokens behind 0 to PRIOR_SPAN[1]
+# requests (an engine that borrows the prior has had few requests, if any): pooled over the fleet
+# it moves a little with every measurement, and each new one is a new row for each engine
+# borrowing it (most, at a thousand engines) to every lease.
+PRIOR_TOLERANCE = 0.01
+PRIOR_FLOOR_S = 0.005
+PRIOR_SPAN = (131072.0, 8.0)
+
+
+def settled_prior(kept: PriorCoeffs | None, fresh: PriorCoeffs) -> PriorCoeffs:
+    """``kept`` while ``fresh`` projects within PRIOR_TOLERANCE of it plus PRIOR_FLOOR_S everywhere
+    in PRIOR_SPAN, else ``fresh``.  (Both bounds of the difference are linear in the prompt and the
+    requests ahead, so they hold in the whole box when they hold at its corners.)"""
+    if kept is None:
+        return fresh
+    for x in (1.0, PRIOR_SPAN[0]):
+        for r in (0.0, PRIOR_SPAN[1]):
+            was = linear_ttft(kept.a, kept.b, x, kept.c, r)
+            if abs(linear_ttft(fresh.a, fresh.b, x, fresh.c, r) - was) > PRIOR_TOLERANCE * was + PRIOR_FLOOR_S:
+                return fresh
+    return kept
 
 
 def borrows_ttft(e: EngineState) -> bool:

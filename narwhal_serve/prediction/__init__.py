@@ -14,6 +14,8 @@ from narwhal_serve.exports import lazy_exports
 # the package's public names (what the rest of Narwhal uses), each with the module that defines it:
 # imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
 _EXPORTS = {
+    "fit_prefill": "ttft",
+    "Gram": "ttft",
     "DEFAULT_OUTPUT_PRIOR": "decode",
     "ErrorWindow": "ttft",
     "OutputLengths": "decode",
@@ -37,6 +39,8 @@ _EXPORTS = {
     "with_margin": "ttft",
 }
 __all__ = [
+    "fit_prefill",
+    "Gram",
     "DEFAULT_OUTPUT_PRIOR", "ErrorWindow", "OutputLengths", "PRIOR_A", "PRIOR_B", "PRIOR_TPOT_A",
     "RELEASES_MAX", "PrefillModel", "Projection", "TpotModel", "expected_output", "linear_ttft",
     "mean_remaining", "project_linear", "projected_pair", "released_wait_s", "remaining_tokens",
@@ -45,6 +49,8 @@ __all__ = [
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
 if TYPE_CHECKING:
+    from narwhal_serve.prediction.ttft import fit_prefill as fit_prefill
+    from narwhal_serve.prediction.ttft import Gram as Gram
     from narwhal_serve.prediction.decode import DEFAULT_OUTPUT_PRIOR as DEFAULT_OUTPUT_PRIOR
     from narwhal_serve.prediction.ttft import ErrorWindow as ErrorWindow
     from narwhal_serve.prediction.decode import OutputLengths as OutputLengths

@@ -174,11 +174,14 @@ class PrefillModel:
 
     def _fit(self) -> None:
         self.unfit = 0
-        sol = fit_with_prior(self.gram, ((self.prior_a, 1.0), (self.prior_b, PRIOR_SLOPE_SPAN),
-                                         (PRIOR_C, PRIOR_REQUEST_SPAN)))
-        self.a = max(0.0, float(sol[0]))
-        self.b = max(1e-7, float(sol[1]))
-        self.c = max(0.0, float(sol[2]))
+        self.a, self.b, self.c = fit_prefill(self.gram, self.prior_a, self.prior_b)
+
+
+def fit_prefill(g: Gram, prior_a: float = PRIOR_A, prior_b: float = PRIOR_B) -> tuple[float, float, float]:
+    """A TTFT model's coefficients (a, b, c) from the sums of its samples (one engine's window, or
+    several engines' pooled), regularized toward ``prior_a``, ``prior_b`` and PRIOR_C."""
+    sol = fit_with_prior(g, ((prior_a, 1.0), (prior_b, PRIOR_SLOPE_SPAN), (PRIOR_C, PRIOR_REQUEST_SPAN)))
+    return max(0.0, float(sol[0])), max(1e-7, float(sol[1])), max(0.0, float(sol[2]))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from narwhal_serve.admission.ledger import Ticket, releases
 from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.ha.state import RouterState
-from narwhal_serve.placement.engines import EngineState, FleetPrior, PriorCoeffs, borrows_ttft, fleet_ttft
+from narwhal_serve.placement.engines import (EngineState, FleetPrior, PriorCoeffs, borrows_ttft, fleet_ttft,
+                                             settled_prior)
 from narwhal_serve.prediction.ttft import PrefillModel
 from narwhal_serve.prediction.decode import OutputLengths, mean_remaining, tpot_at
 from narwhal_serve.scheduler.ha import RouterHA
@@ -163,9 +164,9 @@ class SchedulerState(ABC):
         # ingress resumes the streams still on such an engine elsewhere)
         self.tripped: dict[str, float] = {}
         # the fleet's TTFT prior as of the last read of every engine (what the granted facts of an
-        # engine not measured yet carry until the next: a prior refitted with every measurement of the
-        # engine it comes from would otherwise change every such engine's facts, at a thousand engines
-        # most of them, each time)
+        # engine not measured yet carry until the next, and kept then while it moved within its
+        # tolerance, placement/engines.py settled_prior: a prior refitted with every measurement
+        # would otherwise change every such engine's facts, at a thousand engines most of them, each time)
         self._fleet_prior: Mapping[tuple[str, str], PriorCoeffs] = {}
         self._waves: set[str] = set()
         self._unavailable_fleet: str | None = None
@@ -267,7 +268,7 @@ class SchedulerState(ABC):
         prior, maintenance, the monitoring's state, membership)."""
         self._full_view_at = now
         self._maintenance = frozenset(self.router.maintenance)
-        self._fleet_prior = {k: PriorCoeffs(m.a, m.b, m.c) for k, m in fleet_ttft(self.engines.values()).items()}
+        self._fleet_prior = {k: settled_prior(self._fleet_prior.get(k), m) for k, m in fleet_ttft(self.engines.values()).items()}
         self._unavailable_fleet = self._fleet_reason(now)
         if list(self._granted) != list(self.engines):  # (an engine gone and back is in a new place)
             self._members += 1
