@@ -108,6 +108,8 @@ FIELDS = st.sampled_from(["model", "messages", "prompt", "stream", "max_tokens",
 @st.composite
 def body_for(draw: st.DrawFn, path: str) -> bytes:
     valid: dict[str, Any] = draw(CHAT_BODY if path == CHAT else CMPL_BODY)
+    if valid.get("stream_options") and not valid.get("stream"):  # (refused without stream, as OpenAI and vLLM do)
+        valid["stream"] = True
     kind = draw(st.sampled_from(["valid"] * 6 + ["mutated"] * 5 + ["unicode"] * 2
                                 + ["other-route", "text", "bytes", "byte-mutated", "deep", "huge", "empty"]))
     ascii_ = draw(st.booleans())

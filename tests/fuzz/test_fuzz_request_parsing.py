@@ -129,9 +129,15 @@ completion_bodies = st.fixed_dictionaries({"model": st.just(MODEL), "prompt": pr
 })
 
 
+def streamed_if_options(body: dict[str, Any]) -> dict[str, Any]:
+    """``stream_options`` (not empty) only with ``stream: true``: without, it is refused."""
+    return {**body, "stream": True} if body.get("stream_options") and not body.get("stream") else body
+
+
 def valid_bodies() -> st.SearchStrategy[tuple[Route, dict[str, Any]]]:
     routes: tuple[Route, Route] = ("chat", "completion")
-    return st.tuples(st.just(routes[0]), chat_bodies) | st.tuples(st.just(routes[1]), completion_bodies)
+    return (st.tuples(st.just(routes[0]), chat_bodies.map(streamed_if_options))
+            | st.tuples(st.just(routes[1]), completion_bodies.map(streamed_if_options)))
 
 
 @examples(150)
