@@ -187,14 +187,14 @@ async def _check_variant(v: str, make: Callable[..., httpx.AsyncClient], sim: st
         out.append(await _expect_failure("http_500_stream", v, _drain(client, chat, {**chat_body(model, 4), **fault}),
                                          want_status=500))
         out.append(await _expect_failure("http_500_post_json", v, post_json(
-            client, "sim", chat, {**chat_body(model, 4), "stream": False, **fault}, {}), want_status=500))
+            client, "sim", chat, {**chat_body(model, 4), "stream": False, "stream_options": None, **fault}, {}), want_status=500))
         out.append(await _expect_failure("http_400_stream", v, _drain(client, chat, {**chat_body(model, 4), "n": 2}),
                                          want_status=400))
         fault = {"sim": {"fault": "reset_mid_stream", "fault_after": 3}}
         out.append(await _expect_failure("reset_mid_stream", v,
                                          _drain(client, chat, {**chat_body(model, 16), **fault})))
         out.append(await _expect_failure("reset_mid_body_post_json", v, post_json(
-            client, "sim", chat, {**chat_body(model, 16), "stream": False, **fault}, {})))
+            client, "sim", chat, {**chat_body(model, 16), "stream": False, "stream_options": None, **fault}, {})))
         fault = {"sim": {"fault": "malformed_sse"}}
         out.append(await _expect_failure("malformed_sse", v, _drain(client, chat, {**chat_body(model, 8), **fault})))
         for mode in ("garbage", "close", "bad_chunk", "bad_chunk_late"):

@@ -160,14 +160,14 @@ def _opt(body: dict[str, Any], key: str, check: Any, what: str) -> None:
 
 
 # Integer fields: a whole-number float (``2.0``) is taken, as vLLM's schema takes it (pydantic's lax
-# mode), and sent on as the integer; ``2.5`` is still refused.
+# mode), and sent on as the integer; ``2.5`` (and a float past 64 bits) is still refused.
 _INT_FIELDS = ("max_tokens", "min_tokens", "seed", "n", "best_of", "max_completion_tokens", "top_logprobs")
 
 
 def _whole_numbers(body: dict[str, Any], route: Route) -> None:
     for key in _INT_FIELDS + (("logprobs",) if route == "completion" else ()):
         v = body.get(key)
-        if isinstance(v, float) and v.is_integer():
+        if isinstance(v, float) and v.is_integer() and abs(v) < 2**63:  # (beyond: refused as a float, as vLLM refuses it)
             body[key] = int(v)
 
 

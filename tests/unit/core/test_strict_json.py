@@ -73,6 +73,7 @@ def test_whole_number_floats_are_integers_as_vllm_takes_them_and_fractions_are_r
     assert type(req.body["max_tokens"]) is int
     for route, raw, param in (("completion", b'{"model": "m", "prompt": "x", "max_tokens": 2.5}', "max_tokens"),
                               ("completion", b'{"model": "m", "prompt": "x", "logprobs": 0.5}', "logprobs"),
+                              ("completion", b'{"model": "m", "prompt": "x", "seed": 1e19}', "seed"),
                               # (a boolean stays a boolean, as OpenAI has it: chat's logprobs 1.0 is refused)
                               ("chat", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": 1.0}', "logprobs")):
         with pytest.raises(InvalidRequest) as ei:
