@@ -20,7 +20,6 @@ from narwhal_serve.exports import lazy_exports
 # the package's public names (what the rest of Narwhal uses), each with the module that defines it:
 # imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
 _EXPORTS = {
-    "settled_prior": "engines",
     "Breaker": "health",
     "CREDIT_EWMA": "prefix",
     "EngineState": "engines",
@@ -43,19 +42,18 @@ _EXPORTS = {
     "rel_error": "drift",
     "request_prefix": "prefix",
     "resume_targets": "picker",
+    "settled_prior": "engines",
     "was_hit": "prefix",
 }
 __all__ = [
-    "settled_prior",
     "Breaker", "CREDIT_EWMA", "EngineState", "FleetPrior", "MAX_CANDIDATES", "PROFILE_OUTPUT_TOKENS",
     "PROFILE_PROMPT_CHARS", "PrefixIndex", "PriorCoeffs", "ProfileErrors", "RouteOrder", "SetUnion",
     "adopt_fleet_prior", "borrows_ttft", "fleet_ttft", "index_capacity", "matched_blocks", "may_open",
-    "next_id_block_hash", "rel_error", "request_prefix", "resume_targets", "was_hit",
+    "next_id_block_hash", "rel_error", "request_prefix", "resume_targets", "settled_prior", "was_hit",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
 if TYPE_CHECKING:
-    from narwhal_serve.placement.engines import settled_prior as settled_prior
     from narwhal_serve.placement.health import Breaker as Breaker
     from narwhal_serve.placement.prefix import CREDIT_EWMA as CREDIT_EWMA
     from narwhal_serve.placement.engines import EngineState as EngineState
@@ -78,4 +76,5 @@ if TYPE_CHECKING:
     from narwhal_serve.placement.drift import rel_error as rel_error
     from narwhal_serve.placement.prefix import request_prefix as request_prefix
     from narwhal_serve.placement.picker import resume_targets as resume_targets
+    from narwhal_serve.placement.engines import settled_prior as settled_prior
     from narwhal_serve.placement.prefix import was_hit as was_hit

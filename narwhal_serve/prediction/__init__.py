@@ -14,10 +14,9 @@ from narwhal_serve.exports import lazy_exports
 # the package's public names (what the rest of Narwhal uses), each with the module that defines it:
 # imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
 _EXPORTS = {
-    "fit_prefill": "ttft",
-    "Gram": "ttft",
     "DEFAULT_OUTPUT_PRIOR": "decode",
     "ErrorWindow": "ttft",
+    "Gram": "ttft",
     "OutputLengths": "decode",
     "PRIOR_A": "ttft",
     "PRIOR_B": "ttft",
@@ -27,6 +26,7 @@ _EXPORTS = {
     "Projection": "ttft",
     "TpotModel": "decode",
     "expected_output": "decode",
+    "fit_prefill": "ttft",
     "linear_ttft": "ttft",
     "mean_remaining": "decode",
     "project_linear": "ttft",
@@ -39,20 +39,17 @@ _EXPORTS = {
     "with_margin": "ttft",
 }
 __all__ = [
-    "fit_prefill",
-    "Gram",
-    "DEFAULT_OUTPUT_PRIOR", "ErrorWindow", "OutputLengths", "PRIOR_A", "PRIOR_B", "PRIOR_TPOT_A",
-    "RELEASES_MAX", "PrefillModel", "Projection", "TpotModel", "expected_output", "linear_ttft",
+    "DEFAULT_OUTPUT_PRIOR", "ErrorWindow", "Gram", "OutputLengths", "PRIOR_A", "PRIOR_B", "PRIOR_TPOT_A",
+    "RELEASES_MAX", "PrefillModel", "Projection", "TpotModel", "expected_output", "fit_prefill", "linear_ttft",
     "mean_remaining", "project_linear", "projected_pair", "released_wait_s", "remaining_tokens",
     "slot_releases", "slot_wait_s", "tpot_at", "with_margin",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
 if TYPE_CHECKING:
-    from narwhal_serve.prediction.ttft import fit_prefill as fit_prefill
-    from narwhal_serve.prediction.ttft import Gram as Gram
     from narwhal_serve.prediction.decode import DEFAULT_OUTPUT_PRIOR as DEFAULT_OUTPUT_PRIOR
     from narwhal_serve.prediction.ttft import ErrorWindow as ErrorWindow
+    from narwhal_serve.prediction.ttft import Gram as Gram
     from narwhal_serve.prediction.decode import OutputLengths as OutputLengths
     from narwhal_serve.prediction.ttft import PRIOR_A as PRIOR_A
     from narwhal_serve.prediction.ttft import PRIOR_B as PRIOR_B
@@ -62,6 +59,7 @@ if TYPE_CHECKING:
     from narwhal_serve.prediction.ttft import Projection as Projection
     from narwhal_serve.prediction.decode import TpotModel as TpotModel
     from narwhal_serve.prediction.decode import expected_output as expected_output
+    from narwhal_serve.prediction.ttft import fit_prefill as fit_prefill
     from narwhal_serve.prediction.ttft import linear_ttft as linear_ttft
     from narwhal_serve.prediction.decode import mean_remaining as mean_remaining
     from narwhal_serve.prediction.ttft import project_linear as project_linear
