@@ -104,9 +104,13 @@ def continuation_body(req: ParsedRequest, prompt_ids: list[int], output_ids: lis
     body["prompt"] = [*prompt_ids, *output_ids]
     body["stream"] = True
     so = b.get("stream_options")
-    # (usage on every chunk, when the client asked for it: the reshaper counts it as one answer's)
-    body["stream_options"] = ({"include_usage": True, "continuous_usage_stats": True}
-                              if isinstance(so, dict) and so.get("continuous_usage_stats") else {"include_usage": True})
+    # Usage only where it is read: a streaming client that asked for it (on every chunk too, when
+    # asked: the reshaper counts it as one answer's), and assembly.  A streaming client that did not
+    # ask gets vLLM's plain stream, whose ``system_fingerprint`` rides the finish chunk (with usage
+    # asked, vLLM puts it on the usage-only chunk, which the relay drops for this client).
+    if req.include_usage or not req.stream:
+        body["stream_options"] = ({"include_usage": True, "continuous_usage_stats": True}
+                                  if isinstance(so, dict) and so.get("continuous_usage_stats") else {"include_usage": True})
     body["return_token_ids"] = True
     body["stream_interval"] = 1
     return body

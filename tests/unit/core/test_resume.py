@@ -417,19 +417,38 @@ def test_a_continuation_without_a_client_limit_asks_for_up_to_the_context() -> N
     assert (continuation_body(req, [1], [2, 3]) or {})["max_tokens"] == 8
 
 
-@pytest.mark.parametrize("stream", [True, False])
-async def test_the_fingerprint_sent_only_at_the_end_still_reaches_a_resumed_answer(stream: bool) -> None:
-    """vLLM may put ``system_fingerprint`` on its last chunk only: an answer cut before it gets the
-    continuation engine's (it used to go without one); the first engine's, when it came, wins."""
-    last = {**cmpl_tok("e", 5, "length"), "system_fingerprint": "fp-e2"}
-    eng = Engines(FIRST_TWO, continuation(cmpl_tok("c", 3), cmpl_tok("d", 4), last))
-    msgs = await run(eng, placed(stream=stream, return_token_ids=True))
-    if stream:
-        fps = [e.get("system_fingerprint") for e in events(msgs) if isinstance(e, dict) and e.get("choices")]
-        assert fps[-1] == "fp-e2" and set(fps[:-1]) == {None}
-    else:
+def vllm_like_end(body: dict[str, Any]) -> httpx.Response:
+    """A continuation ending as vLLM 0.32 ends a stream: ``system_fingerprint`` on the usage-only
+    chunk when usage was asked for, else on the finish chunk."""
+    asked = (body.get("stream_options") or {}).get("include_usage")
+    last = cmpl_tok("e", 5, "length") if asked else {**cmpl_tok("e", 5, "length"), "system_fingerprint": "fp-e2"}
+    tail = (({**usage(5, 3), "system_fingerprint": "fp-e2"},) if asked else ())
+    return httpx.Response(200, stream=httpx.ByteStream(sse(cmpl_tok("c", 3), cmpl_tok("d", 4), last, *tail)))
+
+
+@pytest.mark.parametrize("client", ["stream", "stream_usage", "non_stream"])
+async def test_the_fingerprint_sent_only_at_the_end_still_reaches_a_resumed_answer(client: str) -> None:
+    """vLLM puts ``system_fingerprint`` on its last chunk only (the usage-only one when usage was
+    asked for): an answer cut before it gets the continuation engine's.  A streaming client that did
+    not ask for usage got none (the continuation asked for usage, and the relay drops that chunk for
+    this client): the continuation now asks only when usage is read.  The first engine's, when it
+    came, wins."""
+    body: dict[str, Any] = {"stream": client != "non_stream", "return_token_ids": True}
+    if client == "stream_usage":
+        body["stream_options"] = {"include_usage": True}
+    eng = Engines(FIRST_TWO, vllm_like_end)
+    msgs = await run(eng, placed(**body))
+    asked = (eng.bodies[-1][2].get("stream_options") or {}).get("include_usage")
+    assert asked is (True if client != "stream" else None)
+    if client == "non_stream":
         assert json.loads(msgs[-1].data)["system_fingerprint"] == "fp-e2"
+    else:
+        evs = [e for e in events(msgs) if isinstance(e, dict)]
+        assert ids_of(evs) == [1, 2, 3, 4, 5] and msgs[-1].error is None
+        assert evs[-1].get("system_fingerprint") == "fp-e2", evs[-1]
+        assert {e.get("system_fingerprint") for e in evs[:-1]} == {None}
+        assert ("usage" in evs[-1]) is (client == "stream_usage")
     first = sse({**CHAT_ROLE, "system_fingerprint": "fp-e1"}, chat_tok("a", 1), chat_tok("b", 2), done=False)
-    msgs = await run(Engines(first, continuation(cmpl_tok("c", 3), cmpl_tok("d", 4), last)), placed(return_token_ids=True))
+    msgs = await run(Engines(first, vllm_like_end), placed(return_token_ids=True))
     fps = {e.get("system_fingerprint") for e in events(msgs) if isinstance(e, dict) and e.get("choices")}
     assert fps - {None} == {"fp-e1"}
