@@ -128,13 +128,19 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
     if asked is not None and asked > limit:
         raise bad_request(f"{param}={asked} cannot be greater than max_model_len={limit}. Please request fewer "
                           f"output tokens. (parameter={param}, value={asked})", param)
-    max_tokens = asked if asked is not None else min(cfg.default_max_tokens, limit - n_prompt)
+    # Unasked, vLLM's limit is the context left for a chat, 16 tokens for a completion (its request
+    # model's default); that is what the checks see.  A chat runs to ``default_max_tokens`` at most
+    # (the simulator's stand-in for a model that stops by itself), never short of ``min_tokens``.
+    max_tokens = asked if asked is not None else (
+        limit - n_prompt if isinstance(req, ChatRequest) else min(cfg.default_max_tokens, limit - n_prompt))
     if n_prompt + max_tokens > limit or max_tokens < 1:
         raise bad_request(f"This model's maximum context length is {limit} tokens. However, your request has "
                           f"{n_prompt} input tokens and requested {max_tokens} output tokens. Please reduce the "
                           f"length of the input messages or completion. (parameter=input_tokens, value={n_prompt})",
                           "input_tokens")
     check_sampling(req, max_tokens)
+    if asked is None and isinstance(req, ChatRequest):
+        max_tokens = min(max(cfg.default_max_tokens, req.min_tokens), max_tokens)
     sim = req.sim
     plan = FaultPlan.of(cfg.faults, sim.faults() if sim else [], sim.fault_after if sim else 2)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
@@ -149,12 +151,14 @@ def check_before(body: Any, kind: str) -> None:
     """vLLM's request models' ``mode="before"`` checks, on the raw body (before the schema)."""
     if not isinstance(body, dict):
         return
-    if body.get("stream_options") and not body.get("stream"):
-        raise _vllm_error("Stream options can only be defined when `stream=True`.", "stream_options")
+    # (pydantic runs a model's before-validators last defined first: vLLM's chat model checks
+    # logprobs before stream_options)
     top = body.get("top_logprobs")
     if kind == "chat" and isinstance(top, (int, float)) and not isinstance(top, bool) \
             and (top == -1 or top > 0) and not body.get("logprobs"):
         raise _vllm_error("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    if body.get("stream_options") and not body.get("stream"):
+        raise _vllm_error("Stream options can only be defined when `stream=True`.", "stream_options")
 
 
 def check_sampling(req: "ChatRequest | CompletionRequest", max_tokens: int) -> None:
@@ -171,8 +175,12 @@ def check_sampling(req: "ChatRequest | CompletionRequest", max_tokens: int) -> N
         raise _vllm_error(f"presence_penalty must be in [-2, 2], got {presence}.")
     if not -2.0 <= frequency <= 2.0:
         raise _vllm_error(f"frequency_penalty must be in [-2, 2], got {frequency}.")
+    if not math.isfinite(repetition):
+        raise _vllm_error(f"repetition_penalty must be a finite number, got {repetition}.")
     if repetition <= 0.0:
         raise _vllm_error(f"repetition_penalty must be greater than zero, got {repetition}.")
+    if not math.isfinite(temperature):
+        raise _vllm_error(f"temperature must be a finite number, got {temperature}.", "temperature", temperature)
     if temperature < 0.0:
         raise _vllm_error(f"temperature must be non-negative, got {temperature}.", "temperature", temperature)
     if temperature > 2.0:

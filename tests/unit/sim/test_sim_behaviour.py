@@ -239,6 +239,14 @@ SAMPLING_REFUSALS = [
     ("completion", {"stream": False, "stream_options": {"include_usage": True}}, "stream_options",
      "Stream options can only be defined when `stream=True`. (parameter=stream_options)"),
     ("chat", {"top_logprobs": 2}, "top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)"),
+    ("chat", {"temperature": float("nan")}, "temperature",
+     "temperature must be a finite number, got nan. (parameter=temperature, value=nan)"),
+    ("completion", {"temperature": float("inf")}, "temperature",
+     "temperature must be a finite number, got inf. (parameter=temperature, value=inf)"),
+    ("chat", {"repetition_penalty": float("nan")}, None, "repetition_penalty must be a finite number, got nan."),
+    # both wrong: vLLM's chat model names top_logprobs first
+    ("chat", {"top_logprobs": 2, "stream_options": {"include_usage": True}}, "top_logprobs",
+     "when using `top_logprobs`, `logprobs` must be set to true. (parameter=top_logprobs)"),
 ]
 
 
@@ -247,7 +255,9 @@ async def test_sampling_values_vllm_refuses_are_refused_in_its_words(route: str,
                                                                      param: str | None, message: str) -> None:
     body = chat_body(model=None, **extra) if route == "chat" else completion_body(model=None, **extra)
     async with sim_client() as c:
-        r = await c.post(CHAT if route == "chat" else COMPLETIONS, json=body)
+        # (json.dumps writes NaN and Infinity as Python's json, and vLLM's server, read them)
+        r = await c.post(CHAT if route == "chat" else COMPLETIONS, content=json.dumps(body).encode(),
+                         headers={"content-type": "application/json"})
         assert r.status_code == 400, r.text
         assert r.json()["error"] == {"message": message, "type": "BadRequestError", "param": param, "code": 400}
 
@@ -261,3 +271,19 @@ async def test_sampling_values_at_their_bounds_are_served() -> None:
                       {"top_logprobs": 0, "stream_options": {}}):
             r = await c.post(CHAT, json=chat_body(model=None, max_tokens=2, **extra))
             assert r.status_code == 200, (extra, r.text)
+
+
+async def test_without_max_tokens_min_tokens_is_checked_against_vllms_own_default() -> None:
+    """(Found by a review.) Unasked, vLLM's limit is the context left for a chat and 16 tokens for a
+    completion: a chat's ``min_tokens`` past 16 is served (and honoured), a completion's refused."""
+    async with sim_client() as c:
+        body = chat_body(model=None, min_tokens=40)
+        del body["max_tokens"]
+        r = await c.post(CHAT, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 40
+        body = completion_body(model=None, min_tokens=40)
+        del body["max_tokens"]
+        r = await c.post(COMPLETIONS, json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == "min_tokens must be less than or equal to max_tokens=16, got 40."
