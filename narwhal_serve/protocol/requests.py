@@ -164,11 +164,26 @@ def _opt(body: dict[str, Any], key: str, check: Any, what: str) -> None:
 _INT_FIELDS = ("max_tokens", "min_tokens", "seed", "n", "best_of", "max_completion_tokens", "top_logprobs")
 
 
+def _whole(v: Any) -> bool:
+    return isinstance(v, float) and v.is_integer() and abs(v) < 2**63  # (beyond: refused as a float, as vLLM refuses it)
+
+
+def _whole_ids(ids: list[Any]) -> list[Any]:
+    """A token-ID list with its whole-number floats as integers (vLLM takes ``[1.0, 2.0]``)."""
+    return [int(t) if _whole(t) else t for t in ids]
+
+
 def _whole_numbers(body: dict[str, Any], route: Route) -> None:
     for key in _INT_FIELDS + (("logprobs",) if route == "completion" else ()):
-        v = body.get(key)
-        if isinstance(v, float) and v.is_integer() and abs(v) < 2**63:  # (beyond: refused as a float, as vLLM refuses it)
-            body[key] = int(v)
+        if _whole(body.get(key)):
+            body[key] = int(body[key])
+    p = body.get("prompt") if route == "completion" else None
+    if isinstance(p, list) and p:
+        if isinstance(p[0], list) and len(p) == 1:
+            if any(_whole(t) for t in p[0]):
+                body["prompt"] = [_whole_ids(p[0])]
+        elif any(_whole(t) for t in p):
+            body["prompt"] = _whole_ids(p)
 
 
 def least_output(body: dict[str, Any], max_out: Any) -> int:

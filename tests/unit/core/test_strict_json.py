@@ -81,6 +81,22 @@ def test_whole_number_floats_are_integers_as_vllm_takes_them_and_fractions_are_r
         assert ei.value.param == param
 
 
+def test_token_id_prompts_as_whole_floats_are_token_ids_as_vllm_takes_them() -> None:
+    """(Found by a review.) vLLM's completion schema takes ``prompt: [1.0, 2.0]`` (and ``[[1.0]]``)
+    as token IDs; the router used to refuse it.  It is sent on as integers; ``1.5`` is still a 400."""
+    for raw, ids in ((b'{"model": "m", "prompt": [1.0, 2, 3.0]}', [1, 2, 3]),
+                     (b'{"model": "m", "prompt": [[4.0, 5.0]]}', [4, 5])):
+        req = parse_request("completion", raw, model="m")
+        assert req.prompt_token_ids == tuple(ids)
+        sent = req.body["prompt"] if not isinstance(req.body["prompt"][0], list) else req.body["prompt"][0]
+        assert sent == ids and all(type(t) is int for t in sent)
+    for raw in (b'{"model": "m", "prompt": [1.5, 2]}', b'{"model": "m", "prompt": [[1.0, 2.5]]}',
+                b'{"model": "m", "prompt": [-1.0]}'):
+        with pytest.raises(InvalidRequest) as ei:
+            parse_request("completion", raw, model="m")
+        assert ei.value.param == "prompt"
+
+
 def test_a_tool_without_a_type_is_a_function_as_at_vllm() -> None:
     """vLLM's tool schema defaults ``type`` to ``function``: a non-streaming request with such a
     tool is assembled like any other; a tool of another type is still refused there."""
