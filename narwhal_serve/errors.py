@@ -4,6 +4,7 @@
     ├── InvalidRequest                400     invalid_request_error       invalid_request
     │   ├── InvalidSamplingWidth      400     invalid_request_error       invalid_sampling_width
     │   ├── UnsupportedOption         400     invalid_request_error       unsupported_option
+    │   ├── ContextLengthExceeded     400     invalid_request_error       context_length_exceeded
     │   ├── ModelNotFound             404     invalid_request_error       model_not_found
     │   ├── RequestTooLarge           413     invalid_request_error       request_too_large
     │   └── BodyTimeout               408     invalid_request_error       request_timeout
@@ -127,6 +128,20 @@ class InvalidSamplingWidth(InvalidRequest):
 
 class UnsupportedOption(InvalidRequest):
     code = "unsupported_option"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """A prompt (counted exactly) that leaves no engine of the fleet room for an output token
+    (OpenAI's code for it; vLLM answers the same 400 in its own words)."""
+
+    code = "context_length_exceeded"
+
+    @classmethod
+    def of(cls, kind: str, prompt_tokens: int, context: int) -> "ContextLengthExceeded":
+        return cls(f"This model's maximum context length is {context} tokens. However, your prompt has "
+                   f"{prompt_tokens} tokens, which leaves no room for output (at most {context - 1} prompt "
+                   f"tokens). Please reduce the length of the prompt.",
+                   param="messages" if kind == "chat" else "prompt")
 
 
 class ModelNotFound(InvalidRequest):

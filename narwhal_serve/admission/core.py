@@ -23,7 +23,8 @@ from narwhal_serve.admission.controller import Refusal
 from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.admission.predictive import judge, judge_tpot
 from narwhal_serve.admission.retry import BOOKED_SHARE, RETRY_GRACE_S, Reservation, reserved_at
-from narwhal_serve.errors import backend_unavailable, router_unavailable
+from narwhal_serve.errors import ContextLengthExceeded, backend_unavailable, router_unavailable
+from narwhal_serve.placement.order import RouteOrder
 from narwhal_serve.placement.picker import MAX_CANDIDATES
 from narwhal_serve.placement.prefix import matched_blocks
 from narwhal_serve.prediction.decode import expected_output, mean_remaining, tpot_at
@@ -186,6 +187,7 @@ def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[
                         routes.append(r)
     else:
         routes = order.top(MAX_CANDIDATES, rotation, view.changed)
+    routes = _roomy(view, order, routes, ask, rotation)
     expected_out = expected_output(view.outputs, ask.kind, ask.max_output_tokens, view.output_prior,
                                    ask.min_output_tokens)
     if not routes:
@@ -194,6 +196,24 @@ def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[
     scored = [s for i, r in enumerate(routes)
               if (s := _score(view, facts, i, r, ask, expected_out, now, cold)) is not None]
     return routes, scored, expected_out
+
+
+def _roomy(view: FleetView, order: RouteOrder[EngineFacts], routes: list[RouteChoice], ask: Ask,
+           rotation: int) -> list[RouteChoice]:
+    """``routes`` without those an exactly sized prompt does not fit (an engine of the route with
+    a context it would fill); the least loaded of the routes it fits when none of these does.
+    Free unless the fleet's contexts differ and the prompt is as long as the shortest."""
+    shortest = view.context()[0] if ask.exact else 0
+    if not shortest or ask.prompt_tokens < shortest:
+        return routes
+    facts = view.facts()
+    n = ask.prompt_tokens
+    kept = [r for r in routes if all(facts[e].holds(n) for e in r.engines)]
+    if not kept:  # (a rare walk: a prompt only the fleet's longer contexts take)
+        room = frozenset(name for name, f in facts.items() if f.holds(n))
+        kept = [r for r in order.top(len(routes) or MAX_CANDIDATES, rotation, view.changed, only=room)
+                if all(facts[e].holds(n) for e in r.engines)]
+    return kept
 
 
 TIE_S = 0.001  # expected completion times in the same millisecond are a tie: the ingress's own node breaks it
@@ -267,6 +287,9 @@ def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | 
     """The contract's non-permit rows, in order; a :class:`Placement` when the request may go on."""
     if view.unavailable is not None:
         return Refusal(router_unavailable(view.unavailable), Outcome.REJECTED)
+    longest = view.context()[1] if ask.exact else 0
+    if longest and ask.prompt_tokens >= longest:  # no engine leaves it room for an output token
+        return Refusal(ContextLengthExceeded.of(ask.kind, ask.prompt_tokens, longest).info(), Outcome.INVALID)
     placement, best, scored = _rank(view, ask, now, rotation)
     if placement is None:
         return Refusal(backend_unavailable(), Outcome.REJECTED)

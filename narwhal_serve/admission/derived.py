@@ -21,7 +21,7 @@ class Derived:
     the engines changed (:meth:`evolved`), at the cost of those.  A view's receiver makes its own:
     it is not sent over the Ray hop."""
 
-    __slots__ = ("engines", "by_name", "cold", "order", "window", "holders", "_place")
+    __slots__ = ("engines", "by_name", "cold", "order", "window", "holders", "_place", "_context")
 
     def __init__(self) -> None:
         self.engines: tuple[EngineFacts, ...] | None = None
@@ -38,7 +38,16 @@ class Derived:
             self.window = (math.inf, -math.inf)
             self.holders: Holders | None = None  # made on the first look-up
             self._place: dict[str, int] | None = None
+            self._context: tuple[int, int] | None = None
         return self
+
+    def context(self) -> tuple[int, int]:
+        """The shortest and the longest context of the fleet's engines (made on first use); (0, 0)
+        while one is not known."""
+        if self._context is None:
+            assert self.engines is not None
+            self._context = fleet_context(self.engines)
+        return self._context
 
     def place(self) -> dict[str, int]:
         """Each engine's place in the fleet's order."""
@@ -66,6 +75,8 @@ class Derived:
             new.window = (max([lo] + [f.eligible_until for n, f in changed.items() if n not in order]),
                           min([hi] + [f.eligible_until for n, f in changed.items() if n in order]))
         new._place = self._place  # (the same engines)
+        # (a context changes when an engine is restarted with another: rare; the rest keep it)
+        new._context = self._context if all(f.context == self.by_name[n].context for n, f in changed.items()) else None
         new.holders, self.holders = self.holders, None
         if new.holders is not None:
             for name, f in changed.items():
@@ -191,3 +202,13 @@ def cold_tpot(engines: tuple[EngineFacts, ...]) -> tuple[float, float] | None:
     return min(known, key=lambda ab: tpot_at(ab[0], ab[1], 1.0)) if known else None
 
 
+def fleet_context(engines: Iterable[EngineFacts]) -> tuple[int, int]:
+    """The shortest and the longest context among ``engines`` (a prompt shorter than the first
+    fits anywhere, one as long as the second nowhere); (0, 0), not known, while an engine has not
+    said its own."""
+    shortest, longest = math.inf, 0
+    for e in engines:
+        if not e.context:
+            return 0, 0
+        shortest, longest = min(shortest, e.context), max(longest, e.context)
+    return (int(shortest), longest) if longest else (0, 0)

@@ -50,6 +50,11 @@ class EngineFacts:
     # no line, or its head not known to the holder (a prefill of its own finished since the view)
     line_since: float | None = None
     line_head_tokens: int = 0
+    context: int = 0  # the engine's context length (its /v1/models ``max_model_len``); 0: not known
+
+    def holds(self, prompt_tokens: int) -> bool:
+        """Whether a prompt this long leaves room for an output token here (unknown: assumed so)."""
+        return not self.context or prompt_tokens < self.context
 
     def eligible(self, now: float) -> bool:
         return now <= self.eligible_until

@@ -98,6 +98,12 @@ class FleetView:
                 hi = mid - 1
         return held
 
+    def context(self) -> tuple[int, int]:
+        """The shortest and the longest context of the fleet's engines ((0, 0): not known): a
+        prompt shorter than the first fits anywhere; one as long as the second leaves no room for
+        output anywhere."""
+        return self._d().context()
+
     def cold_tpot(self) -> tuple[float, float] | None:
         """The best measured TPOT model (what an engine with none yet is ranked with)."""
         return self._d().cold
@@ -165,6 +171,7 @@ class Ask:
     admit_within_s: float | None = None
     node: str | None = None  # the Ray node of the ingress it arrived at: engines there win near-ties
     min_output_tokens: int = 0  # its output is expected to be at least this (ignore_eos, min_tokens)
+    exact: bool = False  # ``prompt_tokens`` is the engine's own count (the router's tokenizer, or token IDs)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,9 @@ class EngineState:
     ttft_model: PrefillModel = field(default_factory=PrefillModel)
     breaker: Breaker = field(default_factory=Breaker)  # passive health (real attempts' outcomes)
     managed: ManagedSlot | None = None  # a Ray-managed engine's replica, node and state (None: a URL engine)
+    # its context length, from its /v1/models (``max_model_len``): None not asked since it was last
+    # down (a restarted engine may have another), 0 asked and not said
+    context: int | None = None
 
     def __post_init__(self) -> None:
         self.ttft_model = PrefillModel(
@@ -116,6 +119,7 @@ class EngineState:
             "pending_prefill_tokens": self.pending_prefill_tokens,
             "pending_prefill_requests": self.pending_prefill_requests,
             "slots": self.slots(),
+            "max_model_len": self.context or None,  # its /v1/models (null: not said, or not asked yet)
             "service_s": self.service_s,
             "decode_tokens_ahead": round(self.decode_tokens, 1),
             "tpot_model": {"a_s": self.tpot_model.a, "b_s_per_sequence": self.tpot_model.b,

@@ -26,7 +26,7 @@ KNOWN_REASONS: dict[Outcome, tuple[str, ...]] = {
     Outcome.REFUSED: ("ttft_budget_exceeded", "prompt_exceeds_ttft_budget", "tpot_budget_exceeded",
                       "tpot_budget_unattainable"),
     Outcome.INVALID: ("invalid_request", "model_not_found", "request_too_large", "invalid_api_key",
-                      "request_timeout", "invalid_sampling_width", "unsupported_option"),
+                      "request_timeout", "invalid_sampling_width", "unsupported_option", "context_length_exceeded"),
     Outcome.EXPIRED: ("admission_wait_expired", "deadline_expired"),
     Outcome.FAILED: ("bad_engine_response", "internal_error", "slow_reader", "router_draining"),
     Outcome.CANCELLED: ("client_disconnected", "body_incomplete"),

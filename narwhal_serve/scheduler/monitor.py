@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -23,18 +24,43 @@ async def scrape_one(client: httpx.AsyncClient, e: EngineState, now: float, time
         e.last_answer = now
         return
     base = e.cfg.base_url
+    asks: list[Coroutine[Any, Any, object]] = [client.get(base + "/health", timeout=timeout_s),
+                                               client.get(base + "/metrics", timeout=timeout_s)]
+    if e.context is None:  # once while it stays up
+        asks.append(_models(client, base, timeout_s))
     try:
-        health, metrics = await asyncio.gather(
-            client.get(base + "/health", timeout=timeout_s),
-            client.get(base + "/metrics", timeout=timeout_s),
-        )
+        health, metrics, *models = await asyncio.gather(*asks)
     except (httpx.HTTPError, OSError) as exc:
         e.healthy = False
         e.failures += 1
+        e.context = None  # (it may come back with another)
         if not isinstance(exc, httpx.TimeoutException):  # refused or reset: a definite "down"
             e.last_answer = now
         return
+    assert isinstance(health, httpx.Response) and isinstance(metrics, httpx.Response)
     scraped(e, now, health.status_code == 200, metrics.text if metrics.status_code == 200 else None)
+    if not e.healthy:
+        e.context = None
+    elif models:
+        e.context = context_of(models[0])
+
+
+async def _models(client: httpx.AsyncClient, base: str, timeout_s: float) -> object:
+    """The engine's ``/v1/models`` answer (None where it gives none: not a reason to call it down)."""
+    try:
+        resp = await client.get(base + "/v1/models", timeout=timeout_s)
+        return resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, OSError, ValueError):
+        return None
+
+
+def context_of(models: object) -> int:
+    """An engine's context length from its ``/v1/models`` answer: the ``max_model_len`` vLLM and
+    SGLang put on each model card (the longest, where it serves several: LoRA adapters carry the
+    base model's); 0 where it says none (a plain OpenAI server)."""
+    cards = models.get("data") if isinstance(models, dict) else None
+    lens = [c.get("max_model_len") for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []
+    return max((n for n in lens if isinstance(n, int) and not isinstance(n, bool) and n > 0), default=0)
 
 
 def scraped(e: EngineState, now: float, healthy: bool, metrics: str | None) -> None:

@@ -63,7 +63,7 @@ KEEP_ELIGIBLE_S = LEASE_TTL_S + FULL_VIEW_S + CLOCK_STEP_S
 _INPUT_FIELDS = ("eligible_until", "inflight", "load", "pending_prefill_tokens", "ttft_a", "ttft_b", "slots",
                  "service_s", "external", "pending_prefill_requests", "ttft_c", "tpot_a", "tpot_b", "tpot_known",
                  "decode_tokens", "penalty", "ttft_margin", "prefix_credit", "cache_block_tokens", "node",
-                 "releases", "line_since", "line_head_tokens", "prefix", "cfg")
+                 "releases", "line_since", "line_head_tokens", "context", "prefix", "cfg")
 assert len(_INPUT_FIELDS) == len(FACT_FIELDS) and set(_INPUT_FIELDS) == FACT_FIELDS, set(_INPUT_FIELDS) ^ FACT_FIELDS
 _RELEASES = _INPUT_FIELDS.index("releases")  # the slot releases' place in the inputs
 
@@ -219,7 +219,7 @@ class SchedulerState(ABC):
             e.drift.penalty(pl) if predictive else 0.0, e.ttft_errors.margin, e.prefix_credit, e.cache_block_tokens,
             e.managed.report.node_id if e.managed is not None and e.managed.report is not None else None,
             self._releases(e, m, now) if predictive else (),
-            e.line_since, next(iter(e.prefill_line.values()), 0),
+            e.line_since, next(iter(e.prefill_line.values()), 0), e.context or 0,
             (e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),
             e.cfg,
         )

@@ -101,6 +101,12 @@ def _completion_prompt(prompt: str | list[str] | list[int] | list[list[int]], sp
     raise bad_request("the simulator serves exactly one prompt per request", "prompt")
 
 
+def _token_ids(prompt: object) -> bool:
+    """Whether a completion's prompt is token IDs (``[1, 2]`` or ``[[1, 2]]``), not text."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], str) \
+        and not (len(prompt) == 1 and isinstance(prompt[0], list) and prompt[0] and isinstance(prompt[0][0], str))
+
+
 def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> Prepared:
     cfg = engine.cfg
     req: ChatRequest | CompletionRequest
@@ -128,16 +134,20 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
     if asked is not None and asked > limit:
         raise bad_request(f"{param}={asked} cannot be greater than max_model_len={limit}. Please request fewer "
                           f"output tokens. (parameter={param}, value={asked})", param)
-    # Unasked, vLLM's limit is the context left for a chat, 16 tokens for a completion (its request
-    # model's default); that is what the checks see.  A chat runs to ``default_max_tokens`` at most
-    # (the simulator's stand-in for a model that stops by itself), never short of ``min_tokens``.
-    max_tokens = asked if asked is not None else (
-        limit - n_prompt if isinstance(req, ChatRequest) else min(cfg.default_max_tokens, limit - n_prompt))
-    if n_prompt + max_tokens > limit or max_tokens < 1:
-        raise bad_request(f"This model's maximum context length is {limit} tokens. However, your request has "
-                          f"{n_prompt} input tokens and requested {max_tokens} output tokens. Please reduce the "
-                          f"length of the input messages or completion. (parameter=input_tokens, value={n_prompt})",
-                          "input_tokens")
+    if n_prompt > limit:  # vLLM 0.32's renderer (a text prompt is tokenized up to one token past the limit)
+        text = not (isinstance(req, CompletionRequest) and _token_ids(req.prompt))
+        shown = min(n_prompt, limit + 1) if text else n_prompt
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+                          f"{'at least ' if shown == limit + 1 else ''}{shown} input tokens, which exceeds this limit "
+                          f"even without any output tokens. Please reduce the length of the input prompt. "
+                          f"(parameter=input_tokens, value={shown})", "input_tokens")
+    # vLLM's get_max_tokens: what is asked, within the context left (a longer ask is cut to it, not
+    # refused); unasked, the context left for a chat, 16 tokens for a completion (its request
+    # model's default).  A chat then runs to ``default_max_tokens`` at most (the simulator's stand-in
+    # for a model that stops by itself), never short of ``min_tokens``.
+    room = limit - n_prompt
+    max_tokens = min(asked, room) if asked is not None else (
+        room if isinstance(req, ChatRequest) else min(cfg.default_max_tokens, room))
     check_sampling(req, max_tokens)
     if asked is None and isinstance(req, ChatRequest):
         max_tokens = min(max(cfg.default_max_tokens, req.min_tokens), max_tokens)

@@ -191,6 +191,8 @@ def check_sampling(req: "ChatRequest | CompletionRequest", max_tokens: int) -> N
         raise _vllm_error(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
     if not 0.0 <= min_p <= 1.0:
         raise _vllm_error(f"min_p must be in [0, 1], got {min_p}.")
+    if max_tokens < 1:  # (a prompt that fills the context leaves none)
+        raise _vllm_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
     if req.min_tokens > max_tokens:
         raise _vllm_error(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {req.min_tokens}.")
     if any(not s for s in req.stop_list()):

@@ -86,7 +86,7 @@ async def test_one_json_line_per_request_on_every_path(pd: LocalRouter, lines: L
     assert r.status_code == 200
     r = await _post(pd, b'{"model": "narwhal-sim", "messages": [', "log-invalid")
     assert r.status_code == 400
-    r = await _post(pd, chat(False, content="word " * 20_000), "log-refused", **{"X-TTFT-Target": "0.001"})
+    r = await _post(pd, chat(False, content="word " * 2_000), "log-refused", **{"X-TTFT-Target": "0.001"})
     assert r.status_code == 429, r.text
     await pd.app_reporter.flush()
     for rid in ("log-stream", "log-plain", "log-invalid", "log-refused"):

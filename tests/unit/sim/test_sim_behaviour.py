@@ -209,7 +209,7 @@ async def test_bad_sim_extension_and_prompt_forms() -> None:
         plain = await c.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                                          "return_token_ids": True})
         assert parts.json()["prompt_token_ids"] == plain.json()["prompt_token_ids"]
-        long = await c.post(COMPLETIONS, json={"prompt": "w " * 3000, "max_tokens": 2000})
+        long = await c.post(COMPLETIONS, json={"prompt": "w " * 4200, "max_tokens": 2000})
         assert long.status_code == 400 and long.json()["error"]["param"] == "input_tokens"
 
 
@@ -287,3 +287,32 @@ async def test_without_max_tokens_min_tokens_is_checked_against_vllms_own_defaul
         r = await c.post(COMPLETIONS, json=body)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["message"] == "min_tokens must be less than or equal to max_tokens=16, got 40."
+
+
+async def test_the_context_limit_as_vllm_0_32_applies_it() -> None:
+    """vLLM 0.32 (its renderer and get_max_tokens): a prompt over the context is refused (a text
+    prompt is counted up to one token past it: "at least"); one that fills it leaves max_tokens 0;
+    a prompt that fits with a ``max_tokens`` that does not is served, cut to the context left (the
+    simulator used to refuse it in an older vLLM's words); ``max_tokens`` over the context is refused."""
+    limit = 64
+    async with sim_client(max_model_len=limit) as c:
+        async def err(route: str, body: dict[str, Any]) -> dict[str, Any]:
+            r = await c.post(route, json=body)
+            assert r.status_code == 400, r.text
+            return dict(r.json()["error"])
+
+        e = await err(COMPLETIONS, {"prompt": "w " * 100, "max_tokens": 2})
+        assert e["message"] == ("This model's maximum context length is 64 tokens. However, your prompt contains "
+                                "at least 65 input tokens, which exceeds this limit even without any output tokens. "
+                                "Please reduce the length of the input prompt. (parameter=input_tokens, value=65)")
+        assert e["param"] == "input_tokens"
+        e = await err(COMPLETIONS, {"prompt": list(range(1, 71)), "max_tokens": 2})
+        assert "your prompt contains 70 input tokens" in e["message"]
+        e = await err(COMPLETIONS, {"prompt": list(range(1, limit + 1)), "max_tokens": 2})
+        assert (e["message"], e["param"]) == ("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                                              "max_tokens")
+        e = await err(CHAT, chat_body(model=None, max_completion_tokens=65))
+        assert e["param"] == "max_completion_tokens" and "cannot be greater than max_model_len=64" in e["message"]
+        r = await c.post(COMPLETIONS, json={"prompt": list(range(1, 61)), "max_tokens": 50, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == limit - 60
