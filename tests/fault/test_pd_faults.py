@@ -38,16 +38,18 @@ async def test_pd_prefill_leg_5xx_is_a_502_envelope_and_the_decode_leg_never_sta
 
 @pytest.mark.parametrize("stream", [False, True], ids=["assembled", "streaming"])
 async def test_pd_prompt_over_the_context_is_refused_in_the_clients_terms(fleet: Fleet, stream: bool) -> None:
-    """(Found by a hostile probe.) The prefill leg asks for one token, not the client's 20: the
-    engine's refusal of it named 1.  The router counts this prompt exactly (the engines'
-    tokenizer) and knows both engines' context from their ``/v1/models``: it refuses it itself,
-    in the client's terms, before either leg starts."""
+    """(Found by a hostile probe.) The prefill leg asks for one token, not the client's 20: an
+    engine's refusal of it is not the client's answer; the client's own request then goes to the
+    decode engine, whose refusal is.  (This app sizes prompts with the estimate, engines by URL and
+    no ``tokenizer:``, so the router cannot refuse it itself: ``tests/unit/gateway/test_context_row.py``
+    has the router's own refusal, where it counts exactly.)"""
     app = fleet.pd
     before, engines = await status(app.url), await received(app)
     r, took = await timed_post(app, chat_body(" ".join(["word"] * 4500), stream=stream, max_tokens=20))
-    err = assert_envelope(r, 400, "context_length_exceeded")
-    assert err["param"] == "messages" and "maximum context length is 4096 tokens" in err["message"], err
-    assert await received(app) == engines
+    err = assert_envelope(r, 400, "invalid_request", param="input_tokens")
+    assert "your prompt contains at least 4097 input tokens" in err["message"], err
+    after = await received(app)
+    assert after["pd-prefill"] > engines["pd-prefill"] and after["pd-decode"] > engines["pd-decode"]
     snap = await assert_quiescent(app)
     assert delta(before, snap)["invalid_requests"] == 1
 
