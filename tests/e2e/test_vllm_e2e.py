@@ -358,6 +358,29 @@ async def test_engine_validation_error_is_a_client_error(e2e: E2E, case: str) ->
     assert ours.json()["error"]["type"] == "invalid_request_error"
 
 
+async def test_the_context_row_refuses_exactly_what_vllm_refuses(e2e: E2E) -> None:
+    """The router learns the engine's context from its ``/v1/models`` (512 here) and refuses, itself,
+    exactly the prompts vLLM 0.32 refuses for it: one that fills the context (vLLM: no room for
+    max_tokens) or passes it; one token short of it is served by both (cut to one output token)."""
+    async with httpx.AsyncClient(timeout=60) as c:
+        engines = {e["name"]: e for e in (await c.get(e2e.narwhal + "/status")).json()["engines"]}
+        context = engines[ENGINE_NAME]["max_model_len"]
+        assert context == (await c.get(e2e.vllm + "/v1/models")).json()["data"][0]["max_model_len"]
+        for n, served in ((context + 3, False), (context, False), (context - 1, True)):
+            body = body_for("completion", prompt=list(range(1, n + 1)), max_tokens=4)
+            direct = await c.post(e2e.vllm + "/v1/completions", json=body)
+            ours = await c.post(e2e.narwhal + "/v1/completions", json=body)
+            assert (direct.status_code == 200) is served, (n, direct.text)
+            if served:
+                assert ours.status_code == 200, ours.text
+                counts_of = lambda r: {k: r.json()["usage"][k] for k in ("prompt_tokens", "completion_tokens")}  # noqa: E731
+                assert counts_of(ours) == counts_of(direct) == {"prompt_tokens": context - 1, "completion_tokens": 1}
+            else:
+                assert ours.status_code == 400, ours.text
+                err = ours.json()["error"]
+                assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt"), err
+
+
 async def test_nonstream_echo_matches_direct(e2e: E2E) -> None:
     body = body_for("completion", echo=True, max_tokens=2)
     async with httpx.AsyncClient(timeout=60) as c:
