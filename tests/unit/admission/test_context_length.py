@@ -73,18 +73,20 @@ def test_context_of_reads_the_model_cards_max_model_len() -> None:
         assert context_of(said) == 0
 
 
-async def test_the_scrape_asks_each_engine_for_its_context_once_while_it_stays_up() -> None:
+async def test_the_scrape_asks_each_engine_for_its_context_once_each_time_it_comes_up() -> None:
     asked: list[str] = []
-    state = {"up": True, "models": 200}
+    state: dict[str, object] = {"up": True, "models": 200, "len": 2048}
 
     def answer(r: httpx.Request) -> httpx.Response:
         asked.append(r.url.path)
         if not state["up"]:
             raise httpx.ConnectError("refused")
         if r.url.path == "/v1/models":
+            if state["models"] == "reset":
+                raise httpx.ReadError("reset")
             if state["models"] != 200:
-                return httpx.Response(int(state["models"]))
-            return httpx.Response(200, content=json.dumps({"data": [{"id": "m", "max_model_len": 2048}]}))
+                return httpx.Response(int(str(state["models"])))
+            return httpx.Response(200, content=json.dumps({"data": [{"id": "m", "max_model_len": state["len"]}]}))
         return httpx.Response(200, text="")
 
     e = EngineState(EngineConfig(name="e", url="http://e"))
@@ -95,9 +97,17 @@ async def test_the_scrape_asks_each_engine_for_its_context_once_while_it_stays_u
         assert asked.count("/v1/models") == 1
         state["up"] = False
         await scrape_one(client, e, 3.0, 1.0)
-        assert not e.healthy and e.context is None
-        state.update(up=True, models=404)  # back, as a server without model cards
+        assert not e.healthy and e.context == 2048  # kept while it is down
+        state.update(up=True, models="reset")  # back; its model cards do not answer this time
         await scrape_one(client, e, 4.0, 1.0)
-        assert e.healthy and e.context == 0
+        assert e.healthy and e.context == 2048 and asked.count("/v1/models") == 2
+        state.update(models=200, len=8192)  # asked again at the next scrape: restarted with another
         await scrape_one(client, e, 5.0, 1.0)
-        assert asked.count("/v1/models") == 2
+        assert e.context == 8192 and asked.count("/v1/models") == 3
+        state["up"] = False
+        await scrape_one(client, e, 6.0, 1.0)
+        state.update(up=True, models=404)  # back, as a server without model cards
+        await scrape_one(client, e, 7.0, 1.0)
+        assert e.healthy and e.context == 0
+        await scrape_one(client, e, 8.0, 1.0)
+        assert asked.count("/v1/models") == 4
