@@ -165,7 +165,10 @@ def build_api(
             try:
                 handler.tenancy.identify(request)
                 raw = await read_body(request, cfg.serving.max_request_bytes, cfg.serving.body_timeout_s)
-                return JSONResponse(await fn(sizer, cfg.model, raw))
+                out = await fn(sizer, cfg.model, raw)
+                if "max_model_len" in out and (context := fleet_context()):
+                    out["max_model_len"] = context  # the engines' own, as vLLM's /tokenize says its own
+                return JSONResponse(out)
             except NarwhalError as err:
                 return error_response(err.info(), None)
             except BodyIncomplete:
@@ -180,15 +183,25 @@ def build_api(
     # `root` as vLLM sends it: `vllm bench serve` without --model reads data[0]["root"]
     card = {"id": cfg.model, "object": "model", "created": created, "owned_by": "narwhal", "root": cfg.model}
 
+    def fleet_context() -> int:
+        """The longest context of the fleet's engines, as this replica's lease last saw them (0: not known)."""
+        view = lease.view if lease is not None else None
+        return view.context()[1] if view is not None else 0
+
+    def card_now() -> dict[str, Any]:
+        """The model card, with ``max_model_len`` as vLLM's has it once the engines have said theirs."""
+        context = fleet_context()
+        return {**card, "max_model_len": context} if context else card
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card_now()]}
 
     @app.get("/v1/models/{model:path}")  # OpenAI's "retrieve model" (`client.models.retrieve`); a name may hold "/"
     async def model(model: str) -> Response:
         if model != cfg.model:
             return error_response(model_not_found(model, cfg.model).info(), None)
-        return JSONResponse(card)
+        return JSONResponse(card_now())
 
     @app.get("/health")
     async def health() -> Response:

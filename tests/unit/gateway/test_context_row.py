@@ -63,3 +63,16 @@ async def test_a_prompt_filling_the_context_is_a_400_before_any_engine(router: L
     line = next(ln for ln in metrics.splitlines()
                 if ln.startswith('narwhal_invalid_requests_total{reason="context_length_exceeded"}'))
     assert float(line.split()[-1]) >= 1
+
+
+async def test_model_card_and_tokenize_say_the_engines_context_as_vllm_does(router: LocalRouter) -> None:
+    """vLLM's ``/v1/models`` card and ``/tokenize`` carry ``max_model_len``: the router's say the
+    engines' own once its lease has seen them (they used to omit it, and ``/tokenize`` said the
+    tokenizer's)."""
+    async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+        assert (await c.post(CHAT, json=chat_of(40))).status_code == 200  # (the lease's first view)
+        await router.app_reporter.flush()
+        card = (await c.get("/v1/models")).json()["data"][0]
+        one = (await c.get("/v1/models/narwhal-sim")).json()
+        tokenized = (await c.post("/tokenize", json={"prompt": "hello"})).json()
+    assert card["max_model_len"] == one["max_model_len"] == tokenized["max_model_len"] == CONTEXT

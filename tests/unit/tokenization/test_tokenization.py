@@ -180,11 +180,16 @@ async def test_tokenize_and_detokenize_routes(routers: tuple[LocalRouter, LocalR
     exact, blind = routers
     msgs = [{"role": "user", "content": "hello " + CJK}]
     async with httpx.AsyncClient(base_url=exact.url, timeout=30) as c:
+        # (a request first: this replica's lease then has the engines' view)
+        assert (await c.post("/v1/completions", json={"model": "narwhal-sim", "prompt": "hi", "max_tokens": 1})).status_code == 200
+        await exact.app_reporter.flush()
         r = await c.post("/tokenize", json={"model": "narwhal-sim", "messages": msgs, "return_token_strs": True})
         assert r.status_code == 200, r.text
         out = r.json()
         assert out["tokens"] == tok.prompt("chat", {"messages": msgs}).ids
-        assert out["count"] == len(out["tokens"]) and out["max_model_len"] == 512
+        # the engines' context (the simulated one's 4096), as vLLM's /tokenize says its own; not the
+        # tokenizer's 512
+        assert out["count"] == len(out["tokens"]) and out["max_model_len"] == 4096
         assert len(out["token_strs"]) == out["count"]
         r = await c.post("/tokenize", json={"prompt": "hello"})
         assert r.json()["tokens"] == tok.encode("hello", True) and r.json()["token_strs"] is None
