@@ -2,8 +2,8 @@
 and every ingress replica (under its :class:`~narwhal_serve.admission.lease.AdmissionLease`).
 
 ``decide(view, ask, now, rotation)`` walks the contract's rows that do not depend on permits — router
-unavailable (503), no eligible engine (503), prompt alone over the TTFT budget and projected TTFT
-over the budget (429) — and, when the request may go on, returns the ranked candidate routes with
+unavailable (503), a prompt no engine's context holds (400), no eligible engine (503), prompt alone
+over the TTFT budget and projected TTFT over the budget (429) — and, when the request may go on, returns the ranked candidate routes with
 the placement record it was judged on (what the TTFT model later learns from).  Permits (retention,
 queue, phase concurrency) are the permit table's (:mod:`~narwhal_serve.admission.controller`).
 
@@ -200,20 +200,23 @@ def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[
 
 def _roomy(view: FleetView, order: RouteOrder[EngineFacts], routes: list[RouteChoice], ask: Ask,
            rotation: int) -> list[RouteChoice]:
-    """``routes`` without those an exactly sized prompt does not fit (an engine of the route with
-    a context it would fill); the least loaded of the routes it fits when none of these does.
-    Free unless the fleet's contexts differ and the prompt is as long as the shortest."""
-    shortest = view.context()[0] if ask.exact else 0
-    if not shortest or ask.prompt_tokens < shortest:
+    """``routes`` without those an exactly sized prompt does not fit (an engine of the route said a
+    context it would fill); when none of these is left, the least loaded of the routes it fits;
+    when there are none such either (a P/D order pairs each decode engine with one prefill
+    engine), ``routes`` as they are: the engine answers.  Free unless the prompt is as long as
+    the shortest context said."""
+    if not ask.exact:
+        return routes
+    context = view.context()
+    n = ask.prompt_tokens
+    if not context.shortest or n < context.shortest:
         return routes
     facts = view.facts()
-    n = ask.prompt_tokens
     kept = [r for r in routes if all(facts[e].holds(n) for e in r.engines)]
     if not kept:  # (a rare walk: a prompt only the fleet's longer contexts take)
-        room = frozenset(name for name, f in facts.items() if f.holds(n))
-        kept = [r for r in order.top(len(routes) or MAX_CANDIDATES, rotation, view.changed, only=room)
+        kept = [r for r in order.top(len(routes) or MAX_CANDIDATES, rotation, view.changed, only=context.room(n))
                 if all(facts[e].holds(n) for e in r.engines)]
-    return kept
+    return kept or routes
 
 
 TIE_S = 0.001  # expected completion times in the same millisecond are a tie: the ingress's own node breaks it
@@ -287,9 +290,10 @@ def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | 
     """The contract's non-permit rows, in order; a :class:`Placement` when the request may go on."""
     if view.unavailable is not None:
         return Refusal(router_unavailable(view.unavailable), Outcome.REJECTED)
-    longest = view.context()[1] if ask.exact else 0
-    if longest and ask.prompt_tokens >= longest:  # no engine leaves it room for an output token
-        return Refusal(ContextLengthExceeded.of(ask.kind, ask.prompt_tokens, longest).info(), Outcome.INVALID)
+    if ask.exact:
+        context = view.context()
+        if context.every and ask.prompt_tokens >= context.longest:  # no engine leaves it room for an output token
+            return Refusal(ContextLengthExceeded.of(ask.kind, ask.prompt_tokens, context.longest).info(), Outcome.INVALID)
     placement, best, scored = _rank(view, ask, now, rotation)
     if placement is None:
         return Refusal(backend_unavailable(), Outcome.REJECTED)

@@ -5,6 +5,7 @@ receiver makes its own, and a view merged from a grant takes its predecessor's, 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
@@ -38,15 +39,14 @@ class Derived:
             self.window = (math.inf, -math.inf)
             self.holders: Holders | None = None  # made on the first look-up
             self._place: dict[str, int] | None = None
-            self._context: tuple[int, int] | None = None
+            self._context: FleetContext | None = None
         return self
 
-    def context(self) -> tuple[int, int]:
-        """The shortest and the longest context of the fleet's engines (made on first use); (0, 0)
-        while one is not known."""
+    def context(self) -> "FleetContext":
+        """The fleet's engines' contexts, as they said them (made on first use)."""
         if self._context is None:
             assert self.engines is not None
-            self._context = fleet_context(self.engines)
+            self._context = FleetContext.of(self.engines)
         return self._context
 
     def place(self) -> dict[str, int]:
@@ -202,13 +202,29 @@ def cold_tpot(engines: tuple[EngineFacts, ...]) -> tuple[float, float] | None:
     return min(known, key=lambda ab: tpot_at(ab[0], ab[1], 1.0)) if known else None
 
 
-def fleet_context(engines: Iterable[EngineFacts]) -> tuple[int, int]:
-    """The shortest and the longest context among ``engines`` (a prompt shorter than the first
-    fits anywhere, one as long as the second nowhere); (0, 0), not known, while an engine has not
-    said its own."""
-    shortest, longest = math.inf, 0
-    for e in engines:
-        if not e.context:
-            return 0, 0
-        shortest, longest = min(shortest, e.context), max(longest, e.context)
-    return (int(shortest), longest) if longest else (0, 0)
+class FleetContext:
+    """The contexts (``max_model_len``) the fleet's engines said: the ``shortest`` and the
+    ``longest`` of them (0: none said), whether ``every`` engine has said one, and, per prompt
+    length, the engines it fits (:meth:`room`, kept per distinct context: a view has a few)."""
+
+    __slots__ = ("shortest", "longest", "every", "_by", "_levels", "_room")
+
+    def __init__(self, shortest: int, longest: int, every: bool, by: dict[str, int]) -> None:
+        self.shortest, self.longest, self.every, self._by = shortest, longest, every, by
+        self._levels = sorted({c for c in by.values() if c})  # the distinct contexts said (a few)
+        self._room: dict[int, frozenset[str]] = {}
+
+    @classmethod
+    def of(cls, engines: Iterable[EngineFacts]) -> "FleetContext":
+        by = {e.cfg.name: e.context for e in engines}
+        said = [c for c in by.values() if c]
+        return cls(min(said, default=0), max(said, default=0), len(said) == len(by), by)
+
+    def room(self, prompt_tokens: int) -> frozenset[str]:
+        """The engines a prompt this long fits (an engine that did not say its context included)."""
+        i = bisect.bisect_right(self._levels, prompt_tokens)
+        floor = self._levels[i] if i < len(self._levels) else 0  # the shortest context it fits
+        out = self._room.get(floor)
+        if out is None:
+            out = self._room[floor] = frozenset(n for n, c in self._by.items() if not c or c > prompt_tokens)
+        return out

@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from narwhal_serve.admission.derived import Derived, FactsOver, holding_with
+from narwhal_serve.admission.derived import Derived, FactsOver, FleetContext, holding_with
 from narwhal_serve.admission.facts import ChangedRow, EngineFacts, PrefixChange, with_prefix_change
 from narwhal_serve.admission.retry import Reservation
 from narwhal_serve.placement.order import RouteOrder
@@ -98,10 +98,10 @@ class FleetView:
                 hi = mid - 1
         return held
 
-    def context(self) -> tuple[int, int]:
-        """The shortest and the longest context of the fleet's engines ((0, 0): not known): a
-        prompt shorter than the first fits anywhere; one as long as the second leaves no room for
-        output anywhere."""
+    def context(self) -> FleetContext:
+        """The contexts the fleet's engines said (admission/derived.py :class:`FleetContext`): a
+        prompt shorter than the shortest fits anywhere; one as long as the longest nowhere, once
+        every engine has said its own."""
         return self._d().context()
 
     def cold_tpot(self) -> tuple[float, float] | None:

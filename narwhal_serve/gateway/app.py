@@ -186,7 +186,8 @@ def build_api(
     def fleet_context() -> int:
         """The longest context of the fleet's engines, as this replica's lease last saw them (0: not known)."""
         view = lease.view if lease is not None else None
-        return view.context()[1] if view is not None else 0
+        context = view.context() if view is not None else None
+        return context.longest if context is not None and context.every else 0
 
     def card_now() -> dict[str, Any]:
         """The model card, with ``max_model_len`` as vLLM's has it once the engines have said theirs."""

@@ -51,10 +51,11 @@ class EngineState:
     breaker: Breaker = field(default_factory=Breaker)  # passive health (real attempts' outcomes)
     managed: ManagedSlot | None = None  # a Ray-managed engine's replica, node and state (None: a URL engine)
     # its context length, from its /v1/models (``max_model_len``): None never said, 0 asked and not
-    # said; asked again each time it comes up (a restarted engine may have another), the last one
-    # said kept meanwhile (an engine down for a moment must not leave the fleet's context unknown)
+    # said; asked again each time it comes up and every minute (a restarted engine may have
+    # another), the last one said kept meanwhile (an engine down for a moment must not leave the
+    # fleet's context unknown)
     context: int | None = None
-    context_fresh: bool = False  # asked since it last came up
+    context_asked: float | None = None  # when it last answered the question since it came up (None: not since)
 
     def __post_init__(self) -> None:
         self.ttft_model = PrefillModel(

@@ -80,6 +80,11 @@ def logprobs_wanted(req: ParsedRequest) -> int | None:
     return k if isinstance(k, int) and not isinstance(k, bool) else None
 
 
+# A completion without ``max_tokens`` ends at 16 tokens on vLLM and SGLang (the OpenAI schema's
+# default); an explicit ``null`` runs to the context
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
 def continuation_body(req: ParsedRequest, prompt_ids: list[int], output_ids: list[int]) -> dict[str, Any] | None:
     """The completions request that continues ``req`` after ``output_ids`` (None: nothing left to
     generate within the client's ``max_tokens``)."""
@@ -89,11 +94,13 @@ def continuation_body(req: ParsedRequest, prompt_ids: list[int], output_ids: lis
     limit = b.get("max_completion_tokens") if req.route == "chat" else None
     if limit is None:
         limit = b.get("max_tokens")
+    if req.route == "completion" and "max_tokens" not in b:
+        limit = COMPLETION_DEFAULT_MAX_TOKENS  # the engine's own limit for this request, which the continuation keeps
     if isinstance(limit, int):
         if limit - done < 1:
             return None
         body["max_tokens"] = limit - done
-    else:  # none given: up to the context, as chat's default is (the completions endpoint's is 16 tokens)
+    else:  # a chat without one, or a completion's explicit null: up to the context, as before the cut
         body["max_tokens"] = None
     least = b.get("min_tokens")
     if isinstance(least, int) and least > done:

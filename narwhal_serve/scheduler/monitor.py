@@ -26,31 +26,39 @@ async def scrape_one(client: httpx.AsyncClient, e: EngineState, now: float, time
     base = e.cfg.base_url
     asks: list[Coroutine[Any, Any, object]] = [client.get(base + "/health", timeout=timeout_s),
                                                client.get(base + "/metrics", timeout=timeout_s)]
-    if not e.context_fresh:  # once each time it comes up
+    if e.context_asked is None or now - e.context_asked >= CONTEXT_REASK_S:  # each time it comes up, and now and then
         asks.append(_models(client, base, timeout_s))
     try:
         health, metrics, *models = await asyncio.gather(*asks)
     except (httpx.HTTPError, OSError) as exc:
         e.healthy = False
         e.failures += 1
-        e.context_fresh = False  # (it may come back with another; the last one said is kept meanwhile)
+        e.context_asked = None  # (it may come back with another; the last one said is kept meanwhile)
         if not isinstance(exc, httpx.TimeoutException):  # refused or reset: a definite "down"
             e.last_answer = now
         return
     assert isinstance(health, httpx.Response) and isinstance(metrics, httpx.Response)
     scraped(e, now, health.status_code == 200, metrics.text if metrics.status_code == 200 else None)
     if not e.healthy:
-        e.context_fresh = False
+        e.context_asked = None
     elif models and models[0] is not None:
-        e.context, e.context_fresh = context_of(models[0]), True
+        e.context, e.context_asked = context_of(models[0]), now
+
+
+# An engine's context is asked for again this often while it stays up: one restarted behind the same
+# address (a rolling restart behind a Service) may not have been seen down
+CONTEXT_REASK_S = 60.0
 
 
 async def _models(client: httpx.AsyncClient, base: str, timeout_s: float) -> object:
-    """The engine's ``/v1/models`` answer (``{}`` where it has none to give; None where it did not
-    answer: asked again at the next scrape, and not a reason to call the engine down)."""
+    """The engine's ``/v1/models`` answer: ``{}`` where it has no such route (404, 405: a plain
+    server); None where it did not answer properly (an error, a 5xx, not JSON): asked again at the
+    next scrape, and not a reason to call the engine down."""
     try:
         resp = await client.get(base + "/v1/models", timeout=timeout_s)
-        return resp.json() if resp.status_code == 200 else {}
+        if resp.status_code in (404, 405):
+            return {}
+        return resp.json() if resp.status_code == 200 else None
     except (httpx.HTTPError, OSError, ValueError):
         return None
 

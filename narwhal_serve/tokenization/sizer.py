@@ -86,6 +86,13 @@ class Sized:
     ids: list[int] | None  # the router's own prompt token IDs (exact), or None (estimated)
     method: str  # "tokenizer" | "client_ids" | "estimate"
 
+    @property
+    def exact(self) -> bool:
+        """Whether the prompt's size is the engine's own count: its IDs known, and not cut by the
+        engine (``truncate_prompt_tokens``: the tokenizer path does not size such a prompt; token
+        IDs sent with it are cut to a length the engine picks)."""
+        return self.ids is not None and self.parsed.body.get("truncate_prompt_tokens") is None
+
 
 class PromptSizer:
     def __init__(self, tokenizer: "Tokenizer | None") -> None:

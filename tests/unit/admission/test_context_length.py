@@ -15,7 +15,7 @@ from narwhal_serve.admission.core import Ask, FleetView, decide
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.placement.engines import EngineState
 from narwhal_serve.protocol.outcomes import Outcome
-from narwhal_serve.scheduler.monitor import context_of, scrape_one
+from narwhal_serve.scheduler.monitor import CONTEXT_REASK_S, context_of, scrape_one
 from tests.unit.admission.test_overload_decisions import NOW, engine, placed, refused, view
 
 
@@ -55,13 +55,13 @@ def test_in_a_fleet_of_mixed_contexts_a_long_prompt_goes_where_it_fits() -> None
 def test_the_fleet_context_follows_an_engine_restarted_with_another() -> None:
     a, b = engine("a", context=4096), engine("b", context=4096)
     v = view(a, b)
-    assert v.context() == (4096, 4096)
+    assert (v.context().shortest, v.context().longest) == (4096, 4096)
     delta = FleetView(engines=(replace(b, context=16384),), unavailable=None, predictive=True)
     merged = v.merged(delta, ())
-    assert merged is not None and merged.context() == (4096, 16384)
+    assert merged is not None and (merged.context().shortest, merged.context().longest) == (4096, 16384)
     assert placed(merged, Ask(8000, 30.0, exact=True)).engines == ("b",)
     same = merged.merged(FleetView(engines=(replace(a, inflight=3),), unavailable=None, predictive=True), ())
-    assert same is not None and same.context() == (4096, 16384)
+    assert same is not None and (same.context().shortest, same.context().longest) == (4096, 16384)
 
 
 def test_context_of_reads_the_model_cards_max_model_len() -> None:
@@ -104,10 +104,62 @@ async def test_the_scrape_asks_each_engine_for_its_context_once_each_time_it_com
         state.update(models=200, len=8192)  # asked again at the next scrape: restarted with another
         await scrape_one(client, e, 5.0, 1.0)
         assert e.context == 8192 and asked.count("/v1/models") == 3
-        state["up"] = False
+        state.update(models=503)  # a 5xx is no answer: kept, asked again at the next scrape
+        e.context_asked = None
         await scrape_one(client, e, 6.0, 1.0)
-        state.update(up=True, models=404)  # back, as a server without model cards
+        assert e.healthy and e.context == 8192 and asked.count("/v1/models") == 4
+        state.update(models=200, len=4096)  # restarted behind the same address, never seen down
         await scrape_one(client, e, 7.0, 1.0)
+        assert e.context == 4096 and asked.count("/v1/models") == 5
+        await scrape_one(client, e, 7.0 + CONTEXT_REASK_S - 1, 1.0)
+        assert asked.count("/v1/models") == 5
+        state.update(len=2048)
+        await scrape_one(client, e, 7.0 + CONTEXT_REASK_S, 1.0)  # asked again every minute
+        assert e.context == 2048 and asked.count("/v1/models") == 6
+        state["up"] = False
+        await scrape_one(client, e, 100.0, 1.0)
+        state.update(up=True, models=404)  # back, as a server without model cards
+        await scrape_one(client, e, 101.0, 1.0)
         assert e.healthy and e.context == 0
-        await scrape_one(client, e, 8.0, 1.0)
-        assert asked.count("/v1/models") == 4
+        await scrape_one(client, e, 102.0, 1.0)
+        assert asked.count("/v1/models") == 7
+
+
+def test_an_engine_of_unknown_context_keeps_the_refusal_off_but_not_the_placement() -> None:
+    """(Found by a review.) An engine that has not said its context (a plain server, a model card
+    that failed) may take any prompt: no refusal while it is in the fleet; but the engines that
+    said a shorter one still get no prompt they cannot hold."""
+    small = [engine(f"s{i}", context=2048) for i in range(4)]
+    v = view(*small, engine("quiet", inflight=3), engine("big", context=32768, inflight=5))
+    p = placed(v, Ask(3000, 30.0, exact=True))
+    assert p.engines and not any(r.decode.name.startswith("s") for r in p.routes)
+
+
+def test_a_pd_fleet_of_mixed_prefill_contexts_is_not_told_to_retry_forever() -> None:
+    """(Found by a review.) A P/D order pairs each decode engine with its least loaded prefill
+    engine: a prompt only the busier prefill engine holds has no such route.  It used to be a 503
+    ``backend_unavailable`` (Retry-After 1) for as long as the short engine stayed the less loaded;
+    the routes go as they are, and the engine answers."""
+    from narwhal_serve.config import EngineConfig as Cfg
+
+    def pd(name: str, role: str, **kw: object) -> object:
+        return replace(engine(name, **kw), cfg=Cfg(name=name, url=f"http://{name}", role=role))  # type: ignore[arg-type]
+
+    v = view(pd("p-short", "prefill", context=2048), pd("p-long", "prefill", context=32768, inflight=4),
+             pd("d", "decode", context=32768))  # type: ignore[arg-type]
+    out = decide(v, Ask(3000, 30.0, exact=True), NOW, 0)
+    assert not (hasattr(out, "error") and out.error.code == "backend_unavailable"), out  # type: ignore[union-attr]
+    assert refused(v, Ask(40000, 30.0, exact=True)).error.code == "context_length_exceeded"
+
+
+def test_a_token_id_prompt_the_engine_truncates_is_not_sized_exactly() -> None:
+    """(Found by a review.) ``truncate_prompt_tokens`` with token IDs: the engine keeps a part of
+    the prompt it picks, so the count sent is not the engine's and is not refused on it."""
+    from narwhal_serve.protocol.requests import parse_request
+    from narwhal_serve.tokenization.sizer import Sized
+
+    raw = json.dumps({"model": "m", "prompt": list(range(1, 10_001)), "truncate_prompt_tokens": 4000}).encode()
+    parsed = parse_request("completion", raw, model="m")
+    assert not Sized(parsed, list(parsed.prompt_token_ids or ()), "client_ids").exact
+    plain = parse_request("completion", json.dumps({"model": "m", "prompt": [1, 2]}).encode(), model="m")
+    assert Sized(plain, [1, 2], "client_ids").exact and not Sized(plain, None, "estimate").exact

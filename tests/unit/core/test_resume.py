@@ -400,18 +400,24 @@ async def test_usage_on_every_chunk_continues_after_the_cut_counting_one_answer(
     assert all(e["usage"]["prompt_tokens"] == 3 for e in evs if isinstance(e, dict) and e.get("usage"))
 
 
-def test_a_continuation_without_a_client_limit_asks_for_up_to_the_context() -> None:
+def test_a_continuation_without_a_client_limit_keeps_the_engines_own() -> None:
     """(Found by a hostile probe.) The continuation goes to the completions endpoint, whose
-    ``max_tokens`` defaults to 16 on vLLM; a chat (or completion) sent without a limit runs up to
-    the context, so its continuation says ``max_tokens: null`` (vLLM: up to the context) instead of
-    leaving it out. With a limit, what is left of it."""
+    ``max_tokens`` defaults to 16 on vLLM; a chat sent without a limit runs up to the context, so its
+    continuation says ``max_tokens: null`` (vLLM: up to the context) instead of leaving it out.
+    (Found by a review.) A completion sent without one ended at 16 tokens on its engine: its
+    continuation asks for what is left of 16, not up to the context; an explicit ``null`` runs to
+    the context.  With a limit, what is left of it."""
     from narwhal_serve.relay.resume import continuation_body
-    for route, body in (("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}),
-                        ("completion", {"model": "m", "prompt": "hi"})):
-        req = parse_request(route, json.dumps(body).encode(), model="m")
+    for route, body, want in (
+            ("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, None),
+            ("completion", {"model": "m", "prompt": "hi"}, 13),
+            ("completion", {"model": "m", "prompt": "hi", "max_tokens": None}, None)):
+        req = parse_request(route, json.dumps(body).encode(), model="m")  # type: ignore[arg-type]
         out = continuation_body(req, [1, 2], [3, 4, 5])
-        assert out is not None and "max_tokens" in out and out["max_tokens"] is None, out
-        assert json.loads(json.dumps(out))["max_tokens"] is None
+        assert out is not None and "max_tokens" in out and out["max_tokens"] == want, (route, body, out)
+        assert json.loads(json.dumps(out))["max_tokens"] == want
+    req = parse_request("completion", json.dumps({"model": "m", "prompt": "hi"}).encode(), model="m")
+    assert continuation_body(req, [1], list(range(16))) is None  # its 16 were all sent before the cut
     req = parse_request("chat", json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                             "max_completion_tokens": 10}).encode(), model="m")
     assert (continuation_body(req, [1], [2, 3]) or {})["max_tokens"] == 8
