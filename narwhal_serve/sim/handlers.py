@@ -101,6 +101,9 @@ def _completion_prompt(prompt: str | list[str] | list[int] | list[list[int]], sp
     raise bad_request("the simulator serves exactly one prompt per request", "prompt")
 
 
+COMPLETION_DEFAULT = 16  # vLLM's CompletionRequest.max_tokens default
+
+
 def _token_ids(prompt: object) -> bool:
     """Whether a completion's prompt is token IDs (``[1, 2]`` or ``[[1, 2]]``), not text."""
     return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], str) \
@@ -142,14 +145,15 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
                           f"even without any output tokens. Please reduce the length of the input prompt. "
                           f"(parameter=input_tokens, value={shown})", "input_tokens")
     # vLLM's get_max_tokens: what is asked, within the context left (a longer ask is cut to it, not
-    # refused); unasked, the context left for a chat, 16 tokens for a completion (its request
-    # model's default).  A chat then runs to ``default_max_tokens`` at most (the simulator's stand-in
-    # for a model that stops by itself), never short of ``min_tokens``.
+    # refused); unasked, the context left for a chat or a completion's explicit ``null``, 16 tokens
+    # for a completion without the field (its request model's default).  Up to the context, it then
+    # runs to ``default_max_tokens`` at most (the simulator's stand-in for a model that stops by
+    # itself), never short of ``min_tokens``.
     room = limit - n_prompt
-    max_tokens = min(asked, room) if asked is not None else (
-        room if isinstance(req, ChatRequest) else min(cfg.default_max_tokens, room))
+    to_context = asked is None and (isinstance(req, ChatRequest) or "max_tokens" in req.model_fields_set)
+    max_tokens = min(asked, room) if asked is not None else room if to_context else min(COMPLETION_DEFAULT, room)
     check_sampling(req, max_tokens)
-    if asked is None and isinstance(req, ChatRequest):
+    if to_context:
         max_tokens = min(max(cfg.default_max_tokens, req.min_tokens), max_tokens)
     sim = req.sim
     plan = FaultPlan.of(cfg.faults, sim.faults() if sim else [], sim.fault_after if sim else 2)

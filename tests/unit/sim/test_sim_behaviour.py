@@ -79,7 +79,11 @@ async def test_default_and_chat_max_completion_tokens() -> None:
         m = (await c.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 9,
                                       "max_completion_tokens": 3})).json()
         n2 = await c.post(CHAT, json={"messages": [{"role": "user", "content": "x"}], "n": 2})
+        # a completion without max_tokens ends at vLLM's 16; with an explicit null it runs as a chat
+        plain = (await c.post(COMPLETIONS, json={"prompt": "x"})).json()
+        null = (await c.post(COMPLETIONS, json={"prompt": "x", "max_tokens": None, "min_tokens": 30})).json()
     assert d["usage"]["completion_tokens"] == 5 and m["usage"]["completion_tokens"] == 3
+    assert plain["usage"]["completion_tokens"] == 16 and null["usage"]["completion_tokens"] == 30
     assert n2.status_code == 400 and n2.json()["error"]["param"] == "n"
 
 
