@@ -163,3 +163,31 @@ def test_a_token_id_prompt_the_engine_truncates_is_not_sized_exactly() -> None:
     assert not Sized(parsed, list(parsed.prompt_token_ids or ()), "client_ids").exact
     plain = parse_request("completion", json.dumps({"model": "m", "prompt": [1, 2]}).encode(), model="m")
     assert Sized(plain, [1, 2], "client_ids").exact and not Sized(plain, None, "estimate").exact
+
+
+async def test_both_holders_refuse_it_and_keep_nothing() -> None:
+    """The row runs where the decision runs: an ingress's lease (on the scheduler's grant, rows
+    across the hop) and the scheduler (an AdmitRequest across the hop, ``exact`` in it).  Either way
+    a 400 counted ``invalid_requests``, with no permit held after."""
+    from narwhal_serve.admission.controller import Refusal
+    from narwhal_serve.admission.lease import NONE
+    from narwhal_serve.scheduler.messages import AdmitRequest
+    from tests.unit.admission.test_lease import Holder, service
+
+    for mode in ("predictive", "open"):
+        svc, clock = service(mode)
+        for e in svc.engines.values():
+            e.context = 4096
+        svc.views_stale()
+        h = Holder(svc, clock)
+        h.sync()
+        verdict = h.lease.try_admit("long", Ask(5000, 30.0, exact=True), clock() + 60, clock(), h.mono)
+        assert isinstance(verdict, Refusal) and verdict.reason == "context_length_exceeded", verdict
+        assert verdict.outcome is Outcome.INVALID and h.lease.in_use == NONE
+        assert not isinstance(h.lease.try_admit("fits", Ask(4000, 30.0, exact=True), clock() + 60, clock(), h.mono),
+                              Refusal)
+        req = AdmitRequest.of("t-long", clock() + 60, Ask(5000, 30.0, exact=True))
+        assert req.ask().exact is True
+        res = await svc.admit(req)
+        assert res.error is not None and res.error.code == "context_length_exceeded" and res.outcome is Outcome.INVALID
+        assert "t-long" not in svc.admission.retained
