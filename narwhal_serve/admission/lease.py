@@ -93,10 +93,12 @@ class AdmissionLease:
             view = copied(view, reservations=held)
         return view
 
-    def resume_targets(self, now: float) -> list[EngineConfig]:
-        """Engines eligible now for a mid-stream resume, least loaded first (none without a view)."""
+    def resume_targets(self, now: float, tokens: int = 0) -> list[EngineConfig]:
+        """Engines eligible now for a mid-stream resume whose context leaves a continuation of
+        ``tokens`` (the prompt and the output so far) room for more, least loaded first (none
+        without a view)."""
         view = self.current_view()
-        return [] if view is None else resume_targets(view.eligible(now))
+        return [] if view is None else resume_targets([e for e in view.eligible(now) if e.holds(tokens)])
 
     def try_admit(self, ticket_id: str, ask: Ask, deadline: float, now: float, mono: float) -> Placement | Refusal | None:
         """A placement (permits taken), a refusal (counted by the caller), or None: ask the scheduler."""

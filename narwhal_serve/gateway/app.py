@@ -117,7 +117,7 @@ def build_api(
         lease.shares = LeaseShares(cfg.tenants.by_name())
     reporter = Reporter(backend.report, lease=lease, linger_s=cfg.admission.report_linger_s)
     if lease is not None and (relay := backend.local_relay) is not None:
-        relay.live_targets = lambda: lease.resume_targets(clock())  # resumes go where the fleet has room now
+        relay.live_targets = lambda tokens: lease.resume_targets(clock(), tokens)  # where the fleet has room now
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -79,7 +79,8 @@ class Relay:
         self.max_resumes = max_resumes  # continuations per request after its first token (0: none)
         # the engines eligible now for a continuation, least loaded first (the ingress's lease view);
         # None, or nothing there: the request's own candidate routes
-        self.live_targets: Callable[[], list[EngineConfig]] | None = None
+        # the engines eligible now whose context holds a continuation of this many tokens, least loaded first
+        self.live_targets: Callable[[int], list[EngineConfig]] | None = None
         self.resume_first_token_s = resume_first_token_s  # a continuation's first token must come within this
         # merge the engine reads that piled up into one message: for a Ray hop (the Assembler
         # shape); in the ingress the SSE response's own reader buffers ahead of the client
@@ -112,7 +113,9 @@ class Relay:
                              self.clock(), placed.deadline)
         if why is not None:
             return why, None
-        target = resume_target(self.live_targets() if self.live_targets is not None else [], placed.candidates,
+        t = at.transcript
+        tokens = len(t.prompt_ids or ()) + len(t.output_ids)
+        target = resume_target(self.live_targets(tokens) if self.live_targets is not None else [], placed.candidates,
                                excluded)
         return ("no_engine", None) if target is None else (None, target)
 

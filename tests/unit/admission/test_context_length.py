@@ -191,3 +191,19 @@ async def test_both_holders_refuse_it_and_keep_nothing() -> None:
         res = await svc.admit(req)
         assert res.error is not None and res.error.code == "context_length_exceeded" and res.outcome is Outcome.INVALID
         assert "t-long" not in svc.admission.retained
+
+
+async def test_a_resume_goes_only_where_the_continuation_fits() -> None:
+    """(Found by a review.) A continuation's prompt is the prompt and the output so far: an engine
+    whose context it fills would refuse it, and the answer would end with an error event though
+    another engine could go on."""
+    from tests.unit.admission.test_lease import Holder, service
+
+    svc, clock = service("predictive")
+    svc.engines["u"].context, svc.engines["d"].context, svc.engines["p"].context = 4096, 1024, 1024
+    svc.views_stale()
+    h = Holder(svc, clock)
+    h.sync()
+    assert sorted(e.name for e in h.lease.resume_targets(clock(), 100)) == ["d", "u"]
+    assert [e.name for e in h.lease.resume_targets(clock(), 2000)] == ["u"]
+    assert h.lease.resume_targets(clock(), 5000) == []

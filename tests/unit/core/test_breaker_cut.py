@@ -65,7 +65,7 @@ async def test_an_answer_on_an_engine_whose_breaker_opens_is_resumed_at_once_wit
     fleet, counts = Fleet(), []
     async with httpx.AsyncClient(transport=httpx.MockTransport(fleet)) as client:
         relay = Relay(client, idle_timeout_s=60)
-        relay.live_targets = lambda: [E2]
+        relay.live_targets = lambda _tokens: [E2]
         msgs = await relayed(fleet, relay, placed(return_token_ids=True, temperature=0),
                              lambda r: counts.append(r.cut_engine("e1", WHY)))
     assert counts == [1] and fleet.hosts == ["e1", "e2"]
@@ -117,7 +117,7 @@ async def test_answers_on_other_engines_and_answers_with_nowhere_to_go_are_left_
             p = replace(p, candidates=p.candidates[:1])
         async with httpx.AsyncClient(transport=httpx.MockTransport(fleet)) as client:
             relay = Relay(client, idle_timeout_s=60)
-            relay.live_targets = lambda: live
+            relay.live_targets = lambda _tokens: live
             msgs = await relayed(fleet, relay, p, cut)
         assert counts == [0] and fleet.hosts == ["e1"] and ids_of(events(msgs)) == [1, 2, 3, 4, 5], name
 

@@ -315,7 +315,7 @@ async def test_the_continuation_goes_to_the_least_loaded_engine_eligible_now_not
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(h)) as client:
         relay = Relay(client)
-        relay.live_targets = lambda: [E1, e3, E2]  # e1 failed this request: skipped
+        relay.live_targets = lambda _tokens: [E1, e3, E2]  # e1 failed this request: skipped
         msgs = [m async for m in relay.run(placed(return_token_ids=True))]
     assert seen == ["e1", "e3"] and ids_of(events(msgs)) == [1, 2, 3, 4, 5]
     assert [m.engines for m in msgs if m.moved] == [("e3",)]
@@ -371,7 +371,7 @@ async def test_a_second_cut_continues_after_exactly_what_the_client_got() -> Non
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(h)) as client:
         relay = Relay(client, max_resumes=2)
-        relay.live_targets = lambda: [E2, e3]
+        relay.live_targets = lambda _tokens: [E2, e3]
         msgs = [m async for m in relay.run(placed(return_token_ids=True))]
     assert bodies["e3"]["prompt"] == [*PROMPT, 1, 2, 3] and bodies["e3"]["max_tokens"] == 2
     assert ids_of(events(msgs)) == [1, 2, 3, 4, 5] and msgs[-1].error is None
