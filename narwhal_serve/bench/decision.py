@@ -41,6 +41,7 @@ def _service(engines: int, tenants: int = 0) -> SchedulerService:
     svc = SchedulerService(cfg, clock=lambda: 1000.0)
     for e in svc.engines.values():
         e.healthy, e.last_ok = True, 1000.0
+        e.context, e.context_asked = 32768, 1000.0  # as a vLLM engine says it on its /v1/models
     svc.router.started = True
     svc.ha.last_pass = 1000.0  # a monitor pass just made (its verdict is part of every scheduler decision)
     return svc
@@ -63,7 +64,9 @@ def measure(engines: int, requests: int, tenants: int = 0) -> dict[str, object]:
             lease.apply(grant, 1000.0, 0.0)
 
     # as in an ingress replica, which knows its Ray node (the engines here are by URL: none is near)
-    asks = [Ask(prompt_tokens=200, ttft_budget_s=60.0, tenant=f"t{k}", node="bench-node") for k in range(max(1, tenants))]
+    # (sized exactly, as by the router's tokenizer: the context row is judged)
+    asks = [Ask(prompt_tokens=200, ttft_budget_s=60.0, tenant=f"t{k}", node="bench-node", exact=True)
+            for k in range(max(1, tenants))]
     if lease.shares is not None:
         for ask in asks:  # every tenant seen at the lease and its bucket started: the next grants carry shares
             lease.shares.check(ask.tenant, request_cost(200), 1000.0, retry=False, reserves=False)
