@@ -54,7 +54,29 @@ def tokenizer_path(cfg: "NarwhalConfig") -> str | None:
         spec = e.launch
         if spec is not None and spec.kind in ("vllm", "sglang") and spec.model and os.path.isdir(spec.model):
             if (Path(spec.model) / "tokenizer.json").is_file():
-                return spec.model
+                changed = renders_otherwise(spec.args)
+                if changed is None:
+                    return spec.model
+                log.warning("engine %s is started with %s: its prompts are not rendered as its model directory's "
+                            "tokenizer renders them; sizing with the estimate (set `tokenizer:` to override)",
+                            e.name, changed)
+                return None
+    return None
+
+
+# Engine flags under which a model directory's tokenizer and chat template are not what the engine
+# renders and counts with (vLLM's and SGLang's spellings)
+_RENDERING_FLAGS = ("--chat-template", "--chat-template-content-format", "--default-chat-template-kwargs",
+                    "--tokenizer", "--tokenizer-mode", "--tokenizer-path")
+
+
+def renders_otherwise(args: "Sequence[str]") -> str | None:
+    """The first flag in an engine's ``args`` that makes it render or tokenize prompts otherwise
+    than its model directory says (the router's count would not be the engine's), or None."""
+    for a in args:
+        flag = a.split("=", 1)[0]
+        if flag in _RENDERING_FLAGS:
+            return flag
     return None
 
 
