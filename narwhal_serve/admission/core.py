@@ -212,10 +212,14 @@ def _roomy(view: FleetView, order: RouteOrder[EngineFacts], routes: list[RouteCh
     if not context.shortest or n < context.shortest:
         return routes
     facts = view.facts()
-    kept = [r for r in routes if all(facts[e].holds(n) for e in r.engines)]
+
+    def fits(r: RouteChoice) -> bool:
+        return all(facts[e].holds(n) for e in r.engines)
+
+    kept = [r for r in routes if fits(r)]
     if not kept:  # (a rare walk: a prompt only the fleet's longer contexts take)
         kept = [r for r in order.top(len(routes) or MAX_CANDIDATES, rotation, view.changed, only=context.room(n))
-                if all(facts[e].holds(n) for e in r.engines)]
+                if fits(r)]
     return kept or routes
 
 

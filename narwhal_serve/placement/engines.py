@@ -50,11 +50,10 @@ class EngineState:
     ttft_model: PrefillModel = field(default_factory=PrefillModel)
     breaker: Breaker = field(default_factory=Breaker)  # passive health (real attempts' outcomes)
     managed: ManagedSlot | None = None  # a Ray-managed engine's replica, node and state (None: a URL engine)
-    # its context length, from its /v1/models (``max_model_len``): None never said, 0 asked and not
-    # said; asked again each time it comes up and every minute (a restarted engine may have
-    # another), the last one said kept meanwhile (an engine down for a moment must not leave the
-    # fleet's context unknown)
-    context: int | None = None
+    # its context length, from its /v1/models (``max_model_len``; 0: not said); asked again each
+    # time it comes up and every minute (a restarted engine may have another), the last one said
+    # kept meanwhile (an engine down for a moment must not leave the fleet's context unknown)
+    context: int = 0
     context_asked: float | None = None  # when it last answered the question since it came up (None: not since)
 
     def __post_init__(self) -> None:
@@ -122,7 +121,7 @@ class EngineState:
             "pending_prefill_tokens": self.pending_prefill_tokens,
             "pending_prefill_requests": self.pending_prefill_requests,
             "slots": self.slots(),
-            "max_model_len": self.context or None,  # its /v1/models (null: not said, or not asked yet)
+            "max_model_len": self.context or None,  # its /v1/models (null: not said)
             "service_s": self.service_s,
             "decode_tokens_ahead": round(self.decode_tokens, 1),
             "tpot_model": {"a_s": self.tpot_model.a, "b_s_per_sequence": self.tpot_model.b,

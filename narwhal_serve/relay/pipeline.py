@@ -77,9 +77,9 @@ class Relay:
         self.clock = clock
         self.idle_timeout_s = idle_timeout_s
         self.max_resumes = max_resumes  # continuations per request after its first token (0: none)
-        # the engines eligible now for a continuation, least loaded first (the ingress's lease view);
-        # None, or nothing there: the request's own candidate routes
-        # the engines eligible now whose context holds a continuation of this many tokens, least loaded first
+        # the engines eligible now for a continuation of this many tokens (their context holds it),
+        # least loaded first (the ingress's lease view); None, or nothing there: the request's own
+        # candidate routes
         self.live_targets: Callable[[int], list[EngineConfig]] | None = None
         self.resume_first_token_s = resume_first_token_s  # a continuation's first token must come within this
         # merge the engine reads that piled up into one message: for a Ray hop (the Assembler

@@ -219,7 +219,7 @@ class SchedulerState(ABC):
             e.drift.penalty(pl) if predictive else 0.0, e.ttft_errors.margin, e.prefix_credit, e.cache_block_tokens,
             e.managed.report.node_id if e.managed is not None and e.managed.report is not None else None,
             self._releases(e, m, now) if predictive else (),
-            e.line_since, next(iter(e.prefill_line.values()), 0), e.context or 0,
+            e.line_since, next(iter(e.prefill_line.values()), 0), e.context,
             (e.prefix.frozen(pl.prefix_view_blocks) if frozen else e.prefix.held()) if pl.prefix_aware else frozenset(),
             e.cfg,
         )

@@ -104,12 +104,6 @@ def _completion_prompt(prompt: str | list[str] | list[int] | list[list[int]], sp
 COMPLETION_DEFAULT = 16  # vLLM's CompletionRequest.max_tokens default
 
 
-def _token_ids(prompt: object) -> bool:
-    """Whether a completion's prompt is token IDs (``[1, 2]`` or ``[[1, 2]]``), not text."""
-    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], str) \
-        and not (len(prompt) == 1 and isinstance(prompt[0], list) and prompt[0] and isinstance(prompt[0][0], str))
-
-
 def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> Prepared:
     cfg = engine.cfg
     req: ChatRequest | CompletionRequest
@@ -138,7 +132,8 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
         raise bad_request(f"{param}={asked} cannot be greater than max_model_len={limit}. Please request fewer "
                           f"output tokens. (parameter={param}, value={asked})", param)
     if n_prompt > limit:  # vLLM 0.32's renderer (a text prompt is tokenized up to one token past the limit)
-        text = not (isinstance(req, CompletionRequest) and _token_ids(req.prompt))
+        # (a completion's prompt is one of _completion_prompt's forms: text, [text], IDs or [IDs])
+        text = isinstance(req, ChatRequest) or isinstance(req.prompt, str) or isinstance(req.prompt[0], str)
         shown = min(n_prompt, limit + 1) if text else n_prompt
         raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt contains "
                           f"{'at least ' if shown == limit + 1 else ''}{shown} input tokens, which exceeds this limit "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
