@@ -315,14 +315,22 @@ def _check_prompt(body: dict[str, Any]) -> tuple[int, tuple[int, ...] | None]:
             if len(p) > 1:
                 raise InvalidSamplingWidth.prompts(len(p))
             return len(p[0]), None
-        if all(_is_int(t) and t >= 0 for t in p):
-            return 0, tuple(p)
+        if all(_is_int(t) for t in p):
+            return 0, _token_ids(p, "prompt")
         if all(isinstance(s, list) for s in p):
             if len(p) > 1:
                 raise InvalidSamplingWidth.prompts(len(p))
-            if p[0] and all(_is_int(t) and t >= 0 for t in p[0]):  # [[]] is as empty as []
-                return 0, tuple(p[0])
+            if p[0] and all(_is_int(t) for t in p[0]):  # [[]] is as empty as []
+                return 0, _token_ids(p[0], "prompt.0")
     raise _bad("prompt", "is required and must be a string or a list of token ids")
+
+
+def _token_ids(ids: list[int], path: str) -> tuple[int, ...]:
+    """A prompt's token IDs, each at least 0 (a negative one is named by its place, as vLLM names it)."""
+    for i, t in enumerate(ids):
+        if t < 0:
+            raise _bad(f"{path}.{i}", "must be a token id: an integer >= 0")
+    return tuple(ids)
 
 
 MAX_LOGPROBS = 20  # vLLM's --max-logprobs default (and OpenAI's top_logprobs bound)

@@ -21,9 +21,16 @@ class RelayStats:
     # The stream was cut before its last message (the client left, read too slowly, the router
     # stopped): what the router saw up to the cut — the route that was answering and the output
     # tokens identified so far — with no timings (``ttft_s`` None, ``decode_s`` 0, ``attempts`` 0:
-    # not known).  Counted (request log, tenants' and classes' output tokens), never learned from.
+    # not known); or the answer failed before response headers (:meth:`before_headers`).  Counted
+    # (request log, tenants' and classes' output tokens), never learned from.
     partial: bool = False
 
     @classmethod
     def cut(cls, engines: tuple[str, ...], output_tokens: int) -> "RelayStats":
         return cls("", engines, None, output_tokens, 0.0, 0, partial=True)
+
+    @classmethod
+    def before_headers(cls, engines: tuple[str, ...], attempts: int) -> "RelayStats":
+        """An answer that failed before response headers: the route that refused the request
+        (``engines``; none when every route failed) and the routes tried (the request log)."""
+        return cls("", engines, None, 0, 0.0, attempts, partial=True)

@@ -30,6 +30,7 @@ from narwhal_serve.errors import BadEngineResponse, InvalidRequest, TerminalExpi
 from narwhal_serve.observability import Tracing, end_span
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
 from narwhal_serve.protocol.sse import DONE_EVENT, error_events, sse_event
+from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.relay.attempt import (
     Attempt,
     BreakerCut,
@@ -163,6 +164,7 @@ class Relay:
             headers["X-Narwhal-Epoch"] = str(placed.epoch)  # the fencing token (docs/operations.md, "Running two routers")
         last = len(placed.candidates)
         excluded: set[str] = set()  # engines that failed this request
+        tried = 0  # routes tried
         for attempt, route in enumerate(placed.candidates, start=1):
             if self.clock() >= placed.deadline:
                 break
@@ -173,6 +175,7 @@ class Relay:
                 placed.first_token_s if attempt < last else None,  # the last route waits to the deadline
                 req, excluded,
             )
+            tried += 1
             span = attempt_span(self.tracing, placed, route, attempt)
             failed: str | None = None
             self._active[at] = placed
@@ -191,7 +194,8 @@ class Relay:
                 if exc.client_error:  # the engine blames the request: no other engine will differ
                     why = exc.upstream_message or exc.message
                     rejected = InvalidRequest(f"The engine rejected the request: {why}", param=exc.param)
-                    yield RelayMessage(error=rejected.info(), final=True, health=tuple(faults))
+                    yield RelayMessage(error=rejected.info(), final=True, health=tuple(faults),
+                                       stats=RelayStats.before_headers(route.engines, attempt))
                     return
                 faults.extend(faults_of(exc, at.route))
                 failures.append(str(exc))
@@ -223,7 +227,7 @@ class Relay:
             err = BadEngineResponse(
                 "no engine produced a usable answer: " + "; ".join(failures or ["no candidate route"])
             ).info()
-        yield RelayMessage(error=err, final=True, stats=None, health=tuple(faults))
+        yield RelayMessage(error=err, final=True, stats=RelayStats.before_headers((), tried), health=tuple(faults))
 
     async def _validated(
         self, stream: AsyncIterator[list[dict[str, Any]]], placed: PlacedRequest, at: Attempt

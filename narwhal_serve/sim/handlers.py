@@ -104,6 +104,26 @@ def _completion_prompt(prompt: str | list[str] | list[int] | list[list[int]], sp
 COMPLETION_DEFAULT = 16  # vLLM's CompletionRequest.max_tokens default
 
 
+def _truncated(prompt_ids: list[int], req: ChatRequest | CompletionRequest, limit: int) -> list[int]:
+    """The prompt as vLLM 0.32 keeps it under ``truncate_prompt_tokens`` (renderers/params.py):
+    at most the context; -1 is the context less one, 0 none (refused: an empty prompt); the last
+    tokens kept unless ``truncation_side`` is ``right`` (a generating model's tokenizer truncates
+    on the left)."""
+    keep = req.truncate_prompt_tokens
+    if keep is None:
+        return prompt_ids
+    if keep > limit:
+        raise bad_request(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = {limit}. Please "
+                          f"request a smaller truncation size. (parameter=truncate_prompt_tokens, value={keep})",
+                          "truncate_prompt_tokens")
+    keep = limit - 1 if keep < 0 else keep
+    if not keep:
+        raise bad_request("The decoder prompt cannot be empty")
+    if keep >= len(prompt_ids):
+        return prompt_ids
+    return prompt_ids[:keep] if req.truncation_side == "right" else prompt_ids[len(prompt_ids) - keep:]
+
+
 def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> Prepared:
     cfg = engine.cfg
     req: ChatRequest | CompletionRequest
@@ -124,13 +144,15 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
         raise bad_request(f"Got priority {req.priority} but Priority scheduling is not enabled.", "priority")
     if isinstance(req, CompletionRequest):
         prompt_ids = _completion_prompt(req.prompt, getattr(req, "add_special_tokens", True) is not False)
-    limit, n_prompt = cfg.max_model_len, len(prompt_ids)
+    limit = cfg.max_model_len
     asked = req.max_completion_tokens if isinstance(req, ChatRequest) else None
     param = "max_completion_tokens" if asked is not None else "max_tokens"
     asked = asked if asked is not None else req.max_tokens
     if asked is not None and asked > limit:
         raise bad_request(f"{param}={asked} cannot be greater than max_model_len={limit}. Please request fewer "
                           f"output tokens. (parameter={param}, value={asked})", param)
+    prompt_ids = _truncated(prompt_ids, req, limit)
+    n_prompt = len(prompt_ids)
     if n_prompt > limit:  # vLLM 0.32's renderer (a text prompt is tokenized up to one token past the limit)
         # (a completion's prompt is one of _completion_prompt's forms: text, [text], IDs or [IDs])
         text = isinstance(req, ChatRequest) or isinstance(req.prompt, str) or isinstance(req.prompt[0], str)

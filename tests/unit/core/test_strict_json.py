@@ -90,11 +90,20 @@ def test_token_id_prompts_as_whole_floats_are_token_ids_as_vllm_takes_them() -> 
         assert req.prompt_token_ids == tuple(ids)
         sent = req.body["prompt"] if not isinstance(req.body["prompt"][0], list) else req.body["prompt"][0]
         assert sent == ids and all(type(t) is int for t in sent)
-    for raw in (b'{"model": "m", "prompt": [1.5, 2]}', b'{"model": "m", "prompt": [[1.0, 2.5]]}',
-                b'{"model": "m", "prompt": [-1.0]}'):
+    for raw in (b'{"model": "m", "prompt": [1.5, 2]}', b'{"model": "m", "prompt": [[1.0, 2.5]]}'):
         with pytest.raises(InvalidRequest) as ei:
             parse_request("completion", raw, model="m")
         assert ei.value.param == "prompt"
+
+
+def test_a_negative_token_id_is_named_by_its_place() -> None:
+    """(Found by a hostile probe.) vLLM names a negative token ID by its place (``body.prompt.0``:
+    "greater than or equal to 0"); the router said the prompt was missing."""
+    for raw, param in ((b'{"model": "m", "prompt": [5, -1]}', "prompt.1"), (b'{"model": "m", "prompt": [[-2]]}', "prompt.0.0"),
+                       (b'{"model": "m", "prompt": [-1.0]}', "prompt.0")):
+        with pytest.raises(InvalidRequest) as ei:
+            parse_request("completion", raw, model="m")
+        assert ei.value.param == param and "must be a token id: an integer >= 0" in str(ei.value.info().message)
 
 
 def test_a_tool_without_a_type_is_a_function_as_at_vllm() -> None:

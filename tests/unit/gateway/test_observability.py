@@ -182,3 +182,27 @@ async def test_a_failed_attempt_is_a_failed_span_and_the_next_route_serves(lines
     assert failed and all(s.attributes is not None and s.attributes["narwhal.engines"] == ("u1",) for s in failed)
     retried = [x for x in (lines.of(f"retry-{i}")[0] for i in range(4)) if x["attempts"] == 2]
     assert retried and all(x["engines"] == ["u2"] for x in retried)
+
+
+async def test_an_answer_that_fails_before_headers_logs_the_routes_it_tried(lines: Lines) -> None:
+    """(Found by a hostile probe.) A request the engine refused was logged with no engine and no
+    attempt, as if it had never been placed; so was one every route failed."""
+    r = await start_local_router({
+        "admission": {"mode": "open"},
+        "sim": {"engines": [{"name": "u1", "role": "unified"}]},
+    })
+    try:
+        refused = await _post(r, chat(False, content="hello", truncate_prompt_tokens=10**6), "log-engine-400")
+        assert refused.status_code == 400 and "The engine rejected the request" in refused.text, refused.text
+        async with httpx.AsyncClient(timeout=10) as c:
+            await c.post(r.sim("u1").url + "/sim/control", json={"faults": ["error_500"]})
+        failed = await _post(r, chat(False), "log-all-failed")
+        assert failed.status_code >= 500, failed.text
+        await r.app_reporter.flush()
+    finally:
+        await r.stop()
+    line = lines.of("log-engine-400")[0]
+    assert (line["outcome"], line["status"], line["engines"], line["attempts"]) == ("invalid_requests", 400, ["u1"], 1)
+    line = lines.of("log-all-failed")[0]
+    assert (line["status"], line["engines"], line["attempts"]) == (failed.status_code, [], 1)
+    assert line["ttft_s"] is None and line["output_tokens"] == 0

@@ -320,3 +320,37 @@ async def test_the_context_limit_as_vllm_0_32_applies_it() -> None:
         r = await c.post(COMPLETIONS, json={"prompt": list(range(1, 61)), "max_tokens": 50, "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == limit - 60
+
+
+async def test_truncate_prompt_tokens_as_vllm_0_32_applies_it() -> None:
+    """vLLM 0.32 (renderers/params.py, checked on the real engine): ``truncate_prompt_tokens`` keeps
+    the prompt's last tokens (its first with ``truncation_side: right``) before the context is
+    checked; -1 keeps the context less one; one past the context is refused."""
+    limit = 64
+    ids = list(range(1, 101))
+    async with sim_client(max_model_len=limit) as c:
+        async def served(route: str, body: dict[str, Any]) -> dict[str, Any]:
+            r = await c.post(route, json={"max_tokens": 1, "return_token_ids": True, **body})
+            assert r.status_code == 200, r.text
+            return dict(r.json())
+
+        out = await served(COMPLETIONS, {"prompt": ids, "truncate_prompt_tokens": 10})
+        assert out["choices"][0]["prompt_token_ids"] == ids[-10:] and out["usage"]["prompt_tokens"] == 10
+        out = await served(COMPLETIONS, {"prompt": ids, "truncate_prompt_tokens": 10, "truncation_side": "right"})
+        assert out["choices"][0]["prompt_token_ids"] == ids[:10]
+        out = await served(COMPLETIONS, {"prompt": ids, "truncate_prompt_tokens": -1})
+        assert out["choices"][0]["prompt_token_ids"] == ids[-(limit - 1):]
+        out = await served(COMPLETIONS, {"prompt": ids[:5], "truncate_prompt_tokens": 10})
+        assert out["choices"][0]["prompt_token_ids"] == ids[:5]  # shorter: kept whole
+        out = await served(CHAT, {**chat_body(model=None, messages=[{"role": "user", "content": "w " * 200}]),
+                                  "truncate_prompt_tokens": 20})
+        assert out["usage"]["prompt_tokens"] == 20
+        r = await c.post(COMPLETIONS, json={"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": limit + 1})
+        assert r.status_code == 400, r.text
+        e = r.json()["error"]
+        assert (e["message"], e["param"]) == (
+            "truncate_prompt_tokens=65 cannot be greater than max_model_len = 64. Please request a smaller truncation "
+            "size. (parameter=truncate_prompt_tokens, value=65)", "truncate_prompt_tokens")
+        r = await c.post(COMPLETIONS, json={"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 0})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "The decoder prompt cannot be empty"
+        assert r.json()["error"]["param"] is None
