@@ -143,6 +143,13 @@ class ContextLengthExceeded(InvalidRequest):
                    f"tokens). Please reduce the length of the prompt.",
                    param="messages" if kind == "chat" else "prompt")
 
+    @classmethod
+    def output(cls, param: str, max_tokens: int, context: int) -> "ContextLengthExceeded":
+        """An output limit past the longest context: vLLM 0.32 refuses it whatever the prompt, in
+        these words (a shorter one that the prompt leaves no room for is cut to the room left)."""
+        return cls(f"{param}={max_tokens} cannot be greater than max_model_len={context}. Please request fewer "
+                   f"output tokens.", param=param)
+
 
 class ModelNotFound(InvalidRequest):
     status = 404

@@ -200,16 +200,15 @@ def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[
 
 def _roomy(view: FleetView, order: RouteOrder[EngineFacts], routes: list[RouteChoice], ask: Ask,
            rotation: int) -> list[RouteChoice]:
-    """``routes`` without those an exactly sized prompt does not fit (an engine of the route said a
-    context it would fill); when none of these is left, the least loaded of the routes it fits;
-    when there are none such either (a P/D order pairs each decode engine with one prefill
-    engine), ``routes`` as they are: the engine answers.  Free unless the prompt is as long as
-    the shortest context said."""
-    if not ask.exact:
-        return routes
+    """``routes`` without those the request does not fit (an engine of the route said a context an
+    exactly sized prompt would fill, or shorter than the output limit asked); when none of these
+    is left, the least loaded of the routes it fits; when there are none such either (a P/D order
+    pairs each decode engine with one prefill engine), ``routes`` as they are: the engine answers.
+    Free unless the prompt is as long as the shortest context said, or the limit longer."""
+    # (a context fits a prompt of p tokens when longer, an output limit of m tokens when as long: both as p = m - 1)
+    n = max(ask.prompt_tokens if ask.exact else 0, (ask.max_output_tokens or 0) - 1)
     context = view.context()
-    n = ask.prompt_tokens
-    if not context.shortest or n < context.shortest:
+    if not n or not context.shortest or n < context.shortest:
         return routes
     facts = view.facts()
 
@@ -294,9 +293,12 @@ def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | 
     """The contract's non-permit rows, in order; a :class:`Placement` when the request may go on."""
     if view.unavailable is not None:
         return Refusal(router_unavailable(view.unavailable), Outcome.REJECTED)
-    if ask.exact:
-        context = view.context()
-        if context.every and ask.prompt_tokens >= context.longest:  # no engine leaves it room for an output token
+    context = view.context()
+    if context.every:  # (what vLLM 0.32 refuses before any engine would, in this order)
+        if ask.max_output_tokens is not None and ask.max_output_tokens > context.longest:
+            return Refusal(ContextLengthExceeded.output(ask.output_param, ask.max_output_tokens, context.longest).info(),
+                           Outcome.INVALID)
+        if ask.exact and ask.prompt_tokens >= context.longest:  # no engine leaves it room for an output token
             return Refusal(ContextLengthExceeded.of(ask.kind, ask.prompt_tokens, context.longest).info(), Outcome.INVALID)
     placement, best, scored = _rank(view, ask, now, rotation)
     if placement is None:

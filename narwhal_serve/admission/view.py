@@ -172,6 +172,7 @@ class Ask:
     node: str | None = None  # the Ray node of the ingress it arrived at: engines there win near-ties
     min_output_tokens: int = 0  # its output is expected to be at least this (ignore_eos, min_tokens)
     exact: bool = False  # ``prompt_tokens`` is the engine's own count (the router's tokenizer, or token IDs)
+    output_param: str = "max_tokens"  # the field ``max_output_tokens`` came from (its refusal names it)
 
 
 @dataclass(frozen=True)

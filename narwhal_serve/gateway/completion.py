@@ -161,7 +161,7 @@ class CompletionHandler:
                    prefix, block_tokens, retry=bool(retries), reserves=retries is not None, tenant=tenant,
                    fingerprint=self.tenancy.fingerprint(tenant, raw, retries),
                    rank=priority[0], admit_within_s=priority[1], node=self.node,
-                   min_output_tokens=parsed.min_output_tokens, exact=sized.exact)
+                   min_output_tokens=parsed.min_output_tokens, exact=sized.exact, output_param=parsed.max_output_param)
 
     async def handle(self, request: Request, route: Route) -> Response:
         arrived = self.clock()

@@ -41,6 +41,7 @@ class ParsedRequest:
     max_output_tokens: int | None
     prompt_token_ids: tuple[int, ...] | None = None
     min_output_tokens: int = 0  # tokens the engine writes at least (ignore_eos: max_tokens; else min_tokens)
+    max_output_param: str = "max_tokens"  # the field max_output_tokens came from (chat: or max_completion_tokens)
 
 
 def _is_int(v: Any) -> TypeGuard[int]:
@@ -351,12 +352,14 @@ def parse_request(route: Route, raw: bytes, *, model: str, max_logprobs: int = M
         _opt(body, "logprobs", lambda v: isinstance(v, bool), "must be a boolean")
         _opt(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= max_logprobs, f"must be {cap}")
         _opt(body, "max_completion_tokens", lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")
-        max_out = body.get("max_completion_tokens", body.get("max_tokens"))
+        # (vLLM: max_completion_tokens unless null, then max_tokens; a refusal names the one taken)
+        max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_out = body.get(max_param)
     else:
         chars, ids = _check_prompt(body)
         _opt(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= max_logprobs, f"must be {cap}")
         _opt(body, "echo", lambda v: isinstance(v, bool), "must be a boolean")
-        max_out = body.get("max_tokens")
+        max_param, max_out = "max_tokens", body.get("max_tokens")
     if not stream:
         _check_nonstream_options(body)
         if route == "completion" and body.get("echo") is True:
@@ -372,6 +375,7 @@ def parse_request(route: Route, raw: bytes, *, model: str, max_logprobs: int = M
         return_token_ids=bool(body.get("return_token_ids", False)),
         prompt_tokens=prompt_tokens,
         max_output_tokens=max_out if isinstance(max_out, int) else None,
+        max_output_param=max_param,
         prompt_token_ids=ids,
         min_output_tokens=least_output(body, max_out),
     )

@@ -379,6 +379,19 @@ async def test_the_context_row_refuses_exactly_what_vllm_refuses(e2e: E2E) -> No
                 assert ours.status_code == 400, ours.text
                 err = ours.json()["error"]
                 assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt"), err
+        # an output limit past the context: refused by both, whatever the prompt, in vLLM's words;
+        # one as long as the context is served (cut to the room the prompt leaves)
+        for route, field in (("completion", "max_tokens"), ("chat", "max_completion_tokens")):
+            path = "/v1/completions" if route == "completion" else "/v1/chat/completions"
+            for limit, served in ((context + 1, False), (context, True)):
+                body = body_for(route, **{field: limit})
+                direct = await c.post(e2e.vllm + path, json=body)
+                ours = await c.post(e2e.narwhal + path, json=body)
+                assert (direct.status_code == 200) is served and (ours.status_code == 200) is served, (ours.text, direct.text)
+                if not served:
+                    err, theirs = ours.json()["error"], direct.json()["error"]
+                    assert (err["code"], err["param"]) == ("context_length_exceeded", field) and theirs["param"] == field
+                    assert theirs["message"].startswith(err["message"]), (err, theirs)  # (vLLM appends "(parameter=...)")
 
 
 async def test_nonstream_echo_matches_direct(e2e: E2E) -> None:

@@ -52,6 +52,26 @@ def test_in_a_fleet_of_mixed_contexts_a_long_prompt_goes_where_it_fits() -> None
     assert [r.decode.name for r in decide(open_mode, Ask(3000, 30.0, exact=True), NOW, 0).routes] == ["big"]  # type: ignore[union-attr]
 
 
+def test_an_output_limit_past_every_context_is_a_400_whatever_the_prompt() -> None:
+    """vLLM 0.32 refuses ``max_tokens`` (or a chat's ``max_completion_tokens``) past the context
+    before it looks at the prompt, in these words; a limit the prompt leaves no room for is cut to
+    the room left (served). In a fleet of mixed contexts such a request goes where the limit fits."""
+    v = view(engine("a", context=4096), engine("b", context=4096))
+    for param in ("max_tokens", "max_completion_tokens"):
+        out = refused(v, Ask(10, 30.0, max_output_tokens=4097, output_param=param))  # (estimated or not)
+        assert (out.outcome, out.error.status, out.error.code, out.error.param) == (
+            Outcome.INVALID, 400, "context_length_exceeded", param)
+        assert out.error.message == (f"{param}=4097 cannot be greater than max_model_len=4096. Please request fewer "
+                                     "output tokens.")
+    assert placed(v, Ask(10, 30.0, max_output_tokens=4096)).engines
+    assert placed(v, Ask(4000, 30.0, max_output_tokens=4096, exact=True)).engines  # (cut to 96 by the engine)
+    assert placed(view(engine("a", context=4096), engine("b")), Ask(10, 30.0, max_output_tokens=5000)).engines
+    small = [engine(f"s{i}", context=2048) for i in range(10)]
+    big = engine("big", context=32768, inflight=5)
+    assert [r.decode.name for r in placed(view(*small, big), Ask(10, 30.0, max_output_tokens=4000)).routes] == ["big"]
+    assert "big" not in placed(view(*small, big), Ask(10, 30.0, max_output_tokens=2048)).engines
+
+
 def test_the_fleet_context_follows_an_engine_restarted_with_another() -> None:
     a, b = engine("a", context=4096), engine("b", context=4096)
     v = view(a, b)

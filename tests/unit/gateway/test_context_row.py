@@ -65,6 +65,24 @@ async def test_a_prompt_filling_the_context_is_a_400_before_any_engine(router: L
     assert float(line.split()[-1]) >= 1
 
 
+async def test_an_output_limit_past_the_context_is_a_400_before_any_engine(router: LocalRouter) -> None:
+    """(Found by a hostile probe.) It was admitted, placed and refused by the engine."""
+    async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+        sent = [x for u in ("u0", "u1") for x in router.sim(u).engine.recent]
+        chat = await c.post(CHAT, json={**chat_of(20), "max_completion_tokens": CONTEXT + 1, "max_tokens": 4})
+        completion = await c.post("/v1/completions", json={"model": "narwhal-sim", "prompt": "hi", "max_tokens": 10**6})
+        null = await c.post(CHAT, json={**chat_of(20), "max_completion_tokens": None, "max_tokens": CONTEXT + 1})
+        fits = await c.post(CHAT, json={**chat_of(20), "max_tokens": CONTEXT})
+    for r, param, asked in ((chat, "max_completion_tokens", CONTEXT + 1), (completion, "max_tokens", 10**6),
+                            (null, "max_tokens", CONTEXT + 1)):
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["code"], err["param"]) == ("context_length_exceeded", param)
+        assert err["message"].startswith(f"{param}={asked} cannot be greater than max_model_len={CONTEXT}.")
+    assert fits.status_code == 200, fits.text
+    assert len([x for u in ("u0", "u1") for x in router.sim(u).engine.recent]) == len(sent) + 1  # only the one that fits
+
+
 async def test_model_card_and_tokenize_say_the_engines_context_as_vllm_does(router: LocalRouter) -> None:
     """vLLM's ``/v1/models`` card and ``/tokenize`` carry ``max_model_len``: the router's say the
     engines' own once its lease has seen them (they used to omit it, and ``/tokenize`` said the
