@@ -36,6 +36,9 @@ _DROPPED = frozenset({
     "continue_final_message", "chat_template", "chat_template_kwargs", "documents", "add_special_tokens",
     "tool_choice", "parallel_tool_calls", "return_token_ids", "stream_interval", "kv_transfer_params",
     "priority", "logit_bias_as_ids", "echo_prompt",
+    # the continuation's prompt is the one the engine ran, truncated already: truncating it with its
+    # output again would drop the prompt's start (and the answer would be conditioned on another)
+    "truncate_prompt_tokens", "truncation_side",
 })
 _STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                "structured_outputs", "guided_decoding_backend")

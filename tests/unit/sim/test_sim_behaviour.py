@@ -354,3 +354,24 @@ async def test_truncate_prompt_tokens_as_vllm_0_32_applies_it() -> None:
         r = await c.post(COMPLETIONS, json={"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 0})
         assert r.status_code == 400 and r.json()["error"]["message"] == "The decoder prompt cannot be empty"
         assert r.json()["error"]["param"] is None
+
+
+async def test_a_truncated_prompts_continuation_generates_exactly_the_rest() -> None:
+    """(Found reading the resume path.) The continuation of an answer whose prompt the engine
+    truncated carries the prompt the engine ran: were ``truncate_prompt_tokens`` sent again, the
+    engine would cut that prompt plus the output so far, and the rest would follow another context."""
+    from narwhal_serve.protocol.requests import parse_request
+    from narwhal_serve.relay.resume import continuation_body
+
+    body = {"model": "tiny", "prompt": list(range(1, 101)), "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "truncate_prompt_tokens": 10, "return_token_ids": True}
+    async with sim_client(model="tiny", max_model_len=64) as c:
+        whole = (await c.post(COMPLETIONS, json=body)).json()["choices"][0]
+        ran, out = whole["prompt_token_ids"], whole["token_ids"]
+        assert ran == list(range(91, 101)) and len(out) == 12
+        req = parse_request("completion", json.dumps(body).encode(), model="tiny")
+        cont = continuation_body(req, ran, out[:5])
+        assert cont is not None and "truncate_prompt_tokens" not in cont
+        rest = parse_sse((await c.post(COMPLETIONS, json=cont)).text)
+    assert [t for ev in rest if isinstance(ev, dict) for ch in ev.get("choices") or () for t in ch.get("token_ids") or ()] \
+        == out[5:]
