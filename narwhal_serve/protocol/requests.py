@@ -367,6 +367,9 @@ def parse_request(route: Route, raw: bytes, *, model: str, max_logprobs: int = M
             raise UnsupportedOption("echo is not supported for non-streaming completions", param="echo")
     so = body.get("stream_options") or {}
     prompt_tokens = len(ids) if ids is not None else estimate_tokens(chars)  # exact where the router tokenizes (tokenization/sizer.py)
+    cut = body.get("truncate_prompt_tokens")
+    if _is_int(cut) and cut >= 1:  # the engine keeps at most this many (-1, the context less one, is not known here)
+        prompt_tokens = min(prompt_tokens, cut)
     return ParsedRequest(
         route=route,
         body=body,

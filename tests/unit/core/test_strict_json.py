@@ -129,3 +129,16 @@ def test_stream_options_without_stream_are_refused_as_openai_and_vllm_refuse_the
         assert ei.value.param == "stream_options"
     assert parse_request("completion", b'{"model": "m", "prompt": "x", "stream_options": {}}', model="m")
     assert parse_request("completion", b'{"model": "m", "prompt": "x", "stream": true, "stream_options": {"include_usage": true}}', model="m").include_usage
+
+
+def test_a_prompt_the_engine_truncates_is_sized_at_most_as_it_keeps() -> None:
+    """``truncate_prompt_tokens``: vLLM keeps at most that many of the prompt's tokens; a long
+    prompt sent with it was judged (TTFT) at its whole length, and refused as over the budget
+    on its own though the engine would prefill a few tokens."""
+    ids = list(range(1, 100_001))
+    for cut, want in ((10, 10), (200_000, 100_000), (-1, 100_000), (None, 100_000)):
+        req = parse_request("completion", json.dumps({"model": "m", "prompt": ids, "truncate_prompt_tokens": cut}).encode(),
+                            model="m")
+        assert req.prompt_tokens == want and req.prompt_token_ids == tuple(ids), cut
+    chat = {"model": "m", "messages": [{"role": "user", "content": "word " * 10_000}], "truncate_prompt_tokens": 50}
+    assert parse_request("chat", json.dumps(chat).encode(), model="m").prompt_tokens == 50
