@@ -210,8 +210,11 @@ def build_api(
 
     @app.get("/ready")
     async def ready() -> Response:
-        await reporter.flush()  # renews the lease: this replica admits on what /ready says
         snap = await backend.snapshot()
+        # then renew the lease: this replica admits on a view at least as new as what /ready says (the
+        # other way round, a view granted just before the router turned ready refused the requests
+        # that followed a 200 until the next grant)
+        await reporter.flush()
         if snap["ready"]:
             return JSONResponse({"ready": True, "state": "active"})
         return JSONResponse({"ready": False, "reason": snap["state"]}, status_code=503)
