@@ -94,9 +94,7 @@ def continuation_body(req: ParsedRequest, prompt_ids: list[int], output_ids: lis
     b = req.body
     body = {k: v for k, v in b.items() if k not in _DROPPED}
     done = len(output_ids)
-    limit = b.get("max_completion_tokens") if req.route == "chat" else None
-    if limit is None:
-        limit = b.get("max_tokens")
+    limit = req.max_output_tokens  # (a chat's max_completion_tokens unless null, else max_tokens: parse_request)
     if req.route == "completion" and "max_tokens" not in b:
         limit = COMPLETION_DEFAULT_MAX_TOKENS  # the engine's own limit for this request, which the continuation keeps
     if isinstance(limit, int):
