@@ -90,12 +90,15 @@ class AdminOps(AdmissionDesk):
         return self.engines.pop(name, None) is not None
 
     def readiness(self) -> tuple[bool, str]:
-        reason = self.unavailable(self.clock())
-        if reason is not None:
-            return False, reason
+        """Judged on the facts decisions read and the next grant carries (not every engine read
+        anew): a 200 from ``/ready`` is followed by admissions, not by a refusal until those facts
+        catch up."""
+        now = self.clock()
+        view = self.decision_view(now)
+        if view.unavailable is not None:
+            return False, view.unavailable
         if not self.router.started:
             return False, "starting"
-        now = self.clock()
-        if not self.view(now).eligible(now):
+        if not view.eligible(now):
             return False, "no_eligible_engines"
         return True, "active"

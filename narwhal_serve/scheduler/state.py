@@ -305,11 +305,11 @@ class SchedulerState(ABC):
 
     def view(self, now: float, *, queued_tokens: int | None = None, frozen: bool = False) -> FleetView:
         """``frozen``: for a lease grant (it crosses the Ray hop: prefix sets copied, not live),
-        read O(changed) (:meth:`_refresh_granted`).  Otherwise every engine read now (admin
-        checks; the scheduler's own decisions use :meth:`decision_view`)."""
+        read O(changed) (:meth:`_refresh_granted`).  Otherwise every engine read now (tests; the
+        scheduler's decisions and ``/ready`` use :meth:`decision_view`)."""
         if frozen:
             facts = self._granted_facts(now)
-            return self._fleet_view(now, facts, queued_tokens, self._unavailable_now(self._unavailable_fleet))
+            return self._fleet_view(now, facts, queued_tokens, self._granted_unavailable())
         self._maintenance = frozenset(self.router.maintenance)
         fleet = fleet_ttft(self.engines.values())
         facts = [self._facts(self._inputs(e, now, fleet, False)) for e in self.engines.values()]
@@ -319,11 +319,11 @@ class SchedulerState(ABC):
         """The view the scheduler's own decisions (its queue, and every request without admission
         leases) are made on: the facts granted to leases brought up to date, O(changed) — the same
         facts a lease decides on, not every engine read again per decision — and the router's state
-        (its lease, admin mode, monitoring) as it is now.  Each is the one before with the engines
+        as a grant carries it (:meth:`_granted_unavailable`).  Each is the one before with the engines
         changed since (FleetView.merged), so what decisions derive from a view (its route order,
         its block index) is kept and updated, not made again per decision."""
         self._refresh_granted(now)
-        fresh = self._fleet_view(now, (), queued_tokens, self.unavailable(now))
+        fresh = self._fleet_view(now, (), queued_tokens, self._granted_unavailable())
         view, kept = None, self._decided
         if kept is not None and kept[0] == self._members:
             view = kept[1].merged(replace(fresh, engines=tuple(self.granted_since(kept[2]))), ())
@@ -342,7 +342,7 @@ class SchedulerState(ABC):
         those, and the changes of the prefix sets that are not the ones it holds (``held``, by
         engine: updated to what it will hold; facts.prefix_change)."""
         self._refresh_granted(now)
-        unavailable = self._unavailable_now(self._unavailable_fleet)
+        unavailable = self._granted_unavailable()
         if since is None:
             view = self.view(now, frozen=True)
             held.clear()
@@ -402,6 +402,12 @@ class SchedulerState(ABC):
         """Why the router refuses everything now (docs/contract.md, "Routes": the /ready reasons), or None: its lease
         (standby, fenced), its admin mode, whole-wave maintenance, then its own monitoring."""
         return self._unavailable_now(self._fleet_reason(now))
+
+    def _granted_unavailable(self) -> str | None:
+        """What grants and the scheduler's decisions refuse everything for: its lease and admin
+        mode as they are now, its monitoring's state as read with the engines' facts (at the last
+        full read, FULL_VIEW_S at most before)."""
+        return self._unavailable_now(self._unavailable_fleet)
 
     def _unavailable_now(self, fleet_reason: str | None) -> str | None:
         lease_mode = self.ha.lease_mode()

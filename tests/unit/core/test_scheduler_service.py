@@ -179,29 +179,39 @@ def test_breaker_counts_failures_in_the_order_they_happened() -> None:
 
 async def test_monitoring_degraded_is_detected_and_recovers_by_itself() -> None:
     svc, clock = service()
-    svc.ha.last_pass = clock.t
+
+    def pass_ends() -> None:  # what a monitor pass ends with (SchedulerService.scrape_once)
+        svc.ha.last_pass = clock.t
+        svc.views_stale()
+
+    pass_ends()
     assert svc.readiness() == (True, "active")
     clock.t += 6  # no engine answered for longer than stale_after_s: the router's view is dark
-    svc.ha.last_pass = clock.t
+    pass_ends()
     assert svc.readiness() == (False, "monitoring_degraded")
     r = await svc.admit(req("x"))
     assert r.error is not None and r.error.code == "router_unavailable" and r.error.reason == "monitoring_degraded"
     assert "fresh data from 0 of 3" in str(svc.snapshot()["ha"]["monitoring_degraded"])
     for e in svc.engines.values():  # they answer again: refused connections are a definite "down"
         e.last_answer = clock.t
+    assert svc.readiness() == (False, "monitoring_degraded")  # until the pass that saw it ends
+    pass_ends()
     assert svc.readiness() == (False, "no_eligible_engines")  # down, not dark: backend_unavailable
     r = await svc.admit(req("y"))
     assert r.error is not None and r.error.code == "backend_unavailable"
     for e in svc.engines.values():
         e.last_ok = clock.t
+    pass_ends()
     assert svc.readiness() == (True, "active")
+    r = await svc.admit(req("z"))  # what /ready said is what the requests after it get
+    assert r.error is None
     clock.t += 3.5  # the monitor loop has not completed a pass for max(3 × 1 s, 5 s)... not yet
     assert svc.readiness() == (True, "active")
     for e in svc.engines.values():
         e.last_ok = clock.t
     clock.t += 2
     assert svc.readiness() == (False, "monitoring_degraded") and "stalled" in str(svc.ha.degraded_why)
-    svc.ha.last_pass = clock.t
+    pass_ends()
     assert svc.readiness() == (True, "active")
 
 
