@@ -30,7 +30,7 @@ class LeaseRecord:
     tickets: set[str] = field(default_factory=set)
     epoch: int = 0
     view_seq: int = 0  # the last view granted (numbers unique to this scheduler)
-    facts_seq: int = 0  # the scheduler's change number of the facts in it (SchedulerState.granted_since)
+    facts_seq: int = 0  # the scheduler's change number of the facts in it (GrantedFacts.since)
     held: dict[str, Held] = field(default_factory=dict)  # each engine's config and prefix set it holds
     members: int = -1  # the scheduler's membership count when it was granted
 

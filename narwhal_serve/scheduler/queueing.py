@@ -109,14 +109,15 @@ class AdmissionDesk(TicketBook):
                 self._refund(t.id)
                 self.admission.release(t.id)
                 continue
-            if (reason := self.unavailable(now)) is not None:  # fenced, standby...: nothing is admitted
+            view = self.decision_view(now, queued_tokens=0)  # (the state /ready and grants judge on)
+            if view.unavailable is not None:  # fenced, standby...: nothing is admitted
                 self._refund(t.id)
                 self.admission.release(t.id)
-                fut.set_result(self._refuse_info(router_unavailable(reason), Outcome.REJECTED, req))
+                fut.set_result(self._refuse_info(router_unavailable(view.unavailable), Outcome.REJECTED, req))
                 continue
             # ranked again now (it waited); nothing queued is ahead of it any more
             self._rotation += 1
-            placement, _ = rank(self.decision_view(now, queued_tokens=0), req.ask(), now, self._rotation)
+            placement, _ = rank(view, req.ask(), now, self._rotation)
             if placement is None:
                 self._refund(t.id)
                 self.admission.release(t.id)

@@ -156,7 +156,7 @@ class SchedulerService(AdminOps):
         granted, target = self.leases.grant(rec, bool(self.admission.queue))
         shares, targets = self.tenants.grant(rep.lease.lease_id, now, len(self.leases.leases))
         (view, prefixes, rows), seq, base, names = self.leases.view_for(
-            rec, rep.lease.view_seq, lambda: (self._fact_seq, self._members), lambda: tuple(self.engines),
+            rec, rep.lease.view_seq, lambda: (self.granted.seq, self.granted.members), lambda: tuple(self.engines),
             lambda since, held: self.grant_view(now, since, held))
         return LeaseGrant(rep.lease.lease_id, rep.lease.generation, view, now,
                           self.ha.ingress_ttl(LEASE_TTL_S), granted, target, epoch=rec.epoch,

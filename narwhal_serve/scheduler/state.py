@@ -10,14 +10,13 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set as AbstractSet
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import httpx
 
 from narwhal_serve.admission.controller import AdmissionController
 from narwhal_serve.admission.core import EngineFacts, FleetView
-from narwhal_serve.admission.facts import FACT_FIELDS, ChangedRow, FactsRow, PrefixChange, facts_from, prefix_change
 from narwhal_serve.admission.counters import Counters
 from narwhal_serve.admission.ledger import Ticket, releases
 from narwhal_serve.admission.retry import MAX_RESERVATIONS, Reservation
@@ -31,7 +30,9 @@ from narwhal_serve.scheduler.ha import RouterHA
 from narwhal_serve.scheduler.health import Profiler, Prober
 from narwhal_serve.kvevents.shard import ShardLink
 from narwhal_serve.scheduler.kvfeeds import KVEventFeeds, ShardedKVFeeds
-from narwhal_serve.scheduler.leases import LEASE_TTL_S, GrantView, Held, LeaseLedger
+from narwhal_serve.scheduler.granted import GrantedFacts, kept_eligible, same_but_releases
+from narwhal_serve.scheduler.granted import facts as granted_facts
+from narwhal_serve.scheduler.leases import GrantView, Held, LeaseLedger
 from narwhal_serve.scheduler.managed import ManagedFleet, initial_engines
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
 from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, Tally
@@ -40,43 +41,6 @@ from narwhal_serve.tenants.book import TenantBook
 from narwhal_serve.tenants.fair import FairShare
 from narwhal_serve.tenants.promises import Promise
 from narwhal_serve.tenants.tally import TenantTally
-
-
-# the facts granted to leases are read for every engine at least this often (else only for the engines
-# touched: their tickets, reports, KV changes); what changes with time alone (a breaker's open
-# period ending) or without a touch (the fleet's TTFT prior) reaches the leases within it
-FULL_VIEW_S = 0.25
-# An eligible engine's granted ``eligible_until`` (its last answer plus monitoring.stale_after_s)
-# is kept while it is still at least this far ahead: every answered scrape moves it, and read anew
-# each time it made a third of the rows grants carried at 1,000 engines. A view is used at most
-# LEASE_TTL_S after its grant, whose untouched engines were read at most FULL_VIEW_S before it, so
-# a time kept this far ahead at a read is still ahead whenever a view holding it is used: no
-# decision changes (docs/architecture.md, "Admission leases"). CLOCK_STEP_S more for an ingress
-# whose wall clock steps forward while its lease (on its monotonic clock) holds: a step up to that
-# turns no kept engine stale early (an exact time, with the default scrapes and stale_after_s,
-# tolerated about 1.75 s)
-CLOCK_STEP_S = 1.0
-KEEP_ELIGIBLE_S = LEASE_TTL_S + FULL_VIEW_S + CLOCK_STEP_S
-
-
-# the fields of an engine's facts, in the order of their inputs (SchedulerState._inputs)
-_INPUT_FIELDS = ("eligible_until", "inflight", "load", "pending_prefill_tokens", "ttft_a", "ttft_b", "slots",
-                 "service_s", "external", "pending_prefill_requests", "ttft_c", "tpot_a", "tpot_b", "tpot_known",
-                 "decode_tokens", "penalty", "ttft_margin", "prefix_credit", "cache_block_tokens", "node",
-                 "releases", "line_since", "line_head_tokens", "context", "prefix", "cfg")
-assert len(_INPUT_FIELDS) == len(FACT_FIELDS) and set(_INPUT_FIELDS) == FACT_FIELDS, set(_INPUT_FIELDS) ^ FACT_FIELDS
-_RELEASES = _INPUT_FIELDS.index("releases")  # the slot releases' place in the inputs
-
-
-def _kept_eligible(inputs: tuple[object, ...], kept: tuple[object, ...], now: float) -> tuple[object, ...]:
-    """An engine's facts' inputs read ``now`` (``SchedulerState._inputs``), with the eligibility
-    time of those granted before (``kept``) kept while both are eligible and it is still
-    KEEP_ELIGIBLE_S ahead (the new one is later still)."""
-    eu, was = inputs[0], kept[0]
-    if eu != was and isinstance(eu, float) and isinstance(was, float) and 0.0 < was <= eu \
-            and was >= now + KEEP_ELIGIBLE_S:
-        return (was, *inputs[1:])
-    return inputs
 
 
 @dataclass
@@ -143,22 +107,9 @@ class SchedulerState(ABC):
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self.reservations: OrderedDict[str, Reservation] = OrderedDict()  # room kept for retries (admission/retry.py)
         self._rotation = 0
-        # the facts granted to leases: per engine its inputs and facts, the number of its last change
-        # (in order: the most recent last), the fleet's change count; read again when touched
-        self._granted: dict[str, tuple[tuple[object, ...], EngineFacts]] = {}
-        self._changed_at: OrderedDict[str, int] = OrderedDict()
-        self._rows: dict[str, tuple[EngineFacts, FactsRow]] = {}  # granted facts, and them as a row
-        # the last prefix change granted per engine (the set a lease held, the set granted, the
-        # change): the next lease holding the same set gets the same change, not computed again
-        self._prefix_changes: dict[str, tuple[AbstractSet[int] | None, AbstractSet[int], PrefixChange]] = {}
-        self._fact_seq = 0
-        self._members = 0  # the fleet's membership changes
+        self.granted = GrantedFacts()  # the engines' facts granted to leases (granted.py)
         # the monitoring's verdict "not degraded" while sure to hold: what it was judged on, until when
         self._fleet_kept: tuple[tuple[object, ...], float] | None = None
-        # the last decision view: the membership it was made in, it, the change number it is up to
-        self._decided: tuple[int, FleetView, int] | None = None
-        self._touched: set[str] = set()
-        self._full_view_at = -math.inf
         self._maintenance: frozenset[str] = frozenset()
         # engines whose breaker opened and is not closed again: when it opened (views carry it, and an
         # ingress resumes the streams still on such an engine elsewhere)
@@ -197,12 +148,12 @@ class SchedulerState(ABC):
     # -- the view every decision is made on ---------------------------------------------------
     def touch(self, name: str) -> None:
         """Engine ``name``'s state changed: its facts are read again for the next grant."""
-        self._touched.add(name)
+        self.granted.touched.add(name)
 
     def views_stale(self) -> None:
         """Something not tied to one engine changed (the fleet, a mode, a scrape pass): every
         engine's facts are read again for the next grant, and the monitoring's state."""
-        self._full_view_at = -math.inf
+        self.granted.full_at = -math.inf
         self._fleet_kept = None
 
     def _inputs(self, e: EngineState, now: float, fleet: FleetPrior, frozen: bool) -> tuple[object, ...]:
@@ -236,72 +187,37 @@ class SchedulerState(ABC):
         return releases(self._decoding.get(e.cfg.name, {}).values(), slots, e.external(), m.a, tpot,
                         m.a + per_request * tpot, m.b, m.c, now=now)
 
-    @staticmethod
-    def _facts(inputs: tuple[object, ...]) -> EngineFacts:
-        return facts_from(_INPUT_FIELDS, inputs)
-
     def _refresh_granted(self, now: float) -> None:
         """The facts granted to leases brought up to date: every engine's when due (FULL_VIEW_S
         since the last time, a scrape pass, an admin change, the fleet changed), else only the
-        touched engines'.  An engine whose facts are new gets the next change number
-        (:meth:`granted_since`); an unchanged one keeps its facts object."""
-        touched = [n for n in self._touched if n in self.engines]
-        self._touched = set()
-        if now - self._full_view_at >= FULL_VIEW_S or len(self._granted) != len(self.engines) \
+        touched engines'."""
+        g = self.granted
+        touched = g.take_touched(self.engines.keys())
+        if g.full_due(now, len(self.engines)) \
                 or any((e := self.engines[n]).ttft_model.samples and (e.cfg.role, e.cfg.dialect) not in self._fleet_prior
                        for n in touched):  # (the first measurement of a kind: a prior at once, not the generic one)
             self._read_all(now)
             return
-        self._read(touched, now)
+        for name in touched:
+            g.put(name, self._inputs(self.engines[name], now, self._fleet_prior, True), now)
         if self.check_views:  # tests: the touched engines were all that changed (an eligibility time
-            # kept at the last full read may be kept until the next one; slot releases are times
-            # that move as time passes — a running request's decode runs on, a free slot or another
-            # client's request is counted from the read — so they are not compared)
+            # kept at the last full read may be kept until the next one; slot releases are not compared)
             for name, e in self.engines.items():
-                kept = self._granted[name][0]
-                fresh = _kept_eligible(self._inputs(e, now, self._fleet_prior, True), kept, self._full_view_at)
-                assert kept[:_RELEASES] + kept[_RELEASES + 1:] == fresh[:_RELEASES] + fresh[_RELEASES + 1:], \
-                    f"{name} changed untouched"
+                kept = g.by_name[name][0]
+                fresh = kept_eligible(self._inputs(e, now, self._fleet_prior, True), kept, g.full_at)
+                assert same_but_releases(kept, fresh), f"{name} changed untouched"
 
     def _read_all(self, now: float) -> None:
         """Every engine's facts read, and what is read from the whole fleet with them (the TTFT
         prior, maintenance, the monitoring's state, membership)."""
-        self._full_view_at = now
+        g = self.granted
+        g.full_at = now
         self._maintenance = frozenset(self.router.maintenance)
         self._fleet_prior = {k: settled_prior(self._fleet_prior.get(k), m) for k, m in fleet_ttft(self.engines.values()).items()}
         self._unavailable_fleet = self._fleet_reason(now)
-        if list(self._granted) != list(self.engines):  # (an engine gone and back is in a new place)
-            self._members += 1
-            for name in [n for n in self._granted if n not in self.engines]:  # removed by a reload
-                del self._granted[name]
-                self._changed_at.pop(name, None)
-                self._rows.pop(name, None)
-                self._prefix_changes.pop(name, None)
-            self._granted = {n: self._granted[n] for n in self.engines if n in self._granted}
-        self._read(self.engines, now)
-
-    def _read(self, names: Iterable[str], now: float) -> None:
-        """These engines' facts read from their live state (an engine's facts keep their object
-        while unchanged; a new one gets the next change number)."""
-        for name in names:
-            inputs = self._inputs(self.engines[name], now, self._fleet_prior, True)
-            kept = self._granted.get(name)
-            if kept is not None and (inputs := _kept_eligible(inputs, kept[0], now)) == kept[0]:
-                continue
-            self._granted[name] = (inputs, self._facts(inputs))
-            self._fact_seq += 1
-            self._changed_at[name] = self._fact_seq
-            self._changed_at.move_to_end(name)
-
-    def granted_since(self, seq: int) -> list[EngineFacts]:
-        """The engines whose granted facts changed after change number ``seq`` (O(changed))."""
-        return [self._granted[name][1] for name in self._changed_since(seq)]
-
-    def _changed_since(self, seq: int) -> Iterator[str]:
-        for name, at in reversed(self._changed_at.items()):
-            if at <= seq:
-                return
-            yield name
+        g.members_now(self.engines)
+        for name, e in self.engines.items():
+            g.put(name, self._inputs(e, now, self._fleet_prior, True), now)
 
     def view(self, now: float, *, queued_tokens: int | None = None, frozen: bool = False) -> FleetView:
         """``frozen``: for a lease grant (it crosses the Ray hop: prefix sets copied, not live),
@@ -312,7 +228,7 @@ class SchedulerState(ABC):
             return self._fleet_view(now, facts, queued_tokens, self._granted_unavailable())
         self._maintenance = frozenset(self.router.maintenance)
         fleet = fleet_ttft(self.engines.values())
-        facts = [self._facts(self._inputs(e, now, fleet, False)) for e in self.engines.values()]
+        facts = [granted_facts(self._inputs(e, now, fleet, False)) for e in self.engines.values()]
         return self._fleet_view(now, facts, queued_tokens, self.unavailable(now))
 
     def decision_view(self, now: float, *, queued_tokens: int | None = None) -> FleetView:
@@ -324,17 +240,11 @@ class SchedulerState(ABC):
         its block index) is kept and updated, not made again per decision."""
         self._refresh_granted(now)
         fresh = self._fleet_view(now, (), queued_tokens, self._granted_unavailable())
-        view, kept = None, self._decided
-        if kept is not None and kept[0] == self._members:
-            view = kept[1].merged(replace(fresh, engines=tuple(self.granted_since(kept[2]))), ())
-        if view is None:
-            view = replace(fresh, engines=tuple(self._granted[n][1] for n in self.engines))
-        self._decided = (self._members, view, self._fact_seq)
-        return view
+        return self.granted.decision_view(fresh, self.engines)
 
     def _granted_facts(self, now: float) -> list[EngineFacts]:
         self._refresh_granted(now)
-        return [self._granted[n][1] for n in self.engines]
+        return self.granted.all(self.engines)
 
     def grant_view(self, now: float, since: int | None, held: dict[str, Held]) -> GrantView:
         """A lease's view: whole (``since`` None), or the engines changed after change number
@@ -348,23 +258,7 @@ class SchedulerState(ABC):
             held.clear()
             held.update((f.cfg.name, (f.cfg, f.prefix)) for f in view.engines)
             return view, None, ()
-        prefixes: dict[str, PrefixChange] = {}
-        rows: list[ChangedRow] = []
-        granted = self._granted
-        for name in self._changed_since(since):
-            f = granted[name][1]
-            kept = held.get(name)
-            if kept is None or kept[1] is not f.prefix:
-                was = None if kept is None else kept[1]
-                c = self._prefix_changes.get(name)
-                if c is None or c[0] is not was or c[1] is not f.prefix:
-                    c = self._prefix_changes[name] = (was, f.prefix, prefix_change(was, f.prefix))
-                prefixes[name] = c[2]
-            held[name] = (f.cfg, f.prefix)
-            b = self._rows.get(name)
-            if b is None or b[0] is not f:
-                b = self._rows[name] = (f, f.row())
-            rows.append((name, None if kept is not None and kept[0] is f.cfg else f.cfg, b[1]))
+        prefixes, rows = self.granted.delta(since, held)
         return self._fleet_view(now, (), None, unavailable), prefixes, tuple(rows)
 
     def _fleet_view(self, now: float, facts: Sequence[EngineFacts], queued_tokens: int | None,

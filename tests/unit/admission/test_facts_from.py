@@ -8,7 +8,7 @@ import dataclasses
 from narwhal_serve.admission.facts import FACT_FIELDS, EngineFacts, facts_from
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.metrics import EngineLoad
-from narwhal_serve.scheduler.state import _INPUT_FIELDS, SchedulerState
+from narwhal_serve.scheduler.granted import INPUT_FIELDS, facts
 
 
 def test_facts_from_equal_the_constructors_in_every_field_and_behaviour() -> None:
@@ -30,5 +30,5 @@ def test_facts_from_equal_the_constructors_in_every_field_and_behaviour() -> Non
     with_others = dataclasses.replace(made, inflight=5)  # still a frozen dataclass like any other
     assert with_others.inflight == 5 and made.inflight == 3
     # the scheduler's inputs name each field once
-    assert sorted(_INPUT_FIELDS) == sorted(FACT_FIELDS)
-    assert SchedulerState._facts(tuple(values[n] for n in _INPUT_FIELDS)) == built
+    assert sorted(INPUT_FIELDS) == sorted(FACT_FIELDS)
+    assert facts(tuple(values[n] for n in INPUT_FIELDS)) == built

@@ -297,7 +297,7 @@ def test_leases_holding_the_same_set_share_its_change_computed_once(monkeypatch)
     per lease and changed engine was a tenth of the scheduler's report handling at 1,000 engines);
     a lease holding another set gets its own, and both hold exactly the scheduler's sets."""
     from narwhal_serve.admission import facts as facts_mod
-    from narwhal_serve.scheduler import state as state_mod
+    from narwhal_serve.scheduler import granted as granted_mod
 
     computed: list[int] = []
 
@@ -305,7 +305,7 @@ def test_leases_holding_the_same_set_share_its_change_computed_once(monkeypatch)
         computed.append(1)
         return facts_mod.prefix_change(held, new)
 
-    monkeypatch.setattr(state_mod, "prefix_change", counted)
+    monkeypatch.setattr(granted_mod, "prefix_change", counted)
     rng = random.Random(5)
     svc, clock = _service(6)
     for i, e in enumerate(svc.engines.values()):
@@ -368,8 +368,8 @@ def test_scrapes_alone_re_send_an_engine_only_as_its_eligibility_nears_and_no_de
     ahead, so a fleet scraped each second is not re-sent whole each second.  Whatever the scrapes
     and clock, a lease's view says an engine is eligible, for as long as the lease may use it
     (LEASE_TTL_S), exactly when it would with each new time sent."""
-    from narwhal_serve.scheduler import state as state_mod
-    from narwhal_serve.scheduler.state import KEEP_ELIGIBLE_S
+    from narwhal_serve.scheduler import granted as granted_mod
+    from narwhal_serve.scheduler.granted import KEEP_ELIGIBLE_S
 
     svc, clock = _service(4)
     h = Holder(svc, clock)
@@ -389,7 +389,7 @@ def test_scrapes_alone_re_send_an_engine_only_as_its_eligibility_nears_and_no_de
     for seed in (17, 18):
         kept, kept_rows = _eligibility_through_scrapes(seed)
         with monkeypatch.context() as m:
-            m.setattr(state_mod, "KEEP_ELIGIBLE_S", math.inf)  # each new time sent
+            m.setattr(granted_mod, "KEEP_ELIGIBLE_S", math.inf)  # each new time sent
             each, each_rows = _eligibility_through_scrapes(seed)
         assert kept == each and any(not ok for _, _, ok in each) and any(ok for _, _, ok in each)
         assert kept_rows < 0.8 * each_rows, (kept_rows, each_rows)

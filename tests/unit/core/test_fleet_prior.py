@@ -72,7 +72,7 @@ def test_leases_are_granted_the_prior_as_read_with_every_engine() -> None:
     """The prior granted to leases moves with the reads of every engine (each FULL_VIEW_S), not
     with each refit of the engine it comes from: a refit changes that engine's facts only, and the
     engines borrowing it keep their facts (the same objects: no row re-sent) until the next read."""
-    from narwhal_serve.scheduler.state import FULL_VIEW_S
+    from narwhal_serve.scheduler.granted import FULL_VIEW_S
 
     svc = _service()
     for i in range(12):

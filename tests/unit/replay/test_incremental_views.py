@@ -1,5 +1,5 @@
 """The facts granted to leases are read again only for the engines touched since the last grant
-(scheduler/state.py ``_refresh_granted``; every engine at least each FULL_VIEW_S and after each
+(scheduler/state.py ``_refresh_granted``, scheduler/granted.py; every engine at least each FULL_VIEW_S and after each
 scrape pass). Here every incremental refresh of whole replays is checked against every engine read
 anew (``check_views``): overload with refusals and retries, shared prefixes followed by KV events in
 the scheduler and through shards, a prefill/decode fleet. A state change the scheduler makes
