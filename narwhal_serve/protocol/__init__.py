@@ -38,11 +38,12 @@ _EXPORTS = {
     "model_not_found": "requests",
     "parse_request": "requests",
     "sse_event": "sse",
+    "truncated_to": "requests",
 }
 __all__ = [
     "CHARS_PER_TOKEN", "DONE_EVENT", "KNOWN_REASONS", "Outcome", "ParsedRequest", "PlacedRequest",
     "RelayStats", "Route", "RouteChoice", "TERMINAL", "check_messages", "decode_json", "error_events",
-    "estimate_tokens", "model_not_found", "parse_request", "sse_event",
+    "estimate_tokens", "model_not_found", "parse_request", "sse_event", "truncated_to",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
@@ -64,3 +65,4 @@ if TYPE_CHECKING:
     from narwhal_serve.protocol.requests import model_not_found as model_not_found
     from narwhal_serve.protocol.requests import parse_request as parse_request
     from narwhal_serve.protocol.sse import sse_event as sse_event
+    from narwhal_serve.protocol.requests import truncated_to as truncated_to

@@ -48,6 +48,14 @@ def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def truncated_to(body: dict[str, Any]) -> int | None:
+    """How many of the prompt's tokens the engine keeps at most (``truncate_prompt_tokens`` N ≥ 1),
+    or None: not cut, or cut to a length not known here (-1: the engine's context less one), or a
+    value the engine refuses."""
+    cut = body.get("truncate_prompt_tokens")
+    return cut if _is_int(cut) and cut >= 1 else None
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -367,8 +375,7 @@ def parse_request(route: Route, raw: bytes, *, model: str, max_logprobs: int = M
             raise UnsupportedOption("echo is not supported for non-streaming completions", param="echo")
     so = body.get("stream_options") or {}
     prompt_tokens = len(ids) if ids is not None else estimate_tokens(chars)  # exact where the router tokenizes (tokenization/sizer.py)
-    cut = body.get("truncate_prompt_tokens")
-    if _is_int(cut) and cut >= 1:  # the engine keeps at most this many (-1, the context less one, is not known here)
+    if (cut := truncated_to(body)) is not None:
         prompt_tokens = min(prompt_tokens, cut)
     return ParsedRequest(
         route=route,

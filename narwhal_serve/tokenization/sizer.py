@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from narwhal_serve.errors import InvalidRequest
+from narwhal_serve.protocol import truncated_to
 from narwhal_serve.tokenization.chat import NotExact
 
 if TYPE_CHECKING:
@@ -110,10 +111,11 @@ class Sized:
 
     @property
     def exact(self) -> bool:
-        """Whether the prompt's size is the engine's own count: its IDs known, and not cut by the
-        engine (``truncate_prompt_tokens``: the tokenizer path does not size such a prompt; token
-        IDs sent with it are cut to a length the engine picks)."""
-        return self.ids is not None and self.parsed.body.get("truncate_prompt_tokens") is None
+        """Whether the prompt's size is the engine's own count: its IDs known (``ids``: as the
+        engine keeps them), and not cut to a length the engine picks (``truncate_prompt_tokens``
+        -1: its context less one; the tokenizer path sizes no cut prompt, :func:`engine_kept`)."""
+        return self.ids is not None and (self.parsed.body.get("truncate_prompt_tokens") is None
+                                         or truncated_to(self.parsed.body) is not None)
 
 
 class PromptSizer:
@@ -151,14 +153,16 @@ class PromptSizer:
 
     async def size(self, parsed: "ParsedRequest") -> Sized:
         if parsed.prompt_token_ids is not None:
+            kept, skipped = engine_kept(parsed.prompt_token_ids, parsed.body)
             vocab = self.tokenizer.vocab_size if self.tokenizer is not None else None
-            bad = None if vocab is None else outside_vocabulary(parsed.prompt_token_ids, vocab)
+            bad = None if vocab is None else outside_vocabulary(kept, vocab)
             if bad is not None:  # the engine would refuse it (or fail on it): say which one, up front
+                bad += skipped
                 path = f"prompt.{bad}" if not isinstance(parsed.body["prompt"][0], list) else f"prompt.0.{bad}"
                 raise InvalidRequest(f"'{path}' is not a token id of this model (vocabulary {vocab})", param=path)
-            return Sized(parsed, list(parsed.prompt_token_ids), "client_ids")
-        if self.tokenizer is None:
-            return Sized(parsed, None, ESTIMATE)
+            return Sized(parsed, kept, "client_ids")
+        if self.tokenizer is None or parsed.body.get("truncate_prompt_tokens") is not None:
+            return Sized(parsed, None, ESTIMATE)  # (a text prompt the engine cuts: its tokenizer keeps special tokens)
         try:
             ids = (await self.encode(parsed.route, parsed.body, _prompt_chars(parsed))).ids
         except NotExact:
@@ -167,6 +171,20 @@ class PromptSizer:
             log.exception("tokenizing a prompt failed; sizing it with the estimate")
             return Sized(parsed, None, ESTIMATE)
         return Sized(dataclasses.replace(parsed, prompt_tokens=max(1, len(ids))), ids, "tokenizer")
+
+
+def engine_kept(ids: "Sequence[int]", body: dict[str, Any]) -> tuple[list[int], int]:
+    """Prompt token IDs as a generating vLLM engine keeps them under ``truncate_prompt_tokens`` N
+    ≥ 1 (vLLM 0.32 renderers/params.py ``_truncation_slice``; the IDs it checks are those kept):
+    the last N, the first N with ``truncation_side: "right"`` (a generating model's tokenizer
+    truncates on the left); else as sent.  With how many were cut off their start.  (A text prompt
+    is cut by the tokenizer itself, special tokens kept: not sized here.)"""
+    keep = truncated_to(body)
+    if keep is None or keep >= len(ids):
+        return list(ids), 0
+    if body.get("truncation_side") == "right":
+        return list(ids[:keep]), 0
+    return list(ids[len(ids) - keep:]), len(ids) - keep
 
 
 def outside_vocabulary(ids: "Sequence[int]", vocab: int) -> int | None:

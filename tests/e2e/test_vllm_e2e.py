@@ -394,6 +394,32 @@ async def test_the_context_row_refuses_exactly_what_vllm_refuses(e2e: E2E) -> No
                     assert theirs["message"].startswith(err["message"]), (err, theirs)  # (vLLM appends "(parameter=...)")
 
 
+async def test_a_truncated_token_id_prompt_is_kept_as_the_router_says(e2e: E2E) -> None:
+    """``truncate_prompt_tokens`` with token IDs longer than the context: vLLM keeps the last N
+    (the first N with ``truncation_side: "right"``) and checks only those against its vocabulary;
+    the router sizes and hashes exactly those (tokenization/sizer.py ``engine_kept``), so it serves
+    what vLLM serves, with the prompt vLLM ran."""
+    from narwhal_serve.tokenization.sizer import engine_kept
+
+    async with httpx.AsyncClient(timeout=60) as c:
+        engines = {e["name"]: e for e in (await c.get(e2e.narwhal + "/status")).json()["engines"]}
+        context = engines[ENGINE_NAME]["max_model_len"]
+        ids = [1 + i % 200 for i in range(context + 100)]
+        ids[0] = 10**7  # no token of any model: in the part the engine cuts off
+        for side in (None, "right"):
+            prompt = ids if side is None else ids[::-1]
+            body = body_for("completion", prompt=prompt, max_tokens=2, truncate_prompt_tokens=50, return_token_ids=True,
+                            **({} if side is None else {"truncation_side": side}))
+            direct = await c.post(e2e.vllm + "/v1/completions", json=body)
+            ours = await c.post(e2e.narwhal + "/v1/completions", json=body)
+            assert direct.status_code == 200 and ours.status_code == 200, (side, direct.text, ours.text)
+            kept, _ = engine_kept(prompt, body)
+            for r in (direct, ours):
+                out = r.json()
+                assert (out.get("prompt_token_ids") or out["choices"][0]["prompt_token_ids"]) == kept, side
+                assert out["usage"]["prompt_tokens"] == 50
+
+
 async def test_nonstream_echo_matches_direct(e2e: E2E) -> None:
     body = body_for("completion", echo=True, max_tokens=2)
     async with httpx.AsyncClient(timeout=60) as c:

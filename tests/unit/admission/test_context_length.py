@@ -172,17 +172,44 @@ def test_a_pd_fleet_of_mixed_prefill_contexts_is_not_told_to_retry_forever() -> 
     assert refused(v, Ask(40000, 30.0, exact=True)).error.code == "context_length_exceeded"
 
 
-def test_a_token_id_prompt_the_engine_truncates_is_not_sized_exactly() -> None:
-    """(Found by a review.) ``truncate_prompt_tokens`` with token IDs: the engine keeps a part of
-    the prompt it picks, so the count sent is not the engine's and is not refused on it."""
+async def test_a_token_id_prompt_the_engine_truncates_is_sized_as_the_engine_keeps_it() -> None:
+    """``truncate_prompt_tokens`` N ≥ 1 with token IDs: a generating vLLM engine keeps the last N
+    (the first N with ``truncation_side: "right"``; vLLM 0.32 renderers/params.py), so the router's
+    IDs (prefix blocks, size) are those, exactly; checks their vocabulary only (the engine checks
+    those it kept), naming a bad one by its place in the prompt sent.  -1 (the context less one: a
+    length the engine picks) is not exact."""
+    from narwhal_serve.errors import InvalidRequest
     from narwhal_serve.protocol.requests import parse_request
-    from narwhal_serve.tokenization.sizer import Sized
+    from narwhal_serve.sim.tokenizer import SimTokenizer
+    from narwhal_serve.tokenization.sizer import PromptSizer
 
-    raw = json.dumps({"model": "m", "prompt": list(range(1, 10_001)), "truncate_prompt_tokens": 4000}).encode()
-    parsed = parse_request("completion", raw, model="m")
-    assert not Sized(parsed, list(parsed.prompt_token_ids or ()), "client_ids").exact
-    plain = parse_request("completion", json.dumps({"model": "m", "prompt": [1, 2]}).encode(), model="m")
-    assert Sized(plain, [1, 2], "client_ids").exact and not Sized(plain, None, "estimate").exact
+    sizer = PromptSizer(SimTokenizer())
+    ids = [1 + i % 2000 for i in range(10_000)]  # (within the simulator's vocabulary)
+
+    async def sized(**extra: object):  # type: ignore[no-untyped-def]
+        raw = json.dumps({"model": "m", "prompt": ids, **extra}).encode()
+        return await sizer.size(parse_request("completion", raw, model="m"))
+
+    left = await sized(truncate_prompt_tokens=4000)
+    assert left.exact and left.ids == ids[-4000:] and left.parsed.prompt_tokens == 4000
+    right = await sized(truncate_prompt_tokens=4000, truncation_side="right")
+    assert right.exact and right.ids == ids[:4000] and right.parsed.prompt_tokens == 4000
+    whole = await sized(truncate_prompt_tokens=20_000)
+    assert whole.exact and whole.ids == ids and whole.parsed.prompt_tokens == 10_000
+    context = await sized(truncate_prompt_tokens=-1)
+    assert not context.exact and context.ids == ids
+    assert (await sized()).exact
+    vocab = SimTokenizer().vocab_size
+    ids[0] = vocab  # outside the vocabulary, in the part the engine cuts off: it never sees it
+    assert (await sized(truncate_prompt_tokens=10)).ids == ids[-10:]
+    ids[-3] = vocab  # in the part it keeps
+    for extra, want in (({"truncate_prompt_tokens": 10}, f"prompt.{len(ids) - 3}"), ({}, "prompt.0")):
+        try:
+            await sized(**extra)
+        except InvalidRequest as exc:
+            assert exc.param == want, exc.param
+        else:
+            raise AssertionError("a token ID outside the vocabulary was let through")
 
 
 async def test_both_holders_refuse_it_and_keep_nothing() -> None:
