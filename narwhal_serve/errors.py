@@ -150,6 +150,13 @@ class ContextLengthExceeded(InvalidRequest):
         return cls(f"{param}={max_tokens} cannot be greater than max_model_len={context}. Please request fewer "
                    f"output tokens.", param=param)
 
+    @classmethod
+    def truncation(cls, keep: int, context: int) -> "ContextLengthExceeded":
+        """``truncate_prompt_tokens`` past the longest context: vLLM 0.32 refuses it whatever the
+        prompt, after the output limit and before tokenizing (renderers/params.py), in these words."""
+        return cls(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = {context}. Please request "
+                   f"a smaller truncation size.", param="truncate_prompt_tokens")
+
 
 class ModelNotFound(InvalidRequest):
     status = 404

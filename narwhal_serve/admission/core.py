@@ -205,8 +205,9 @@ def _roomy(view: FleetView, order: RouteOrder[EngineFacts], routes: list[RouteCh
     is left, the least loaded of the routes it fits; when there are none such either (a P/D order
     pairs each decode engine with one prefill engine), ``routes`` as they are: the engine answers.
     Free unless the prompt is as long as the shortest context said, or the limit longer."""
-    # (a context fits a prompt of p tokens when longer, an output limit of m tokens when as long: both as p = m - 1)
-    n = max(ask.prompt_tokens if ask.exact else 0, (ask.max_output_tokens or 0) - 1)
+    # (a context fits a prompt of p tokens when longer, an output limit or a truncation of m tokens when
+    # as long: each as p = m - 1)
+    n = max(ask.prompt_tokens if ask.exact else 0, (ask.max_output_tokens or 0) - 1, ask.truncate_to - 1)
     context = view.context()
     if not n or not context.shortest or n < context.shortest:
         return routes
@@ -298,6 +299,8 @@ def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | 
         if ask.max_output_tokens is not None and ask.max_output_tokens > context.longest:
             return Refusal(ContextLengthExceeded.output(ask.output_param, ask.max_output_tokens, context.longest).info(),
                            Outcome.INVALID)
+        if ask.truncate_to > context.longest:
+            return Refusal(ContextLengthExceeded.truncation(ask.truncate_to, context.longest).info(), Outcome.INVALID)
         if ask.exact and ask.prompt_tokens >= context.longest:  # no engine leaves it room for an output token
             return Refusal(ContextLengthExceeded.of(ask.kind, ask.prompt_tokens, context.longest).info(), Outcome.INVALID)
     placement, best, scored = _rank(view, ask, now, rotation)

@@ -173,6 +173,7 @@ class Ask:
     min_output_tokens: int = 0  # its output is expected to be at least this (ignore_eos, min_tokens)
     exact: bool = False  # ``prompt_tokens`` is the engine's own count (the router's tokenizer, or token IDs)
     output_param: str = "max_tokens"  # the field ``max_output_tokens`` came from (its refusal names it)
+    truncate_to: int = 0  # ``truncate_prompt_tokens`` N >= 1: the engine keeps at most N (a context shorter refuses it)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from narwhal_serve.gateway.streaming import (
 from narwhal_serve.observability import Observability, RequestTrail
 from narwhal_serve.placement.prefix import request_prefix
 from narwhal_serve.protocol.placement import PlacedRequest
-from narwhal_serve.protocol.requests import ParsedRequest, Route, parse_request
+from narwhal_serve.protocol.requests import ParsedRequest, Route, parse_request, truncated_to
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
@@ -161,7 +161,8 @@ class CompletionHandler:
                    prefix, block_tokens, retry=bool(retries), reserves=retries is not None, tenant=tenant,
                    fingerprint=self.tenancy.fingerprint(tenant, raw, retries),
                    rank=priority[0], admit_within_s=priority[1], node=self.node,
-                   min_output_tokens=parsed.min_output_tokens, exact=sized.exact, output_param=parsed.max_output_param)
+                   min_output_tokens=parsed.min_output_tokens, exact=sized.exact, output_param=parsed.max_output_param,
+                   truncate_to=truncated_to(parsed.body) or 0)
 
     async def handle(self, request: Request, route: Route) -> Response:
         arrived = self.clock()

@@ -170,7 +170,8 @@ def _opt(body: dict[str, Any], key: str, check: Any, what: str) -> None:
 
 # Integer fields: a whole-number float (``2.0``) is taken, as vLLM's schema takes it (pydantic's lax
 # mode), and sent on as the integer; ``2.5`` (and a float past 64 bits) is still refused.
-_INT_FIELDS = ("max_tokens", "min_tokens", "seed", "n", "best_of", "max_completion_tokens", "top_logprobs")
+_INT_FIELDS = ("max_tokens", "min_tokens", "seed", "n", "best_of", "max_completion_tokens", "top_logprobs",
+               "truncate_prompt_tokens")
 
 
 def _whole(v: Any) -> bool:
@@ -224,6 +225,9 @@ def _check_common(body: dict[str, Any], model: str) -> None:
     _opt(body, "top_p", _is_number, "must be a number")
     _opt(body, "seed", _is_int, "must be an integer")
     _opt(body, "ignore_eos", lambda v: isinstance(v, bool), "must be a boolean")
+    # (vLLM 0.32's bounds: -1 keeps its context less one, 0 nothing, N the last N; a side as named)
+    _opt(body, "truncate_prompt_tokens", lambda v: _is_int(v) and -1 <= v < 2**63, "must be an integer >= -1")
+    _opt(body, "truncation_side", lambda v: v in ("left", "right"), "must be 'left' or 'right'")
     stop = body.get("stop")
     if stop is not None and not (
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))

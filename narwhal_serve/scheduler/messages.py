@@ -42,11 +42,13 @@ class AdmitRequest:
     min_output_tokens: int = 0
     exact: bool = False
     output_param: str = "max_tokens"
+    truncate_to: int = 0
 
     def ask(self) -> Ask:
         return Ask(self.prompt_tokens, self.ttft_budget_s, self.tpot_budget_s, self.kind, self.max_output_tokens,
                    self.prefix, self.prefix_block_tokens, self.retry, self.reserves, self.tenant, self.fingerprint,
-                   self.rank, self.admit_within_s, self.node, self.min_output_tokens, self.exact, self.output_param)
+                   self.rank, self.admit_within_s, self.node, self.min_output_tokens, self.exact, self.output_param,
+                   self.truncate_to)
 
     @classmethod
     def of(cls, ticket_id: str, request_deadline: float, ask: Ask, **lease: Any) -> "AdmitRequest":
@@ -55,7 +57,7 @@ class AdmitRequest:
                    prefix_block_tokens=ask.prefix_block_tokens, retry=ask.retry, reserves=ask.reserves,
                    tenant=ask.tenant, fingerprint=ask.fingerprint, rank=ask.rank,
                    admit_within_s=ask.admit_within_s, node=ask.node, min_output_tokens=ask.min_output_tokens,
-                   exact=ask.exact, output_param=ask.output_param, **lease)
+                   exact=ask.exact, output_param=ask.output_param, truncate_to=ask.truncate_to, **lease)
 
 
 @dataclass(frozen=True)

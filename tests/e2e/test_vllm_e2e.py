@@ -398,7 +398,7 @@ async def test_a_truncated_token_id_prompt_is_kept_as_the_router_says(e2e: E2E) 
     """``truncate_prompt_tokens`` with token IDs longer than the context: vLLM keeps the last N
     (the first N with ``truncation_side: "right"``) and checks only those against its vocabulary;
     the router sizes and hashes exactly those (tokenization/sizer.py ``engine_kept``), so it serves
-    what vLLM serves, with the prompt vLLM ran."""
+    what vLLM serves, with the prompt vLLM ran; and refuses what vLLM refuses, in its words."""
     from narwhal_serve.tokenization.sizer import engine_kept
 
     async with httpx.AsyncClient(timeout=60) as c:
@@ -418,6 +418,18 @@ async def test_a_truncated_token_id_prompt_is_kept_as_the_router_says(e2e: E2E) 
                 out = r.json()
                 assert (out.get("prompt_token_ids") or out["choices"][0]["prompt_token_ids"]) == kept, side
                 assert out["usage"]["prompt_tokens"] == 50
+        # a whole-number float is taken as vLLM takes it; a truncation past the context is refused as vLLM
+        # refuses it (its words; the router before any engine), whatever the prompt
+        for keep, status in ((50.0, 200), (context + 1, 400)):
+            for prompt in (ids, ids[-10:]):
+                body = body_for("completion", prompt=prompt, max_tokens=2, truncate_prompt_tokens=keep)
+                direct = await c.post(e2e.vllm + "/v1/completions", json=body)
+                ours = await c.post(e2e.narwhal + "/v1/completions", json=body)
+                assert direct.status_code == ours.status_code == status, (keep, direct.text, ours.text)
+                if status == 400:
+                    said, told = direct.json()["error"], ours.json()["error"]
+                    assert said["message"].startswith(told["message"]), (said, told)
+                    assert told["param"] == "truncate_prompt_tokens" and told["code"] == "context_length_exceeded"
 
 
 async def test_nonstream_echo_matches_direct(e2e: E2E) -> None:

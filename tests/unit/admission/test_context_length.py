@@ -72,6 +72,55 @@ def test_an_output_limit_past_every_context_is_a_400_whatever_the_prompt() -> No
     assert "big" not in placed(view(*small, big), Ask(10, 30.0, max_output_tokens=2048)).engines
 
 
+def test_a_truncation_past_every_context_is_a_400_in_vllms_words() -> None:
+    """vLLM 0.32 refuses ``truncate_prompt_tokens`` N past its context (``max_model_len``) whatever
+    the prompt, after the output limit and before the prompt's length (renderers/params.py
+    TokenizeParams); N equal to it is taken. In a fleet of mixed contexts such a request goes only
+    where N fits, as a prompt that long would."""
+    v = view(engine("a", context=4096), engine("b", context=4096))
+    for size, exact in ((10, False), (9000, True)):  # (a short prompt, or one past the context it would be cut from)
+        out = refused(v, Ask(size, 30.0, exact=exact, truncate_to=4097))
+        assert (out.outcome, out.error.status, out.error.code, out.error.param) == (
+            Outcome.INVALID, 400, "context_length_exceeded", "truncate_prompt_tokens")
+        assert out.error.message == ("truncate_prompt_tokens=4097 cannot be greater than max_model_len = 4096. "
+                                     "Please request a smaller truncation size.")
+    out = refused(v, Ask(10, 30.0, max_output_tokens=5000, truncate_to=4097))  # vLLM checks the output limit first
+    assert out.error.param == "max_tokens"
+    assert placed(v, Ask(10, 30.0, truncate_to=4096)).engines
+    assert placed(view(engine("a", context=4096), engine("b")), Ask(10, 30.0, truncate_to=5000)).engines  # (b may)
+    small = [engine(f"s{i}", context=2048) for i in range(10)]
+    big = engine("big", context=32768, inflight=5)
+    assert [r.decode.name for r in placed(view(*small, big), Ask(10, 30.0, truncate_to=2049)).routes] == ["big"]
+    assert "big" not in placed(view(*small, big), Ask(10, 30.0, truncate_to=2048)).engines
+
+
+def test_truncation_fields_are_checked_and_a_whole_float_taken() -> None:
+    """``truncate_prompt_tokens`` is read by the router (sizing, placement): a whole-number float is
+    taken as vLLM's schema takes it and sent on as the integer; what vLLM refuses (below -1, a
+    fraction) and a wrong type are 400s naming the field, as is a ``truncation_side`` not vLLM's."""
+    from narwhal_serve.errors import InvalidRequest
+    from narwhal_serve.protocol.requests import parse_request, truncated_to
+
+    def parsed(**extra: object):  # type: ignore[no-untyped-def]
+        return parse_request("completion", json.dumps({"model": "m", "prompt": [1, 2, 3], **extra}).encode(), model="m")
+
+    p = parsed(truncate_prompt_tokens=2.0)
+    assert p.body["truncate_prompt_tokens"] == 2 and type(p.body["truncate_prompt_tokens"]) is int
+    assert truncated_to(p.body) == 2 and p.prompt_tokens == 2
+    for n in (-1, 0):
+        assert truncated_to(parsed(truncate_prompt_tokens=n).body) is None  # (a length the engine picks; none)
+    assert parsed(truncation_side="right", truncate_prompt_tokens=None).prompt_tokens == 3
+    for key, value in (("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", 2.5), ("truncate_prompt_tokens", "3"),
+                       ("truncate_prompt_tokens", True), ("truncate_prompt_tokens", 2**63),
+                       ("truncation_side", "middle"), ("truncation_side", 1)):
+        try:
+            parsed(**{key: value})
+        except InvalidRequest as exc:
+            assert (exc.status, exc.param) == (400, key), (key, value)
+        else:
+            raise AssertionError(f"{key}={value!r} was let through")
+
+
 def test_the_fleet_context_follows_an_engine_restarted_with_another() -> None:
     a, b = engine("a", context=4096), engine("b", context=4096)
     v = view(a, b)
@@ -254,3 +303,22 @@ async def test_a_resume_goes_only_where_the_continuation_fits() -> None:
     assert sorted(e.name for e in h.lease.resume_targets(clock(), 100)) == ["d", "u"]
     assert [e.name for e in h.lease.resume_targets(clock(), 2000)] == ["u"]
     assert h.lease.resume_targets(clock(), 5000) == []
+
+
+def test_every_field_of_an_ask_crosses_the_ray_hop() -> None:
+    """An ask the scheduler decides (no lease, or a lease out of permits) is the one the ingress
+    made, every field set apart from its default (a truncation included)."""
+    import dataclasses
+    import pickle
+
+    from narwhal_serve.scheduler.messages import AdmitRequest
+
+    odd: dict[str, object] = {"prompt_tokens": 7, "ttft_budget_s": 1.5, "tpot_budget_s": 0.05, "kind": "completion",
+                              "max_output_tokens": 9, "prefix": (1, 2), "prefix_block_tokens": 16.0, "retry": True,
+                              "reserves": True, "tenant": "t", "fingerprint": "f", "rank": 2, "admit_within_s": 0.7,
+                              "node": "n", "min_output_tokens": 3, "exact": True, "output_param": "max_completion_tokens",
+                              "truncate_to": 5}
+    assert set(odd) == {f.name for f in dataclasses.fields(Ask)}, "a new Ask field: add it here and to AdmitRequest"
+    ask = Ask(**odd)  # type: ignore[arg-type]
+    assert all(getattr(ask, f.name) != f.default for f in dataclasses.fields(Ask) if f.default is not dataclasses.MISSING)
+    assert pickle.loads(pickle.dumps(AdmitRequest.of("x", 1.0, ask))).ask() == ask
