@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from narwhal_serve.errors import InvalidRequest, NarwhalError
-from narwhal_serve.protocol.requests import check_messages, decode_json, model_not_found
+from narwhal_serve.protocol.requests import check_messages, check_model, decode_json, whole_ids
 from narwhal_serve.tokenization.chat import NotExact
 from narwhal_serve.tokenization.sizer import PromptSizer, Tokenizer, outside_vocabulary
 
@@ -31,16 +31,10 @@ def _tokenizer(sizer: PromptSizer) -> Tokenizer:
     return sizer.tokenizer
 
 
-def _check_model(body: dict[str, Any], model: str) -> None:
-    m = body.get("model")
-    if m is not None and m != model:
-        raise model_not_found(str(m), model)
-
-
 async def tokenize(sizer: PromptSizer, model: str, raw: bytes) -> dict[str, Any]:
     tok = _tokenizer(sizer)
     body = decode_json(raw)
-    _check_model(body, model)
+    check_model(body, model)
     if "messages" in body:
         check_messages(body)
         route, size = "chat", len(raw)
@@ -63,8 +57,10 @@ async def tokenize(sizer: PromptSizer, model: str, raw: bytes) -> dict[str, Any]
 async def detokenize(sizer: PromptSizer, model: str, raw: bytes) -> dict[str, Any]:
     tok = _tokenizer(sizer)
     body = decode_json(raw)
-    _check_model(body, model)
+    check_model(body, model)
     ids = body.get("tokens")
+    if isinstance(ids, list):
+        ids = whole_ids(ids)  # (as the completions route takes a token-ID prompt, and vLLM's schema)
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise InvalidRequest("'tokens' must be a list of token ids", param="tokens")
     bad = outside_vocabulary(ids, tok.vocab_size)

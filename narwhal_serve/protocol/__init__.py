@@ -32,6 +32,7 @@ _EXPORTS = {
     "RouteChoice": "placement",
     "TERMINAL": "outcomes",
     "check_messages": "requests",
+    "check_model": "requests",
     "decode_json": "requests",
     "error_events": "sse",
     "estimate_tokens": "estimate",
@@ -39,11 +40,13 @@ _EXPORTS = {
     "parse_request": "requests",
     "sse_event": "sse",
     "truncated_to": "requests",
+    "whole_ids": "requests",
 }
 __all__ = [
     "CHARS_PER_TOKEN", "DONE_EVENT", "KNOWN_REASONS", "Outcome", "ParsedRequest", "PlacedRequest",
-    "RelayStats", "Route", "RouteChoice", "TERMINAL", "check_messages", "decode_json", "error_events",
+    "RelayStats", "Route", "RouteChoice", "TERMINAL", "check_messages", "check_model", "decode_json", "error_events",
     "estimate_tokens", "model_not_found", "parse_request", "sse_event", "truncated_to",
+    "whole_ids",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
@@ -59,6 +62,7 @@ if TYPE_CHECKING:
     from narwhal_serve.protocol.placement import RouteChoice as RouteChoice
     from narwhal_serve.protocol.outcomes import TERMINAL as TERMINAL
     from narwhal_serve.protocol.requests import check_messages as check_messages
+    from narwhal_serve.protocol.requests import check_model as check_model
     from narwhal_serve.protocol.requests import decode_json as decode_json
     from narwhal_serve.protocol.sse import error_events as error_events
     from narwhal_serve.protocol.estimate import estimate_tokens as estimate_tokens
@@ -66,3 +70,4 @@ if TYPE_CHECKING:
     from narwhal_serve.protocol.requests import parse_request as parse_request
     from narwhal_serve.protocol.sse import sse_event as sse_event
     from narwhal_serve.protocol.requests import truncated_to as truncated_to
+    from narwhal_serve.protocol.requests import whole_ids as whole_ids

@@ -178,7 +178,7 @@ def _whole(v: Any) -> bool:
     return isinstance(v, float) and v.is_integer() and abs(v) < 2**63  # (beyond: refused as a float, as vLLM refuses it)
 
 
-def _whole_ids(ids: list[Any]) -> list[Any]:
+def whole_ids(ids: list[Any]) -> list[Any]:
     """A token-ID list with its whole-number floats as integers (vLLM takes ``[1.0, 2.0]``)."""
     return [int(t) if _whole(t) else t for t in ids]
 
@@ -191,9 +191,9 @@ def _whole_numbers(body: dict[str, Any], route: Route) -> None:
     if isinstance(p, list) and p:
         if isinstance(p[0], list) and len(p) == 1:
             if any(_whole(t) for t in p[0]):
-                body["prompt"] = [_whole_ids(p[0])]
+                body["prompt"] = [whole_ids(p[0])]
         elif any(_whole(t) for t in p):
-            body["prompt"] = _whole_ids(p)
+            body["prompt"] = whole_ids(p)
 
 
 def least_output(body: dict[str, Any], max_out: Any) -> int:
@@ -211,19 +211,31 @@ def least_output(body: dict[str, Any], max_out: Any) -> int:
     return least if cap is None else min(least, cap)
 
 
-def _check_common(body: dict[str, Any], model: str) -> None:
+def check_model(body: dict[str, Any], model: str) -> None:
+    """The model asked for: the configured one, or none (absent, null or empty: the configured one,
+    as vLLM 0.32 serves its default; filled in, so every engine is asked for it by name); another
+    is a 404."""
     m = body.get("model")
-    if not isinstance(m, str):
-        raise _bad("model", "is required and must be a string")
-    if m != model:
+    if m is None or m == "":
+        body["model"] = model
+    elif not isinstance(m, str):
+        raise _bad("model", "must be a string")
+    elif m != model:
         raise model_not_found(m, model)
+
+
+def _check_common(body: dict[str, Any], model: str, route: Route) -> None:
+    check_model(body, model)
     _opt(body, "stream", lambda v: isinstance(v, bool), "must be a boolean")
     _opt(body, "return_token_ids", lambda v: isinstance(v, bool), "must be a boolean")
-    _opt(body, "max_tokens", lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")
+    if route == "chat" and body.get("max_completion_tokens") is not None:  # (vLLM takes that one: this one unread)
+        _opt(body, "max_tokens", _is_int, "must be an integer")
+    else:
+        _opt(body, "max_tokens", lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")
     _opt(body, "min_tokens", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
     _opt(body, "temperature", _is_number, "must be a number")
     _opt(body, "top_p", _is_number, "must be a number")
-    _opt(body, "seed", _is_int, "must be an integer")
+    _opt(body, "seed", lambda v: _is_int(v) and -2**63 <= v < 2**63, "must be a 64-bit integer")
     _opt(body, "ignore_eos", lambda v: isinstance(v, bool), "must be a boolean")
     # (vLLM 0.32's bounds: -1 keeps its context less one, 0 nothing, N the last N; a side as named)
     _opt(body, "truncate_prompt_tokens", lambda v: _is_int(v) and -1 <= v < 2**63, "must be an integer >= -1")
@@ -321,6 +333,8 @@ def check_messages(body: dict[str, Any]) -> int:
 def _check_prompt(body: dict[str, Any]) -> tuple[int, tuple[int, ...] | None]:
     """Returns (prompt chars, prompt token ids when the client sent ids)."""
     p = body.get("prompt")
+    if p == "":  # (vLLM 0.32's words; a list holding "" is served, as vLLM serves it)
+        raise InvalidRequest("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
     if isinstance(p, str):
         return len(p), None
     if isinstance(p, list) and p:
@@ -356,7 +370,7 @@ def parse_request(route: Route, raw: bytes, *, model: str, max_logprobs: int = M
     cap = f"an integer from 0 to {max_logprobs}"
     body = decode_json(raw)
     _whole_numbers(body, route)
-    _check_common(body, model)
+    _check_common(body, model, route)
     stream = bool(body.get("stream", False))
     ids: tuple[int, ...] | None = None
     if route == "chat":

@@ -73,10 +73,11 @@ class _Common(BaseModel):
     model: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = None  # (no bound in vLLM's schema: SamplingParams checks the one a request runs with)
     min_tokens: int = Field(default=0, ge=0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-2**63, le=2**63 - 1)
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     n: int = Field(default=1, ge=1)
@@ -160,11 +161,35 @@ def check_before(body: Any, kind: str) -> None:
         raise _vllm_error("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     if body.get("stream_options") and not body.get("stream"):
         raise _vllm_error("Stream options can only be defined when `stream=True`.", "stream_options")
+    if kind == "chat":  # (vLLM's check_tool_usage, its first rules)
+        if body.get("tools") == []:
+            raise _vllm_error("`tools` must not be an empty array. Either provide at least one tool or omit the "
+                              "field entirely.", "tools")
+        choice = body.get("tool_choice")
+        if choice is not None and choice != "none":
+            if body.get("tools") is None:
+                raise _vllm_error("When using `tool_choice`, `tools` must be set.", "tool_choice")
+            if choice not in ("auto", "required") and not isinstance(choice, dict):
+                raise _vllm_error(f"Invalid value for `tool_choice`: {choice}! Only named tools, \"none\", \"auto\" "
+                                  f"or \"required\" are supported.", "tool_choice")
+
+
+def _int_like(key: str) -> bool:
+    try:
+        int(key)
+    except ValueError:
+        return False
+    return True
 
 
 def check_sampling(req: "ChatRequest | CompletionRequest", max_tokens: int) -> None:
     """vLLM 0.32's ``SamplingParams._verify_args``, in its order and words, for the fields the
-    simulator takes (``max_tokens``: the one the request runs with, asked or defaulted)."""
+    simulator takes (``max_tokens``: the one the request runs with, asked or defaulted); first, as
+    ``SamplingParams.from_optional`` does, ``logit_bias``'s keys as token IDs."""
+    bad_keys = [k for k in (req.logit_bias or {}) if not _int_like(k)]
+    if bad_keys:
+        raise _vllm_error(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad_keys!r}",
+                          "logit_bias", bad_keys)
     presence = req.presence_penalty or 0.0
     frequency = req.frequency_penalty or 0.0
     repetition = 1.0 if req.repetition_penalty is None else req.repetition_penalty

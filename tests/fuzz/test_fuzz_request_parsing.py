@@ -100,7 +100,7 @@ contents = st.none() | UNICODE_TEXT | st.lists(text_parts | media_parts, max_siz
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]) | UNICODE_TEXT,
                                            "content": contents}), min_size=1, max_size=3)
 token_ids = st.lists(st.integers(0, 2**40), min_size=1, max_size=6)
-prompts = (UNICODE_TEXT | st.lists(UNICODE_TEXT, min_size=1, max_size=1) | token_ids
+prompts = (UNICODE_TEXT.filter(bool) | st.lists(UNICODE_TEXT, min_size=1, max_size=1) | token_ids  # ("" is refused, as at vLLM)
            | st.lists(token_ids, min_size=1, max_size=1))
 common = {
     "stream": st.booleans(),
@@ -108,7 +108,7 @@ common = {
     "min_tokens": st.integers(0, 64),
     "temperature": FINITE_FLOAT,
     "top_p": FINITE_FLOAT,
-    "seed": st.integers(-(2**63), 2**63),
+    "seed": st.integers(-(2**63), 2**63 - 1),
     "stop": UNICODE_TEXT | st.lists(UNICODE_TEXT, max_size=3),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
     "n": st.just(1),

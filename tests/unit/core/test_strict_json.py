@@ -142,3 +142,47 @@ def test_a_prompt_the_engine_truncates_is_sized_at_most_as_it_keeps() -> None:
         assert req.prompt_tokens == want and req.prompt_token_ids == tuple(ids), cut
     chat = {"model": "m", "messages": [{"role": "user", "content": "word " * 10_000}], "truncate_prompt_tokens": 50}
     assert parse_request("chat", json.dumps(chat).encode(), model="m").prompt_tokens == 50
+
+
+def _refused(route: str, body: dict[str, object]) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as ei:
+        parse_request(route, json.dumps(body).encode(), model="m")  # type: ignore[arg-type]
+    return ei.value
+
+
+def test_no_model_is_the_configured_one_as_vllm_serves_its_default() -> None:
+    """(Found by a hostile probe.) vLLM 0.32 serves a request without a model (absent, null or
+    empty) with its default; the router refused it. Now it is the configured model, filled in so
+    every engine is asked for it by name; another model is still a 404, a model not a string a 400."""
+    for extra in ({}, {"model": None}, {"model": ""}):
+        for route, body in (("chat", {"messages": [{"role": "user", "content": "x"}]}), ("completion", {"prompt": "x"})):
+            assert parse_request(route, json.dumps({**body, **extra}).encode(), model="m").body["model"] == "m"  # type: ignore[arg-type]
+    assert _refused("completion", {"model": "other", "prompt": "x"}).status == 404
+    assert (_refused("completion", {"model": 5, "prompt": "x"}).status, _refused("completion", {"model": 5, "prompt": "x"}).param) == (400, "model")
+
+
+def test_an_empty_text_prompt_is_refused_in_vllms_words() -> None:
+    """(Found by a hostile probe.) vLLM 0.32 refuses ``prompt: ""`` (completion/protocol.py
+    ``validate_prompt_and_prompt_embeds``); the router served it (a start token alone)."""
+    e = _refused("completion", {"model": "m", "prompt": ""})
+    assert (e.status, e.param, e.message) == (400, "prompt", "Either prompt or prompt_embeds must be provided and non-empty.")
+    assert parse_request("completion", b'{"model": "m", "prompt": [""]}', model="m")  # (served by vLLM too)
+
+
+def test_a_chats_max_tokens_beside_max_completion_tokens_is_only_typed() -> None:
+    """(Found by a hostile probe.) vLLM 0.32 takes ``max_completion_tokens`` when not null and never
+    reads ``max_tokens`` then (chat_completion/serving.py): ``max_tokens: 0`` beside it was a 400
+    here. Its type is still checked, as vLLM's schema checks it; alone it is still at least 1."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    p = parse_request("chat", json.dumps({**chat, "max_completion_tokens": 5, "max_tokens": 0}).encode(), model="m")
+    assert (p.max_output_tokens, p.max_output_param) == (5, "max_completion_tokens")
+    assert _refused("chat", {**chat, "max_completion_tokens": 5, "max_tokens": "x"}).param == "max_tokens"
+    assert _refused("chat", {**chat, "max_tokens": 0}).param == "max_tokens"
+    assert _refused("completion", {"model": "m", "prompt": "x", "max_completion_tokens": 5, "max_tokens": 0}).param == "max_tokens"
+
+
+def test_a_seed_past_64_bits_is_refused_as_vllm_bounds_it() -> None:
+    for seed in (2**63, -2**63 - 1):
+        assert _refused("completion", {"model": "m", "prompt": "x", "seed": seed}).param == "seed"
+    for seed in (2**63 - 1, -2**63):
+        assert parse_request("completion", json.dumps({"model": "m", "prompt": "x", "seed": seed}).encode(), model="m")

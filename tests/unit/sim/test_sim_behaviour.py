@@ -375,3 +375,32 @@ async def test_a_truncated_prompts_continuation_generates_exactly_the_rest() -> 
         rest = parse_sse((await c.post(COMPLETIONS, json=cont)).text)
     assert [t for ev in rest if isinstance(ev, dict) for ch in ev.get("choices") or () for t in ch.get("token_ids") or ()] \
         == out[5:]
+
+
+async def test_fields_the_router_passes_on_are_judged_as_vllm_0_32_judges_them() -> None:
+    """(Found by a hostile probe: a simulated fleet served what a vLLM fleet refuses.) ``logit_bias``
+    keys that are not token IDs (SamplingParams.from_optional), a seed past 64 bits (the schema),
+    ``tool_choice`` without ``tools`` or not one vLLM names, an empty ``tools`` (check_tool_usage);
+    a chat's ``max_tokens`` beside ``max_completion_tokens`` is not read."""
+    async with sim_client() as c:
+        async def refused(route: str, extra: dict[str, Any]) -> dict[str, Any]:
+            body = chat_body(model=None) if route == CHAT else {"prompt": "hi"}
+            r = await c.post(route, json={**body, "max_tokens": 2, **extra})
+            assert r.status_code == 400, (extra, r.text)
+            return dict(r.json()["error"])
+
+        e = await refused(COMPLETIONS, {"logit_bias": {"abc": 1, "7": 2}})
+        assert e["param"] == "logit_bias" and "cannot be converted to integer token IDs: ['abc']" in e["message"]
+        assert (await refused(COMPLETIONS, {"logit_bias": {"1": "x"}}))
+        assert (await refused(COMPLETIONS, {"seed": 2**63}))
+        e = await refused(CHAT, {"tool_choice": "required"})
+        assert e["param"] == "tool_choice" and e["message"].startswith("When using `tool_choice`, `tools` must be set.")
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        assert (await refused(CHAT, {"tools": tools, "tool_choice": "bogus"}))["param"] == "tool_choice"
+        assert (await refused(CHAT, {"tools": []}))["param"] == "tools"
+        for route, extra in ((COMPLETIONS, {"logit_bias": {"7": -1.5}, "seed": 2**63 - 1}),
+                             (CHAT, {"tool_choice": "none"}),
+                             (CHAT, {"max_completion_tokens": 2, "max_tokens": 0})):
+            body = chat_body(model=None) if route == CHAT else {"prompt": "hi"}
+            r = await c.post(route, json={**body, "max_tokens": 2, **extra})
+            assert r.status_code == 200, (extra, r.text)

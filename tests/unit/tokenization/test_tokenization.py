@@ -195,8 +195,13 @@ async def test_tokenize_and_detokenize_routes(routers: tuple[LocalRouter, LocalR
         assert r.json()["tokens"] == tok.encode("hello", True) and r.json()["token_strs"] is None
         r = await c.post("/detokenize", json={"model": "narwhal-sim", "tokens": tok.encode("hello " + CJK, False)})
         assert r.status_code == 200 and r.json() == {"prompt": "hello " + CJK}
+        # whole-number floats are token IDs, as the completions route and vLLM's schema take them; no model
+        # (or an empty one) is the configured one, as vLLM serves its default
+        r = await c.post("/detokenize", json={"model": "", "tokens": [float(t) for t in tok.encode("hello", False)]})
+        assert r.status_code == 200 and r.json() == {"prompt": "hello"}, r.text
         for path, bad, param in [("/tokenize", {"prompt": 3}, "prompt"), ("/tokenize", {"messages": [1]}, "messages.0"),
                                  ("/detokenize", {"tokens": [10**9]}, "tokens.0"), ("/detokenize", {"tokens": "x"}, "tokens"),
+                                 ("/detokenize", {"tokens": [1.5]}, "tokens"), ("/tokenize", {"model": 5, "prompt": "x"}, "model"),
                                  ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens")]:
             r = await c.post(path, json=bad)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, bad, r.text)
