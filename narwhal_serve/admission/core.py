@@ -130,7 +130,7 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
             judged_wait = _slot_wait(d, expected_out, held_slots, t)
     alone, raw = projected_pair(e.ttft_a, e.ttft_b, x - own + held_tokens, own, judged_wait, e.ttft_c,
                                 r + held_requests)
-    projection = Projection(alone, with_margin(raw, e.ttft_margin))
+    projection = Projection(alone, with_margin(raw, e.ttft_margin), with_margin(alone, e.ttft_margin))
     batch = float(d.in_flight() + 1)
     if d.slots:
         batch = min(batch, float(d.slots))
@@ -307,10 +307,11 @@ def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | 
     if placement is None:
         return Refusal(backend_unavailable(), Outcome.REJECTED)
     if view.predictive and best is not None:
-        limit = ask.ttft_budget_s if ask.admit_within_s is None else min(ask.ttft_budget_s, ask.admit_within_s)
-        if view.over_share and ask.tenant in view.over_share:  # the rest is for tenants within theirs
-            limit = min(limit, OVER_SHARE_HEADROOM * ask.ttft_budget_s)
-        refusal = judge(best.projection, limit)
+        own = ask.ttft_budget_s if ask.admit_within_s is None else min(ask.ttft_budget_s, ask.admit_within_s)
+        limit = own
+        if view.over_share and ask.tenant in view.over_share:  # the rest is for tenants within theirs (for a
+            limit = min(limit, OVER_SHARE_HEADROOM * ask.ttft_budget_s)  # while: the prompt alone is judged on its own)
+        refusal = judge(best.projection, limit, own)
         if refusal is not None:
             retry_after = refusal.error.retry_after
             if ask.reserves and retry_after is not None:

@@ -25,11 +25,17 @@ def _s(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds >= 0.01 else f"{seconds:.2g} s"
 
 
-def judge(p: Projection, budget_s: float) -> Refusal | None:
-    """None to admit; else the refusal with its honest Retry-After."""
-    if p.prompt_alone_s > budget_s:
-        return _refused(f"The prompt alone needs about {_s(p.prompt_alone_s)} to first token, over the "
-                        f"{_s(budget_s)} TTFT budget: shorten the prompt or raise the target (X-TTFT-Target).",
+def judge(p: Projection, budget_s: float, alone_budget_s: float | None = None) -> Refusal | None:
+    """None to admit; else the refusal with its honest Retry-After.  The prompt alone (on an idle
+    engine, with the projection's error margin: the same judgement an idle engine gets, so no wait
+    cures it) is judged against ``alone_budget_s`` (default ``budget_s``): the request's own budget
+    where ``budget_s`` is narrowed for a while (a tenant over its fair share)."""
+    alone_budget = budget_s if alone_budget_s is None else alone_budget_s
+    judged = p.prompt_alone_s if p.judged_alone_s is None else p.judged_alone_s
+    if judged > alone_budget:
+        margin = "" if judged <= p.prompt_alone_s else f" ({_s(judged)} with this engine's prediction margin)"
+        return _refused(f"The prompt alone needs about {_s(p.prompt_alone_s)}{margin} to first token, over the "
+                        f"{_s(alone_budget)} TTFT budget: shorten the prompt or raise the target (X-TTFT-Target).",
                         "prompt_exceeds_ttft_budget")
     if p.projected_s > budget_s:
         overrun = p.projected_s - budget_s

@@ -47,6 +47,12 @@ async def admit(reporter: Reporter, ticket: str, ask: Ask, deadline: float, now:
             remaining = lease.shares.remaining(ask.tenant, now) if lease.shares is not None else None
             return Admitted(verdict.routes, verdict.predicted_s, lease.view.epoch if lease.view is not None else 0,
                             "lease", remaining)
+    shares = lease.shares if lease is not None else None
+    if shares is not None and (spec := shares.budgeted(ask.tenant)) is not None and spec.max_concurrent is not None \
+            and reporter.ends_unheard():
+        # the tenant's slots are counted at the scheduler: it hears first what ended here (a client
+        # sending its next request as the last one ends is judged on its count of one, not two)
+        await reporter.flush()
     admit_req = AdmitRequest.of(
         ticket, deadline, ask,
         lease_id=lease.lease_id if lease is not None else None,

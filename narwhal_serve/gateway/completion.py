@@ -16,6 +16,8 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -97,6 +99,8 @@ class CompletionHandler:
         self.tenancy = Tenancy(cfg, mono)
         self.obs = Observability(cfg.observability, clock)
         self.streams: set[RelayStreamResponse] = set()  # open SSE answers, ended together when draining ends
+        self._before_headers: set[asyncio.Task[Any]] = set()  # admitted answers not begun yet (drain: answered 503)
+        self._drained: set[asyncio.Task[Any]] = set()  # of those, the ones the end of a drain cancelled
         self._drain_end: float | None = None
         self._drain_timer: asyncio.TimerHandle | None = None
         self._tripped: dict[str, float] = {}  # engines whose breaker opened, and when, as last heard
@@ -121,9 +125,16 @@ class CompletionHandler:
         self._drain_timer = asyncio.get_running_loop().call_later(max(0.0, end - self.clock()), self.end_streams)
 
     def end_streams(self) -> None:
+        """The drain's grace is over: open streams end (an error event and ``[DONE]``), and the
+        answers not begun yet (a non-streaming answer being assembled, a stream before its first
+        token) are answered the drain's 503 instead of being cut by the shutdown."""
         err = drained_error()
         for s in list(self.streams):
             s.cut(err)
+        for task in list(self._before_headers):
+            if task not in self._drained:
+                self._drained.add(task)
+                task.cancel()
 
     def _deadline(self, request: Request, now: float) -> float:
         limits = [self.cfg.serving.request_timeout_s]
@@ -243,7 +254,7 @@ class CompletionHandler:
         ticket = f"{rid}/{secrets.token_hex(4)}"
         got = await admit(self.reporter, ticket, ask, deadline, self.clock(), self.mono(), self._admit)
         if isinstance(got, Refused):
-            return self._refused(trail, got.outcome, got.error, echo, counted=got.counted)
+            return self._refused(trail, got.outcome, self._with_limits(got.error, ask.tenant), echo, counted=got.counted)
         wait = self.clock() - trail.arrived
         self.reporter.admission_wait(wait)
         trail.admitted(got.by, wait, got.predicted_s, got.routes[0].engines if got.routes else ())
@@ -251,6 +262,15 @@ class CompletionHandler:
                                self._first_token_s(ask.ttft_budget_s, got.predicted_s), got.epoch, ask.rank)
         return await self._respond(placed, ticket, parsed, echo, trail, got.predicted_s,
                                    self.tenancy.limits(ask.tenant, got.remaining))
+
+    def _with_limits(self, err: ErrorInfo, tenant: str) -> ErrorInfo:
+        """A refusal to a budgeted tenant carries its rate-limit headers, as every answer to it does
+        (a budget refusal has them already; found by a hostile probe on an admission refusal)."""
+        if any(k.startswith("x-ratelimit-") for k, _ in err.extra_headers):
+            return err
+        shares = self.reporter.lease.shares if self.reporter.lease is not None else None
+        limits = self.tenancy.limits(tenant, shares.remaining(tenant, self.clock()) if shares is not None else None)
+        return replace(err, extra_headers=(*err.extra_headers, *limits.items())) if limits else err
 
     def _first_token_s(self, budget: float, predicted: float | None) -> float:
         """Before headers, how long an attempt may wait for its first token while another route is
@@ -293,17 +313,26 @@ class CompletionHandler:
         ok_headers = {} if predicted_ttft_s is None else {"X-Narwhal-Predicted-TTFT": f"{predicted_ttft_s:.4f}"}
         if limits:
             ok_headers.update(limits)
+        task = asyncio.current_task()
+        assert task is not None
+        self._before_headers.add(task)
         try:
             first = await self._first_data(gen, placed.deadline, flow)
         except asyncio.CancelledError:
-            flow.end(Outcome.CANCELLED, "client_disconnected", status=499)
-            close_detached(gen)
-            raise
+            if task in self._drained and task.uncancel() == 0:  # (end_streams: not the client leaving)
+                first = RelayMessage(error=drained_error(), final=True)
+            else:
+                flow.end(Outcome.CANCELLED, "client_disconnected", status=499)
+                close_detached(gen)
+                raise
         except Exception as exc:
             err = internal_error(f"relay failed: {type(exc).__name__}")
             flow.end(Outcome.FAILED, "internal_error", status=err.status)
             close_detached(gen)
             return error_response(err, rid)
+        finally:
+            self._before_headers.discard(task)
+            self._drained.discard(task)
         if first.error is not None and not first.data:
             flow.end(outcome_of(first.error), first.error.reason or first.error.code, first.stats, first.error.status)
             close_detached(gen)

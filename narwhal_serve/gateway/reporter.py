@@ -56,6 +56,8 @@ class Reporter:
         self._sent = 0  # reports handed to the scheduler
         self._queued = 0  # reports ever queued
         self._flushed = asyncio.Condition()
+        self._ends = 0  # requests ended (released) so far
+        self._ends_heard = 0  # of those, the ones in reports the scheduler has answered
         self._task: asyncio.Task[None] | None = None
         self.on_view: Callable[[FleetView], None] | None = None  # each fresh lease view (the gateway's drain)
 
@@ -138,11 +140,17 @@ class Reporter:
     def release(self, ticket_id: str, outcome: Outcome, reason: str, stats: RelayStats | None,
                 tenant: str | None = None, klass: str | None = None) -> None:
         self._pending.counters.add(outcome, reason, tenant, klass)
+        self._ends += 1
         self._pending.released.append((ticket_id, stats, outcome is Outcome.COMPLETED))
         view = self.lease.view if self.lease is not None else None
         if view is not None and view.queued:
             self._urgent = True  # requests wait at the scheduler: the freed permit is theirs now
         self._queue()
+
+    def ends_unheard(self) -> bool:
+        """Requests have ended that the scheduler has not heard of yet (their report is pending or
+        on its way): what it counts in flight (a tenant's concurrent slots) is older than this."""
+        return self._ends_heard < self._ends
 
     async def flush(self, timeout_s: float = 2.0) -> None:
         """Wait until everything reported so far has reached the scheduler (with a lease: and
@@ -184,7 +192,7 @@ class Reporter:
             self._wake.clear()
             self._urgent = False
             rep, self._pending = self._pending, Report()
-            upto = self._queued
+            upto, ends = self._queued, self._ends
             cut_at = self._mono()
             if self.lease is not None:
                 rep.lease = self.lease.cut(cut_at)
@@ -207,6 +215,6 @@ class Reporter:
                     self.lease.apply(grant, self._clock(), cut_at)
                     if self.on_view is not None and self.lease.view is not None:
                         self.on_view(self.lease.view)
-            self._sent = upto
+            self._sent, self._ends_heard = upto, ends
             async with self._flushed:
                 self._flushed.notify_all()

@@ -26,7 +26,8 @@ from starlette.types import Receive, Scope, Send
 
 from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.errors import ErrorInfo, NarwhalError, Unavailable
-from narwhal_serve.protocol.sse import error_events
+from narwhal_serve.assembly.usage import computed_usage
+from narwhal_serve.protocol.sse import error_events, sse_event
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.relay.messages import HealthEvent, RelayMessage
 
@@ -183,6 +184,7 @@ class RelayStreamResponse(Response):
         self._cut = False
         self.on_done: Callable[[RelayStreamResponse], None] | None = None  # the handler's registry
         self._room = asyncio.Event()  # the writer brought the buffer down to half its cap
+        self._usage_meta = first.usage_meta  # (RelayMessage.usage_meta)
 
     async def _read(self) -> None:
         """Pull relay messages ahead of the client, up to the final one, pausing at the cap (one
@@ -202,15 +204,22 @@ class RelayStreamResponse(Response):
 
     def cut(self, err: ErrorInfo) -> None:
         """End the stream with ``err`` (an error event and ``[DONE]``) after what is already
-        buffered: the router is stopping.  The relay is closed as the stream ends."""
+        buffered, a usage chunk before them if the client asked for usage (the output tokens
+        identified so far): the router is stopping.  The relay is closed as the stream ends."""
         if not self._cut:
             self._cut = True
-            self._buf.append(RelayMessage(data=error_events(err), error=err, final=True))
+            usage = b""
+            if self._usage_meta is not None:
+                meta, prompt_tokens = self._usage_meta
+                usage = sse_event({**meta, "choices": [], "usage": computed_usage(prompt_tokens, self.flow.tokens)})
+            self._buf.append(RelayMessage(data=usage + error_events(err), error=err, final=True))
             self._more.set()
 
     def _take(self, msg: RelayMessage) -> bool:
         if self._cut:
             return True  # the stream is being ended: nothing more goes into it
+        if msg.usage_meta is not None:
+            self._usage_meta = msg.usage_meta
         self.flow.observe(msg)
         self._buf.append(msg)
         self._size += len(msg.data)

@@ -188,6 +188,9 @@ def fit_prefill(g: Gram, prior_a: float = PRIOR_A, prior_b: float = PRIOR_B) -> 
 class Projection:
     prompt_alone_s: float  # the request on an idle engine
     projected_s: float  # with the prefill work already ahead of it
+    # the first as judged: with the error margin the second carries (None: none added). Over the
+    # budget, waiting cures nothing: an idle engine is judged the same (ErrorWindow)
+    judged_alone_s: float | None = None
 
 
 def slot_wait_s(in_flight: int, slots: int | None, service_s: float | None) -> float:

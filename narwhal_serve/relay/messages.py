@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from narwhal_serve.engines.errors import FaultKind
 from narwhal_serve.errors import ErrorInfo
@@ -66,3 +67,7 @@ class RelayMessage:
     tokens: int = 0  # identified output tokens so far (streams: decode correction at the scheduler)
     moved: bool = False  # with ``engines``: a resume moved the answer to that route (docs/contract.md, "Engine failures")
     resumes: tuple[tuple[str, str], ...] = ()  # (reason, outcome) of each cut since the last message
+    # with the first token of a stream that asked for usage: its chunks' identity (id, object,
+    # created, model) and its prompt tokens, for a usage chunk the router writes itself (a drain
+    # ending the stream)
+    usage_meta: tuple[dict[str, Any], int] | None = None

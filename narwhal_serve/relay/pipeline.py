@@ -234,7 +234,8 @@ class Relay(ResumingReads):
                 if held and (committed or meter.first is not None) or committed and (at.notes or at.moved):
                     first = not committed
                     committed = True
-                    yield RelayMessage(data=b"".join(held), first_token=first, tokens=meter.tokens,
+                    meta = ({**usage.meta, "model": placed.model}, usage.prompt_tokens) if first and req.include_usage else None
+                    yield RelayMessage(data=b"".join(held), first_token=first, tokens=meter.tokens, usage_meta=meta,
                                        **{"engines": at.route.engines, **at.news()})
                     held = []
         except (EngineFailure, BadEngineResponse, DeadlinePassed) as exc:
@@ -272,12 +273,13 @@ class Relay(ResumingReads):
         meter = at.meter
         asm = Assembler(req.route, return_token_ids=req.return_token_ids)
         chunks = self._chunks(placed, at, headers, span)
+        announced = False  # (the meter sees a batch's first token as the batch is read, before it comes here)
         try:
             async for batch in chunks:
-                had_first = meter.first is not None
                 for chunk in batch:
                     asm.feed(chunk)
-                if not had_first and meter.first is not None:
+                if not announced and meter.first is not None:
+                    announced = True
                     yield RelayMessage(first_token=True, engines=at.route.engines)  # prefill is over: frees the prefill permit
                 news = at.news()
                 if news:

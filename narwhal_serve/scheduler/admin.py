@@ -20,6 +20,8 @@ class AdminOps(AdmissionDesk):
             raise ValueError(f"unknown router mode {mode!r}")
         if self.ha.lease is not None:
             raise ValueError("with ha.lease.backend: redis the lease decides the router's mode")
+        if mode == "active" and self.router.drain_until is not None:  # (found by a hostile probe: it said ok)
+            raise ValueError("the router is draining: a drain stops admitting for good; start a new router")
         self.router.mode = mode  # type: ignore[assignment]
 
     def drain(self, grace_s: float, now: float) -> float:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pydantic import ValidationError
+
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.managed.slot import ReplicaReport
 from narwhal_serve.admission.wire import LeaseGrant
@@ -45,7 +47,12 @@ class SchedulerApi:
         if op == "maintenance_off":
             return svc.maintenance(list(arg), False)
         if op == "register":
-            svc.register_engine(EngineConfig.model_validate(arg))
+            try:
+                engine = EngineConfig.model_validate(arg)
+            except ValidationError as exc:  # (its fields named, not pydantic's dump: found by a hostile probe)
+                raise ValueError("engine: " + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}"
+                                                       for e in exc.errors(include_url=False))) from None
+            svc.register_engine(engine)
             return True
         if op == "deregister":
             return svc.deregister_engine(str(arg))

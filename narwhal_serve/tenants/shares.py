@@ -17,6 +17,15 @@ def _bump(into: dict[str, Amounts], tenant: str, a: Amounts) -> None:
     into[tenant] = into.get(tenant, NOTHING) + a
 
 
+def _refused_here(spec: TenantSpec, router: Amounts, cost: Amounts, slot_wait_s: float) -> BudgetRefusal | bool:
+    """The lease's own refusal when the router's budget as last heard lacks a rate kind; False (ask
+    the scheduler) when it covers the request, or lacks only a concurrent slot: slots free as
+    requests end, which the facts heard do not show yet (a client sending its next request as its
+    last one ended was refused here); the scheduler judges on the counts as they are."""
+    kinds = lacking(router, cost, spec)
+    return refusal(spec, router, cost, slot_wait_s) if kinds and kinds != ("concurrent",) else False
+
+
 @dataclass
 class _Local:
     tenant: str
@@ -57,7 +66,7 @@ class LeaseShares:
             if retry or reserves:
                 return False
             est = refilled(spec, f.level, now - f.at) - f.promised  # a newcomer queues behind them all
-            return refusal(spec, est, cost, f.slot_wait_s) if lacking(est, cost, spec) else False
+            return _refused_here(spec, est, cost, f.slot_wait_s)
         have = self.held.get(tenant, NOTHING)
         # the router-wide budget as last heard (this lease's share included), refilled only where
         # it is read (a refill never lowers a level: a positive output level heard stays positive)
@@ -73,7 +82,7 @@ class LeaseShares:
             return False
         if router is None:
             router = refilled(spec, f.level, now - f.at)
-        return refusal(spec, router, cost, f.slot_wait_s) if lacking(router, cost, spec) else False
+        return _refused_here(spec, router, cost, f.slot_wait_s)
 
     def give_back(self, tenant: str) -> Amounts:
         """The lease's share of ``tenant``, handed back with an admission call to the scheduler

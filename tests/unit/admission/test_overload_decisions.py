@@ -370,3 +370,19 @@ async def test_a_resume_moves_a_lease_ticket_to_the_engine_it_resumed_on() -> No
     svc.report(Report(lease=lease.cut(0.0), released=[("a", None, True)]))
     assert all(e.inflight == 0 for e in svc.engines.values())
     assert lease.tickets == {} and not any(vars(lease.in_use).values())
+
+
+def test_an_idle_engine_with_its_margin_at_the_cap_refuses_for_good_what_it_never_admits() -> None:
+    """(Found by a hostile probe.) The margin is added to the prompt alone as to the projection."""
+    e = engine("u", ttft_a=0.02, ttft_b=0.002, ttft_margin=1.0)
+    out = refused(view(e), Ask(300, 1.0, exact=True))  # 0.62 s alone, 1.24 s judged
+    assert out.error.code == "prompt_exceeds_ttft_budget" and out.error.retry_after is None
+    assert placed(view(replace(e, ttft_margin=0.25)), Ask(300, 1.0, exact=True)).engines == ("u",)
+
+
+def test_a_tenant_over_its_share_is_told_to_retry_not_to_shorten_a_prompt_its_target_holds() -> None:
+    e = engine("u", ttft_a=0.05, ttft_b=0.002, ttft_margin=0.0)  # 0.85 s alone
+    v = view(e, over_share=frozenset({"a"}))
+    out = refused(v, Ask(400, 1.0, tenant="a", exact=True))  # over 75 % of its target, within it
+    assert out.error.code == "ttft_budget_exceeded" and out.error.retry_after == 1
+    assert placed(v, Ask(400, 1.0, tenant="b", exact=True)).engines == ("u",)

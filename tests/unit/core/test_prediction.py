@@ -160,3 +160,27 @@ def test_the_fit_from_running_sums_is_the_least_squares_fit() -> None:
         g2.push(tpot, (b, 0.02 + 0.001 * b))
         got2, want2 = fit_with_prior(g2, ((0.02, 1.0), (0.0, 8.0))), _lstsq_fit(list(tpot), ((0.02, 1.0), (0.0, 8.0)))
         assert np.allclose(got2, want2, rtol=1e-9, atol=1e-12), (i, got2, want2)
+
+
+def test_the_prompt_alone_is_judged_with_the_margin_an_idle_engine_gets() -> None:
+    """(Found by a hostile probe.) An engine whose margin had reached its cap doubled an idle
+    projection: a prompt of 0.62 s against a 1 s budget was refused ``ttft_budget_exceeded`` with
+    ``Retry-After: 1`` forever on an idle fleet (refused requests teach nothing). The prompt alone is
+    judged with the margin: over the budget, no wait cures it, and the client is told so."""
+    stuck = judge(Projection(0.62, 1.24, 1.24), 1.0)
+    assert stuck is not None and stuck.error.code == "prompt_exceeds_ttft_budget" and stuck.error.retry_after is None
+    assert "about 0.62 s (1.24 s with this engine's prediction margin) to first token" in stuck.error.message
+    assert judge(Projection(0.62, 0.9, 0.9), 1.0) is None
+    queued = judge(Projection(0.3, 1.5, 0.4), 1.0)  # (the margin alone fits: the queue is what waiting cures)
+    assert queued is not None and queued.error.code == "ttft_budget_exceeded" and queued.error.retry_after == 1
+
+
+def test_a_budget_narrowed_for_a_while_refuses_with_a_retry_after_not_for_good() -> None:
+    """(Found by a hostile probe.) A tenant over its fair share is admitted within 75 % of its
+    target while others are served; a prompt alone over that share, within its own target, was
+    refused ``prompt_exceeds_ttft_budget`` (never retry) though the share ends when the others' load
+    does. The prompt alone is judged on the request's own budget; the narrowed one refuses it with
+    a Retry-After."""
+    out = judge(Projection(0.85, 0.85, 0.85), 0.75, 1.0)
+    assert out is not None and out.error.code == "ttft_budget_exceeded" and out.error.retry_after == 1
+    assert judge(Projection(1.2, 1.2, 1.2), 0.75, 1.0).error.code == "prompt_exceeds_ttft_budget"  # type: ignore[union-attr]

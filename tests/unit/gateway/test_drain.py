@@ -30,14 +30,14 @@ async def router(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[LocalRouter]:
     await r.stop()
 
 
-def body(tokens: int, stream: bool = True) -> dict[str, object]:
+def body(tokens: int, stream: bool = True, usage: bool = False) -> dict[str, object]:
     return {"model": "narwhal-sim", "messages": [{"role": "user", "content": "x"}], "max_tokens": tokens,
-            "stream": stream}
+            "stream": stream, **({"stream_options": {"include_usage": True}} if usage else {})}
 
 
-async def _stream(c: httpx.AsyncClient, tokens: int, started: asyncio.Event) -> list[str]:
+async def _stream(c: httpx.AsyncClient, tokens: int, started: asyncio.Event, usage: bool = False) -> list[str]:
     events: list[str] = []
-    async with c.stream("POST", CHAT, json=body(tokens)) as r:
+    async with c.stream("POST", CHAT, json=body(tokens, usage=usage)) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if line.startswith("data: "):
@@ -50,7 +50,7 @@ async def test_drain_refuses_new_work_lets_short_work_finish_and_ends_long_strea
     async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
         s_short, s_long = asyncio.Event(), asyncio.Event()
         short = asyncio.create_task(_stream(c, 20, s_short))  # ~0.4 s: done within the grace
-        long = asyncio.create_task(_stream(c, 1000, s_long))  # ~20 s: still open at its end
+        long = asyncio.create_task(_stream(c, 1000, s_long, usage=True))  # ~20 s: still open at its end
         plain = asyncio.create_task(c.post(CHAT, json=body(20, stream=False)))
         await asyncio.wait_for(asyncio.gather(s_short.wait(), s_long.wait()), 10)
         assert (await c.post("/admin/drain", json={"grace_s": 1.5})).status_code == 401  # the admin token
@@ -69,6 +69,13 @@ async def test_drain_refuses_new_work_lets_short_work_finish_and_ends_long_strea
         err = json.loads(cut[-2])["error"]
         assert err["code"] == "router_draining"
         assert 2 < len(cut) < 900  # it streamed tokens first, and did not run to the end
+        # (found by a hostile probe) the usage it asked for comes before the error, as on every other
+        # failure path: the output tokens identified so far
+        usage = json.loads(cut[-3])
+        tokens = sum(1 for e in cut[:-3] if json.loads(e)["choices"] and json.loads(e)["choices"][0]["delta"].get("content"))
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == tokens > 0, usage
+        assert usage["usage"]["prompt_tokens"] > 0 and usage["id"] == json.loads(cut[0])["id"]
+        assert usage["model"] == "narwhal-sim"
         await router.app_reporter.flush()
     snap = router.svc.snapshot()
     by = {(x["outcome"], x["reason"]): x["count"] for x in snap["counters_by_reason"]}
@@ -82,3 +89,26 @@ async def test_drain_grace_is_checked(router: LocalRouter) -> None:
             r = await c.post("/admin/drain", json=bad, headers=ADMIN)
             assert r.status_code == 400 and r.json()["error"]["param"] == "grace_s"
         assert (await c.get("/ready")).status_code == 200  # still serving
+
+
+async def test_an_answer_not_begun_at_the_end_of_the_grace_gets_the_drains_503(router: LocalRouter) -> None:
+    """(Found by a hostile probe.) A non-streaming answer still being assembled when the grace
+    ended was left to the shutdown, which closed its connection without a response. Now it is
+    answered the drain's 503 (``router_draining``, ``Retry-After: 1``: another router takes it),
+    counted ``failed``, with nothing held after it."""
+    async with httpx.AsyncClient(base_url=router.url, timeout=30) as c:
+        long = asyncio.create_task(c.post(CHAT, json=body(1000, stream=False)))  # ~20 s of output
+        for _ in range(500):  # (bounded: until it is admitted and decoding)
+            await asyncio.sleep(0.01)
+            if router.svc.snapshot()["gauges"]["decode_inflight"] == 1:
+                break
+        r = await c.post("/admin/drain", json={"grace_s": 1.0}, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        answer = await asyncio.wait_for(long, 10)  # at the end of the grace, not after 20 s
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "1", answer.text
+        assert answer.json()["error"]["code"] == "router_draining"
+        await router.app_reporter.flush()
+    snap = router.svc.snapshot()
+    by = {(x["outcome"], x["reason"]): x["count"] for x in snap["counters_by_reason"]}
+    assert by == {("failed", "router_draining"): 1}, by
+    assert snap["gauges"]["retained"] == 0 and snap["gauges"]["decode_inflight"] == 0

@@ -78,7 +78,12 @@ async def test_answers_carry_openai_rate_limit_headers(router: LocalRouter) -> N
             assert 0 <= int(r.headers["x-ratelimit-remaining-requests"]) < 600
             assert r.headers["x-ratelimit-reset-requests"].endswith(("ms", "s"))
         free = await c.post(CHAT, json=chat(), headers=auth("free"))
+        # (found by a hostile probe) an admission refusal is an answer to the tenant too
+        long = {"model": "narwhal-sim", "prompt": [1 + i % 2000 for i in range(5000)], "max_tokens": 3}  # past the 4,096 context
+        refused = await c.post("/v1/completions", json=long, headers=auth("acme"))
     assert free.status_code == 200 and "x-ratelimit-limit-requests" not in free.headers
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded", refused.text
+    assert refused.headers["x-ratelimit-limit-requests"] == "600"
 
 
 async def test_over_budget_gets_429_with_a_retry_after_the_openai_client_honours(router: LocalRouter) -> None:
@@ -143,3 +148,34 @@ async def test_priority_classes_reach_the_engine_lowered_to_the_tenant_s_ceiling
     line = next(ln for ln in metrics.splitlines() if ln.startswith('narwhal_class_requests_total{class="batch",outcome="completed"}'))
     assert int(line.split()[-1]) >= 2
     assert 'narwhal_class_goodput_total{class="interactive"}' in metrics
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+async def test_a_client_one_request_at_a_time_is_never_over_its_concurrent_limit(cap: int) -> None:
+    """(Found by a hostile probe.) ``max_concurrent`` 1 (and 2, beside a long stream of the same
+    tenant): a client sending its next request as its last one ended got 429 "on concurrent
+    requests" 7 times in 12 — the lease refused on the count its last grant showed, and the
+    scheduler judged on a report older than the end. Now the lease leaves a lacking slot to the
+    scheduler, and the scheduler hears what ended first."""
+    r = await start_local_router({
+        "admission": {"mode": "open"},
+        "sim": {"engines": [{"name": "u", "role": "unified", "tpot_base_s": 0.01, "eos_prob": 0.0}], "kv_events": False},
+        "tenants": {"list": [{"name": "acme", "key_sha256": [sha(KEYS["acme"])], "max_concurrent": cap}]},
+    })
+    try:
+        async with httpx.AsyncClient(base_url=r.url, timeout=30) as c:
+            long: asyncio.Task[httpx.Response] | None = None
+            if cap == 2:  # one slot held throughout
+                long = asyncio.create_task(c.post(CHAT, json=chat(max_tokens=400), headers=auth("acme")))
+                for _ in range(500):  # (bounded: until it holds its slot)
+                    await asyncio.sleep(0.01)
+                    if r.svc.snapshot()["gauges"]["decode_inflight"] == 1:
+                        break
+            codes = [(await c.post(CHAT, json=chat(max_tokens=2), headers=auth("acme"))).status_code for _ in range(12)]
+            assert codes == [200] * 12, codes
+            if long is not None:
+                assert (await long).status_code == 200
+            over = await asyncio.gather(*(c.post(CHAT, json=chat(max_tokens=50), headers=auth("acme")) for _ in range(cap + 2)))
+            assert sorted(x.status_code for x in over).count(429) >= 1  # (still a limit: more at once is refused)
+    finally:
+        await r.stop()

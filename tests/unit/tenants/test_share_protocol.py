@@ -116,3 +116,45 @@ def test_a_retry_count_is_ascii_digits_only() -> None:
     assert retry_count("2") == 2 and retry_count(" 0 ") == 0
     for bad in ("²", "٣", "-1", "1e3", "99999", "", None):
         assert retry_count(bad) is None, bad
+
+
+async def test_a_client_one_request_at_a_time_is_never_over_its_concurrency() -> None:
+    """(Found by a hostile probe.) ``max_concurrent: 1``, a client that sends its next request when
+    the last one ended: the lease had freed the slot and its report was on the way, but the admit
+    call it made for the next request was judged on the report before (one in flight): refused
+    "on concurrent requests". The call carries the lease's own count now."""
+    from narwhal_serve.scheduler.messages import Report
+
+    svc, clock = service(max_concurrent=1)
+    ing = Ingress(svc, clock, "L")
+    ing.sync()
+    st = svc.tenants.states.get("acme")
+    for n in range(4):
+        tid = f"L-{n}"
+        ask = Ask(10, 5.0, tenant="acme")
+        v = ing.lease.try_admit(tid, ask, clock() + 60, clock(), clock.t)
+        if v is None:
+            assert (await ing.defer(tid, ask)).error is None, n
+        else:
+            assert isinstance(v, Placement), v
+        ing.sync()  # its report: one in flight
+        st = svc.tenants.states["acme"]
+        assert sum(st.lease_in_use.values()) + st.in_use == 1
+        if v is None:
+            svc.report(Report(released=[(tid, STATS, True)]))  # (the scheduler admitted it: its end reported)
+        ing.lease.release(tid, 0)  # it ended; the next report is cut and on its way, not yet read
+        part = ing.lease.cut(clock.t)
+        clock.t += 0.01
+        nxt, nask = f"L-{n}-next", Ask(10, 5.0, tenant="acme")
+        v2 = ing.lease.try_admit(nxt, nask, clock() + 60, clock(), clock.t)
+        if v2 is None:
+            r = await ing.defer(nxt, nask)
+            assert r.error is None, r.error
+            svc.report(Report(released=[(nxt, STATS, True)]))
+        else:
+            assert isinstance(v2, Placement)
+            ing.lease.release(nxt, 0)
+        grant = svc.report(Report(lease=part))
+        assert grant is not None
+        ing.lease.apply(grant, clock(), clock.t)
+
