@@ -227,6 +227,15 @@ class AdmissionController:
             out.append((t, wait_expired(t, now)))
         return out
 
+    def withdraw_queued(self) -> list[Ticket]:
+        """Every queued ticket, taken out of the queue and released (the router stopped admitting:
+        each is answered as a new request would be)."""
+        out = list(self.queue.values())
+        for t in out:
+            self._unqueue(t.id)
+            self.retained.pop(t.id, None)
+        return out
+
     def next_expiry(self) -> float | None:
         return min((t.deadline for t in self.queue.values()), default=None)
 

@@ -23,6 +23,7 @@ class AdminOps(AdmissionDesk):
         if mode == "active" and self.router.drain_until is not None:  # (found by a hostile probe: it said ok)
             raise ValueError("the router is draining: a drain stops admitting for good; start a new router")
         self.router.mode = mode  # type: ignore[assignment]
+        self._pump()  # (what is queued is answered as a new request is)
 
     def drain(self, grace_s: float, now: float) -> float:
         """Stop admitting (503 ``router_unavailable``, reason ``draining``; ``/ready`` 503) and let
@@ -33,6 +34,7 @@ class AdminOps(AdmissionDesk):
         until = now + max(0.0, grace_s)
         self.router.drain_until = until if self.router.drain_until is None else min(until, self.router.drain_until)
         self.ha.give_up()
+        self._pump()  # (what is queued gets the drain's 503 now)
         return self.router.drain_until
 
     def maintenance(self, waves: list[str], on: bool) -> list[str]:

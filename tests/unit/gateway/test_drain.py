@@ -112,3 +112,39 @@ async def test_an_answer_not_begun_at_the_end_of_the_grace_gets_the_drains_503(r
     by = {(x["outcome"], x["reason"]): x["count"] for x in snap["counters_by_reason"]}
     assert by == {("failed", "router_draining"): 1}, by
     assert snap["gauges"]["retained"] == 0 and snap["gauges"]["decode_inflight"] == 0
+
+
+async def test_requests_queued_when_a_drain_begins_are_answered_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Found by a hostile probe.) Requests in the scheduler's queue when the drain began waited
+    until a permit freed (1.2-1.7 s) for their 503; now they get it at once, as new ones do, while
+    the request holding the permit runs on."""
+    monkeypatch.setenv("NARWHAL_ADMIN_TOKEN", ADMIN_TOKEN)
+    r = await start_local_router({
+        "admission": {"mode": "open", "queue_limit": 4, "phase_concurrency": {"prefill": 1, "decode": 8}},
+        "sim": {"engines": [{"name": "slow", "role": "unified", "tpot_base_s": 0.02, "eos_prob": 0.0,
+                             "prefill_per_token_s": 0.05}]},
+    })
+    try:
+        async with httpx.AsyncClient(base_url=r.url, timeout=30) as c:
+            long_prompt = {**body(4, stream=False), "messages": [{"role": "user", "content": "x " * 300}]}
+            holder = asyncio.create_task(c.post(CHAT, json=long_prompt))  # its prefill permit: ~15 s
+            for _ in range(500):
+                await asyncio.sleep(0.01)
+                if r.svc.snapshot()["gauges"]["prefill_inflight"] == 1:
+                    break
+            queued = [asyncio.create_task(c.post(CHAT, json=body(4, stream=False))) for _ in range(2)]
+            for _ in range(500):
+                await asyncio.sleep(0.01)
+                if r.svc.snapshot()["gauges"]["queued"] == 2:
+                    break
+            assert r.svc.snapshot()["gauges"]["queued"] == 2
+            assert (await c.post("/admin/drain", json={"grace_s": 30}, headers=ADMIN)).status_code == 200
+            answers = await asyncio.wait_for(asyncio.gather(*queued), 5)
+            assert r.svc.snapshot()["gauges"]["prefill_inflight"] == 1  # (they did not wait for its permit)
+            for a in answers:
+                assert a.status_code == 503 and a.json()["error"]["code"] == "router_unavailable", a.text
+                assert a.headers["retry-after"] == "1" and "draining" in a.json()["error"]["message"]
+            assert r.svc.snapshot()["gauges"]["queued"] == 0
+            holder.cancel()
+    finally:
+        await r.stop()
