@@ -16,12 +16,12 @@ from .tokens import check_prompt_token_ids, check_token_ids
 # the package's public names (what the rest of Narwhal uses), each with the module that defines it:
 # imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
 _EXPORTS = {
-    "computed_usage": "usage",
+    "usage_chunk": "usage",
 }
 __all__ = [
-    "Assembler", "check_prompt_token_ids", "check_token_ids", "computed_usage", "expose",
+    "Assembler", "check_prompt_token_ids", "check_token_ids", "expose", "usage_chunk",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
 if TYPE_CHECKING:
-    from narwhal_serve.assembly.usage import computed_usage as computed_usage
+    from narwhal_serve.assembly.usage import usage_chunk as usage_chunk

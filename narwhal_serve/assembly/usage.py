@@ -27,3 +27,9 @@ def computed_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def usage_chunk(meta: dict[str, Any], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """A stream's usage chunk written by Narwhal: the stream's identity (``meta``: id, object,
+    created, model), no choices, the computed usage."""
+    return {**meta, "choices": [], "usage": computed_usage(prompt_tokens, completion_tokens)}

@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.errors import ErrorInfo, NarwhalError, Unavailable
-from narwhal_serve.assembly.usage import computed_usage
+from narwhal_serve.assembly.usage import usage_chunk
 from narwhal_serve.protocol.sse import error_events, sse_event
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.relay.messages import HealthEvent, RelayMessage
@@ -211,7 +211,7 @@ class RelayStreamResponse(Response):
             usage = b""
             if self._usage_meta is not None:
                 meta, prompt_tokens = self._usage_meta
-                usage = sse_event({**meta, "choices": [], "usage": computed_usage(prompt_tokens, self.flow.tokens)})
+                usage = sse_event(usage_chunk(meta, prompt_tokens, self.flow.tokens))
             self._buf.append(RelayMessage(data=usage + error_events(err), error=err, final=True))
             self._more.set()
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from narwhal_serve.assembly.tokens import check_token_ids
-from narwhal_serve.assembly.usage import computed_usage
+from narwhal_serve.assembly.usage import usage_chunk
 from narwhal_serve.engines.errors import EngineFailure
 from narwhal_serve.engines.legs import LegCursor
 from narwhal_serve.errors import BadEngineResponse, ErrorInfo, TerminalExpiry, Unavailable
@@ -75,8 +75,7 @@ class UsageWatch:
             self.prompt_tokens = len(ids)
 
     def chunk(self, model: str, completion_tokens: int) -> dict[str, Any]:
-        return {**self.meta, "model": model, "choices": [],
-                "usage": computed_usage(self.prompt_tokens, completion_tokens)}
+        return usage_chunk({**self.meta, "model": model}, self.prompt_tokens, completion_tokens)
 
 
 class Meter:

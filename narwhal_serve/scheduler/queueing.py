@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from narwhal_serve.admission.controller import Enqueued, Grant, Refusal
+from narwhal_serve.admission.controller import Enqueued, Grant, Refusal, Ticket
 from narwhal_serve.admission.core import decide, rank
 from narwhal_serve.admission.retry import earliest
 from narwhal_serve.errors import ErrorInfo, NarwhalError
@@ -95,17 +95,14 @@ class AdmissionDesk(TicketBook):
 
     def _pump(self) -> None:
         now = self.clock()
+        withdrawn: list[tuple[Ticket, Refusal]] = []
         if self.admission.queue and (why := self._granted_unavailable()) is not None:
             # the router stopped admitting (drain, standby, fenced...): what waits is answered now, as
             # a new request is, not when a permit frees (found by a hostile probe: 1.2-1.7 s later)
-            for t in self.admission.withdraw_queued():
-                req = self._unqueue(t.id)
-                self._refund(t.id)
-                fut = self._waiters.pop(t.id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(self._refuse_info(router_unavailable(why), Outcome.REJECTED, req))
+            stopped = Refusal(router_unavailable(why), Outcome.REJECTED)
+            withdrawn = [(t, stopped) for t in self.admission.withdraw_queued()]
         granted, expired = self.admission.pump(now, self.fair.over(now))
-        for t, refusal in expired:
+        for t, refusal in (*withdrawn, *expired):
             req = self._unqueue(t.id)
             self._refund(t.id)
             fut = self._waiters.pop(t.id, None)
