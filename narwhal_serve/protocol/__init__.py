@@ -33,7 +33,7 @@ _EXPORTS = {
     "TERMINAL": "outcomes",
     "check_messages": "requests",
     "check_model": "requests",
-    "decode_json": "requests",
+    "decode_json": "strictjson",
     "error_events": "sse",
     "estimate_tokens": "estimate",
     "model_not_found": "requests",
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from narwhal_serve.protocol.outcomes import TERMINAL as TERMINAL
     from narwhal_serve.protocol.requests import check_messages as check_messages
     from narwhal_serve.protocol.requests import check_model as check_model
-    from narwhal_serve.protocol.requests import decode_json as decode_json
+    from narwhal_serve.protocol.strictjson import decode_json as decode_json
     from narwhal_serve.protocol.sse import error_events as error_events
     from narwhal_serve.protocol.estimate import estimate_tokens as estimate_tokens
     from narwhal_serve.protocol.requests import model_not_found as model_not_found

@@ -25,7 +25,8 @@ from narwhal_serve.engines.openai import OPENAI
 from narwhal_serve.engines.sglang import SGLANG
 from narwhal_serve.engines.vllm import VLLM
 from narwhal_serve.errors import InvalidRequest
-from narwhal_serve.protocol.requests import MAX_NESTING, ParsedRequest, Route, parse_request
+from narwhal_serve.protocol.requests import ParsedRequest, Route, parse_request
+from narwhal_serve.protocol.strictjson import MAX_NESTING
 from tests.fuzz.strategies import (
     ANY_TEXT,
     FINITE_FLOAT,

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from narwhal_serve.errors import InvalidRequest
-from narwhal_serve.protocol.requests import MAX_NESTING, decode_json, parse_request
+from narwhal_serve.protocol.requests import parse_request
+from narwhal_serve.protocol.strictjson import MAX_NESTING, decode_json
 
 ROWS = [
     (b'{"a": NaN}', "a", "NaN"),  # named where it is (issue 24)
