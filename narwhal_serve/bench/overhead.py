@@ -44,6 +44,7 @@ class OverheadArgs:
     api: Api = "chat"
     model: str = "narwhal-sim"
     seed: int = 0
+    distinct_prompts: int = 512  # the pool of prompts the clients cycle through
 
 
 def _workload(a: OverheadArgs, out_tokens: int) -> Workload:
@@ -78,8 +79,8 @@ class OverheadRun:
         ep: Endpoint = self.fleet.endpoints[target]
         n = min(20_000, max(100, int(concurrency * duration_s / 0.002)))
         pool = self._pools.get(out_tokens)
-        if pool is None:  # 512 distinct prompts, reused (the overhead fleet has no prefill cost)
-            pool = self._pools[out_tokens] = _workload(self.a, out_tokens).closed_loop_specs(512)
+        if pool is None:  # distinct prompts, reused (the overhead fleet has no prefill cost)
+            pool = self._pools[out_tokens] = _workload(self.a, out_tokens).closed_loop_specs(self.a.distinct_prompts)
         specs = [replace(pool[i % len(pool)], idx=i) for i in range(n)]
         shape = Shape(api=self.a.api, model=self.a.model, stream=stream, timeout_s=30.0, extra_headers=headers)
         await asyncio.to_thread(self.fleet.settle)

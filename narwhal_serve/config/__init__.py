@@ -52,6 +52,10 @@ class ServingConfig(_Strict):
     # continuation's first token within resume_first_token_s
     max_resumes: int = Field(1, ge=0)
     resume_first_token_s: float = Field(10.0, gt=0)
+    # The prompt goes to vLLM engines as the router's own token IDs instead of its text, once an
+    # engine's answers showed the same IDs (tokenization/forward.py): `completions` (any vLLM),
+    # `all` (chat too: vLLM >= 0.32), `off`
+    forward_prompt_ids: Literal["off", "completions", "all"] = "completions"
 
     def first_token_limit(self, ttft_budget_s: float) -> float:
         if self.first_token_timeout_s is not None:

@@ -17,6 +17,7 @@ class Dialect(Protocol):
     name: str
     supports_token_ids: bool
     supports_pd: bool
+    takes_prompt_ids: bool  # the prompt may go as the router's token IDs (tokenization/forward.py)
 
     def decode_body(self, req: ParsedRequest, kv_transfer_params: Any = None) -> dict[str, Any]:
         """The body of the leg whose stream reaches the client."""

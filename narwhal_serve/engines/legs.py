@@ -64,14 +64,20 @@ async def open_route(
     parent: "Span | None" = None,
     cursor: LegCursor | None = None,
     priority: int | None = None,
+    prompt_ids: tuple[int, ...] | None = None,
 ) -> AsyncGenerator[list[dict[str, Any]], None]:
     """Yield the decode stream's chunk batches for ``route``; runs the prefill leg first for P/D.
     With ``tracing``, each leg runs in a span of its own, below ``parent``; ``cursor`` follows
-    the leg being waited on; ``priority`` goes to engines that schedule by it."""
+    the leg being waited on; ``priority`` goes to engines that schedule by it; ``prompt_ids``
+    (vLLM routes only): the prompt as token IDs to every leg, in place of its text."""
     decode = route.decode
     dialect = dialect_of(decode)
+
+    def as_ids(body: dict[str, Any]) -> dict[str, Any]:
+        return body if prompt_ids is None else VLLM.with_prompt_ids(body, req.route, prompt_ids)
+
     if route.prefill is None:
-        body = prioritized(decode, dialect.decode_body(req), priority)
+        body = prioritized(decode, as_ids(dialect.decode_body(req)), priority)
         with leg_span(tracing, parent, "narwhal.decode", decode.name, headers) as h:
             async with aclosing(stream_chunks(client, decode.name, _url(decode, req), body, h)) as chunks:
                 async for batch in chunks:
@@ -91,7 +97,7 @@ async def open_route(
     with leg_span(tracing, parent, "narwhal.prefill", prefill.name, headers) as h:
         try:
             pre = await post_json(client, prefill.name, _url(prefill, req),
-                                  prioritized(prefill, VLLM.prefill_body(req), priority), h)
+                                  prioritized(prefill, as_ids(VLLM.prefill_body(req)), priority), h)
         except EngineFailure as exc:
             if not exc.client_error:
                 raise
@@ -102,9 +108,9 @@ async def open_route(
     if cursor is not None:
         cursor.engine = decode.name
     if pre is None:
-        body = prioritized(decode, dialect.decode_body(req), priority)
+        body = prioritized(decode, as_ids(dialect.decode_body(req)), priority)
     else:
-        body = prioritized(decode, VLLM.decode_body(req, pre.get("kv_transfer_params")), priority)
+        body = prioritized(decode, as_ids(VLLM.decode_body(req, pre.get("kv_transfer_params"))), priority)
     with leg_span(tracing, parent, "narwhal.decode", decode.name, headers) as h:
         async with aclosing(stream_chunks(client, decode.name, _url(decode, req), body, h)) as chunks:
             async for batch in chunks:

@@ -11,6 +11,7 @@ from narwhal_serve.protocol.requests import ParsedRequest
 class OpenAIDialect:
     name = "openai"
     supports_token_ids = False
+    takes_prompt_ids = False
     supports_pd = False
 
     def decode_body(self, req: ParsedRequest, kv_transfer_params: Any = None) -> dict[str, Any]:

@@ -16,6 +16,7 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 class SGLangDialect:
     name = "sglang"
     supports_token_ids = False
+    takes_prompt_ids = False
     supports_pd = True
 
     def decode_body(self, req: ParsedRequest, kv_transfer_params: Any = None) -> dict[str, Any]:

@@ -22,6 +22,7 @@ class VLLMDialect:
     name = "vllm"
     supports_token_ids = True
     supports_pd = True
+    takes_prompt_ids = True
 
     def decode_body(self, req: ParsedRequest, kv_transfer_params: Any = None) -> dict[str, Any]:
         body = streaming_body(req, counts_from_ids=True)
@@ -40,6 +41,16 @@ class VLLMDialect:
         body["stream"] = False
         body["max_tokens"] = 1
         body["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+        return body
+
+    def with_prompt_ids(self, body: dict[str, Any], route: str, ids: "tuple[int, ...]") -> dict[str, Any]:
+        """``body`` asking for the prompt as token IDs (tokenization/forward.py): a completion's
+        ``prompt`` is the IDs; a chat's go as ``kv_transfer_params.prompt_token_ids``, beside what a
+        P/D prefill leg's answer put there (vLLM takes the key out before the KV connector sees it)."""
+        if route == "completion":
+            body["prompt"] = list(ids)
+        else:
+            body["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), "prompt_token_ids": list(ids)}
         return body
 
 

@@ -223,8 +223,10 @@ def build_api(
     async def status() -> dict[str, Any]:
         await reporter.flush()
         snap = await backend.snapshot()
-        # how this ingress sizes prompts: "hf:<dir>" (exact token IDs) or "estimate"
-        return {**snap, "tokenizer": sizer.source}
+        # how this ingress sizes prompts: "hf:<dir>" (exact token IDs) or "estimate"; and, where its
+        # relay runs here, which engines get prompts as its token IDs (tokenization/forward.py)
+        local = backend.local_relay
+        return {**snap, "tokenizer": sizer.source, "prompt_ids": None if local is None else local.forwarding.status()}
 
     @app.get("/metrics")
     async def metrics() -> Response:

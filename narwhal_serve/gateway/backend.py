@@ -50,6 +50,7 @@ class LocalBackend(SchedulerApi):
             client, idle_timeout_s=svc.cfg.serving.engine_idle_timeout_s, tracing=Tracing(svc.cfg.observability),
             coalesce_reads=False, max_resumes=svc.cfg.serving.max_resumes,
             resume_first_token_s=svc.cfg.serving.resume_first_token_s,
+            forward_prompt_ids=svc.cfg.serving.forward_prompt_ids,
         )
 
     def relay(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:

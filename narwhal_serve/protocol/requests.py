@@ -40,6 +40,9 @@ class ParsedRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     min_output_tokens: int = 0  # tokens the engine writes at least (ignore_eos: max_tokens; else min_tokens)
     max_output_param: str = "max_tokens"  # the field max_output_tokens came from (chat: or max_completion_tokens)
+    # the router's own token IDs of a text prompt (its tokenizer, exact): what it may send the
+    # engine instead of the text (tokenization/forward.py); None for a token-ID or estimated prompt
+    own_ids: tuple[int, ...] | None = None
 
 
 def _is_int(v: Any) -> TypeGuard[int]:

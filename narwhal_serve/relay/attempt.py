@@ -131,7 +131,7 @@ class Attempt:
 
     __slots__ = ("route", "attempt", "meter", "first_limit", "wait_from", "cursor", "transcript", "excluded",
                  "resumes", "notes", "moved", "health", "resumed_from", "gaps", "prefills", "turnarounds",
-                 "cut_at", "timer", "cut_by")
+                 "cut_at", "timer", "cut_by", "prompt_ids")
 
     def __init__(self, route: RouteChoice, attempt: int, meter: Meter, first_limit: float | None,
                  req: ParsedRequest, excluded: set[str]) -> None:
@@ -154,6 +154,7 @@ class Attempt:
         self.cut_at = 0.0  # when the last failure was noticed
         self.timer: asyncio.Timeout | None = None  # the limit of the engine read under way
         self.cut_by: str | None = None  # why the router cuts this answer off its engine (a breaker opened)
+        self.prompt_ids: tuple[int, ...] | None = None  # the prompt went to the engine as these IDs (not its text)
 
     def stats(self) -> RelayStats:
         """What this attempt did, for the scheduler's models and the request log."""

@@ -42,6 +42,7 @@ from narwhal_serve.relay.attempt import (
 from narwhal_serve.relay.coalesce import coalesce
 from narwhal_serve.relay.messages import EngineFault, EngineWorked, RelayMessage
 from narwhal_serve.relay.resuming import ResumingReads
+from narwhal_serve.tokenization.forward import ForwardMode, PromptIdForwarding
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -69,8 +70,10 @@ class Relay(ResumingReads):
         coalesce_reads: bool = True,
         max_resumes: int = 1,
         resume_first_token_s: float = 10.0,
+        forward_prompt_ids: ForwardMode = "completions",
     ) -> None:
         self.client = client
+        self.forwarding = PromptIdForwarding(forward_prompt_ids)
         self.clock = clock
         self.idle_timeout_s = idle_timeout_s
         self.max_resumes = max_resumes  # continuations per request after its first token (0: none)
@@ -170,6 +173,9 @@ class Relay(ResumingReads):
             if at.meter.first is not None and at.wait_from is not None:
                 at.wait_from = None
                 at.health.append(EngineWorked(at.route.engines))  # the route produced a first token
+                if at.prompt_ids is None:  # sent as text: did the engine read the prompt as the router did?
+                    self.forwarding.observed(at.route.decode.name, placed.request_id, placed.request,
+                                             at.transcript.prompt_ids)
             if bad is None or (good and at.meter.first is not None):
                 yield good
             if bad is not None:
@@ -182,7 +188,11 @@ class Relay(ResumingReads):
         when it fails after the first token, continuations on other engines (docs/contract.md,
         "Engine failures (passive health)").  Raises what ended it when it cannot go on."""
         req = placed.request
-        stream = open_route(self.client, at.route, req, headers, self.tracing, span, at.cursor, placed.priority)
+        route = at.route
+        takes_ids = all(dialect_of(e).takes_prompt_ids for e in (route.prefill, route.decode) if e is not None)
+        at.prompt_ids = self.forwarding.choose(route.decode.name, takes_ids, req)
+        stream = open_route(self.client, route, req, headers, self.tracing, span, at.cursor, placed.priority,
+                            at.prompt_ids)
         if self.coalesce_reads:
             stream = coalesce(stream)
         try:
@@ -304,4 +314,4 @@ def relay_of(engine_http: Literal["aiohttp", "httpx"], serving: ServingConfig, o
     ``deployment.relay: ingress``, or an Assembler replica): its own pooled engine client."""
     return Relay(engine_client(engine_http), idle_timeout_s=serving.engine_idle_timeout_s, tracing=Tracing(observability),
                  coalesce_reads=coalesce_reads, max_resumes=serving.max_resumes,
-                 resume_first_token_s=serving.resume_first_token_s)
+                 resume_first_token_s=serving.resume_first_token_s, forward_prompt_ids=serving.forward_prompt_ids)

@@ -35,6 +35,7 @@ from narwhal_serve.sim.reqparse import (
     check_before,
     check_sampling,
     check_sim_ext,
+    vllm_error,
     error_response,
     parse_body,
 )
@@ -104,6 +105,24 @@ def _completion_prompt(prompt: str | list[str] | list[int] | list[list[int]], sp
 COMPLETION_DEFAULT = 16  # vLLM's CompletionRequest.max_tokens default
 
 
+def _reused_prompt_ids(req: ChatRequest) -> list[int] | None:
+    """A chat's prompt forwarded as token IDs (``kv_transfer_params.prompt_token_ids``), as vLLM
+    0.32's ``_reused_prompt_token_ids`` takes it: out of the params, ignored when ``echo`` is set or
+    a message has non-text content (those render the messages), else checked and used unrendered."""
+    kvp = req.kv_transfer_params
+    if not isinstance(kvp, dict):
+        return None
+    ids = kvp.pop("prompt_token_ids", None)
+    if ids is None or getattr(req, "echo", False):
+        return None
+    if any(isinstance(m.content, list) and any(p.get("type") != "text" for p in m.content) for m in req.messages):
+        return None
+    if not isinstance(ids, list) or not ids or any(type(x) is not int or x < 0 for x in ids):
+        raise vllm_error("`kv_transfer_params['prompt_token_ids']` must be a non-empty list of non-negative "
+                          "integers.", "kv_transfer_params.prompt_token_ids")
+    return ids
+
+
 def _truncated(prompt_ids: list[int], req: ChatRequest | CompletionRequest, limit: int) -> list[int]:
     """The prompt as vLLM 0.32 keeps it under ``truncate_prompt_tokens`` (renderers/params.py):
     at most the context; -1 is the context less one, 0 none (refused: an empty prompt); the last
@@ -130,8 +149,9 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
     check_before(raw, kind)
     if kind == "chat":
         req = parse_body(ChatRequest, raw)
-        prompt_ids = render_chat([(m.role, m.text()) for m in req.messages],
-                                 getattr(req, "add_generation_prompt", True) is not False)
+        reused = _reused_prompt_ids(req) if cfg.dialect == "vllm" else None
+        prompt_ids = reused if reused is not None else render_chat(
+            [(m.role, m.text()) for m in req.messages], getattr(req, "add_generation_prompt", True) is not False)
     else:
         req = parse_body(CompletionRequest, raw)
     check_sim_ext(req.sim)

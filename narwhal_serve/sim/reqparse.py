@@ -143,7 +143,7 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool | None = False
 
 
-def _vllm_error(message: str, param: str | None = None, value: Any = None) -> SimError:
+def vllm_error(message: str, param: str | None = None, value: Any = None) -> SimError:
     """A ``VLLMValidationError``'s 400: its message carries the parameter and value it names."""
     extras = [f"{k}={v}" for k, v in (("parameter", param), ("value", value)) if v is not None]
     return bad_request(f"{message} ({', '.join(extras)})" if extras else message, param)
@@ -158,19 +158,19 @@ def check_before(body: Any, kind: str) -> None:
     top = body.get("top_logprobs")
     if kind == "chat" and isinstance(top, (int, float)) and not isinstance(top, bool) \
             and (top == -1 or top > 0) and not body.get("logprobs"):
-        raise _vllm_error("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+        raise vllm_error("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     if body.get("stream_options") and not body.get("stream"):
-        raise _vllm_error("Stream options can only be defined when `stream=True`.", "stream_options")
+        raise vllm_error("Stream options can only be defined when `stream=True`.", "stream_options")
     if kind == "chat":  # (vLLM's check_tool_usage, its first rules)
         if body.get("tools") == []:
-            raise _vllm_error("`tools` must not be an empty array. Either provide at least one tool or omit the "
+            raise vllm_error("`tools` must not be an empty array. Either provide at least one tool or omit the "
                               "field entirely.", "tools")
         choice = body.get("tool_choice")
         if choice is not None and choice != "none":
             if body.get("tools") is None:
-                raise _vllm_error("When using `tool_choice`, `tools` must be set.", "tool_choice")
+                raise vllm_error("When using `tool_choice`, `tools` must be set.", "tool_choice")
             if choice not in ("auto", "required") and not isinstance(choice, dict):
-                raise _vllm_error(f"Invalid value for `tool_choice`: {choice}! Only named tools, \"none\", \"auto\" "
+                raise vllm_error(f"Invalid value for `tool_choice`: {choice}! Only named tools, \"none\", \"auto\" "
                                   f"or \"required\" are supported.", "tool_choice")
 
 
@@ -188,7 +188,7 @@ def check_sampling(req: "ChatRequest | CompletionRequest", max_tokens: int) -> N
     ``SamplingParams.from_optional`` does, ``logit_bias``'s keys as token IDs."""
     bad_keys = [k for k in (req.logit_bias or {}) if not _int_like(k)]
     if bad_keys:
-        raise _vllm_error(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad_keys!r}",
+        raise vllm_error(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad_keys!r}",
                           "logit_bias", bad_keys)
     presence = req.presence_penalty or 0.0
     frequency = req.frequency_penalty or 0.0
@@ -198,31 +198,31 @@ def check_sampling(req: "ChatRequest | CompletionRequest", max_tokens: int) -> N
     top_k = req.top_k or 0
     min_p = req.min_p or 0.0
     if not -2.0 <= presence <= 2.0:
-        raise _vllm_error(f"presence_penalty must be in [-2, 2], got {presence}.")
+        raise vllm_error(f"presence_penalty must be in [-2, 2], got {presence}.")
     if not -2.0 <= frequency <= 2.0:
-        raise _vllm_error(f"frequency_penalty must be in [-2, 2], got {frequency}.")
+        raise vllm_error(f"frequency_penalty must be in [-2, 2], got {frequency}.")
     if not math.isfinite(repetition):
-        raise _vllm_error(f"repetition_penalty must be a finite number, got {repetition}.")
+        raise vllm_error(f"repetition_penalty must be a finite number, got {repetition}.")
     if repetition <= 0.0:
-        raise _vllm_error(f"repetition_penalty must be greater than zero, got {repetition}.")
+        raise vllm_error(f"repetition_penalty must be greater than zero, got {repetition}.")
     if not math.isfinite(temperature):
-        raise _vllm_error(f"temperature must be a finite number, got {temperature}.", "temperature", temperature)
+        raise vllm_error(f"temperature must be a finite number, got {temperature}.", "temperature", temperature)
     if temperature < 0.0:
-        raise _vllm_error(f"temperature must be non-negative, got {temperature}.", "temperature", temperature)
+        raise vllm_error(f"temperature must be non-negative, got {temperature}.", "temperature", temperature)
     if temperature > 2.0:
-        raise _vllm_error(f"temperature must be in [0, 2], got {temperature}.", "temperature", temperature)
+        raise vllm_error(f"temperature must be in [0, 2], got {temperature}.", "temperature", temperature)
     if not 0.0 < top_p <= 1.0:
-        raise _vllm_error(f"top_p must be in (0, 1], got {top_p}.", "top_p", top_p)
+        raise vllm_error(f"top_p must be in (0, 1], got {top_p}.", "top_p", top_p)
     if top_k < -1:
-        raise _vllm_error(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+        raise vllm_error(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
     if not 0.0 <= min_p <= 1.0:
-        raise _vllm_error(f"min_p must be in [0, 1], got {min_p}.")
+        raise vllm_error(f"min_p must be in [0, 1], got {min_p}.")
     if max_tokens < 1:  # (a prompt that fills the context leaves none)
-        raise _vllm_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
+        raise vllm_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
     if req.min_tokens > max_tokens:
-        raise _vllm_error(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {req.min_tokens}.")
+        raise vllm_error(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {req.min_tokens}.")
     if any(not s for s in req.stop_list()):
-        raise _vllm_error("stop cannot contain an empty string.")
+        raise vllm_error("stop cannot contain an empty string.")
 
 
 def parse_body(model: type[M], body: Any) -> M:

@@ -9,6 +9,7 @@
   chat rendering through ``transformers`` (the engine's own library) and encoding through
   ``tokenizers``.
 * :mod:`.sizer` — per request: exact IDs off the event loop, or the estimate, and which it was.
+* :mod:`.forward` — whether a prompt goes to its engine as those IDs (checked against the engine's own).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from narwhal_serve.protocol.estimate import CHARS_PER_TOKEN, estimate_tokens
 _EXPORTS = {
     "Encoded": "hf",
     "NotExact": "chat",
+    "ForwardMode": "forward",
+    "PromptIdForwarding": "forward",
     "PromptSizer": "sizer",
     "Sized": "sizer",
     "TokenCache": "cache",
@@ -32,7 +35,7 @@ _EXPORTS = {
     "text_prompt": "hf",
 }
 __all__ = [
-    "CHARS_PER_TOKEN", "Encoded", "NotExact", "PromptSizer", "Sized", "TokenCache", "Tokenizer",
+    "CHARS_PER_TOKEN", "Encoded", "ForwardMode", "NotExact", "PromptIdForwarding", "PromptSizer", "Sized", "TokenCache", "Tokenizer",
     "estimate_tokens", "outside_vocabulary", "text_prompt",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
@@ -40,6 +43,8 @@ __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 if TYPE_CHECKING:
     from narwhal_serve.tokenization.hf import Encoded as Encoded
     from narwhal_serve.tokenization.chat import NotExact as NotExact
+    from narwhal_serve.tokenization.forward import ForwardMode as ForwardMode
+    from narwhal_serve.tokenization.forward import PromptIdForwarding as PromptIdForwarding
     from narwhal_serve.tokenization.sizer import PromptSizer as PromptSizer
     from narwhal_serve.tokenization.sizer import Sized as Sized
     from narwhal_serve.tokenization.cache import TokenCache as TokenCache

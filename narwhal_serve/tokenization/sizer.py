@@ -170,7 +170,7 @@ class PromptSizer:
         except Exception:  # a tokenizer fault must not fail the request: the engine still sizes it
             log.exception("tokenizing a prompt failed; sizing it with the estimate")
             return Sized(parsed, None, ESTIMATE)
-        return Sized(dataclasses.replace(parsed, prompt_tokens=max(1, len(ids))), ids, "tokenizer")
+        return Sized(dataclasses.replace(parsed, prompt_tokens=max(1, len(ids)), own_ids=tuple(ids)), ids, "tokenizer")
 
 
 def engine_kept(ids: "Sequence[int]", body: dict[str, Any]) -> tuple[list[int], int]:

@@ -230,6 +230,9 @@ def e2e(vllm_server: engine.Server) -> Iterator[E2E]:
             {
                 "model": MODEL,
                 "tokenizer": str(engine.MODEL_DIR),  # the engine's own: prompts sized by their exact token IDs
+                # and sent to it as those IDs once it agreed, chats too (every answer here is checked
+                # against the engine's own answer to the text)
+                "serving": {"forward_prompt_ids": "all"},
                 "admission": {"mode": "open"},
                 "engines": [{"name": ENGINE_NAME, "url": vllm_server.url, "role": "unified", "dialect": "vllm"}],
             }

@@ -12,7 +12,8 @@ import httpx
 
 from scripts import vllm_cpu_engine as engine
 from narwhal_serve.tokenization.hf import HfTokenizer
-from tests.e2e.conftest import E2E, MODEL, REPORT
+from tests.e2e.conftest import ENGINE_NAME, E2E, MODEL, REPORT
+from tests.e2e.helpers import counts
 from tests.support.prompts import exactness_requests
 
 N = 200
@@ -69,3 +70,34 @@ def test_tokenize_answers_like_vllms(e2e: E2E) -> None:
         theirs = c.post(e2e.vllm + "/detokenize", json={"model": MODEL, "tokens": ids})
         assert mine.status_code == theirs.status_code == 200
         assert mine.json()["prompt"] == theirs.json()["prompt"]
+
+
+def test_prompts_sent_as_the_routers_token_ids_are_answered_as_their_text(e2e: E2E) -> None:
+    """The e2e router sends prompts as its token IDs (``serving.forward_prompt_ids: all``) once vLLM's
+    answers showed the same IDs: the same generated tokens, prompt IDs and usage as the engine's own
+    answer to the text, for chats with tools, tool calls, parts and CJK, and completions; no
+    disagreement seen, and most prompts went as IDs."""
+    differ: list[str] = []
+    with httpx.Client(timeout=60) as c:
+        for route, body in exactness_requests(60, MODEL, seed=11):
+            body = {**body, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+            path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+            direct = c.post(e2e.vllm + path, json=body)
+            ours = c.post(e2e.narwhal + path, json=body)
+            assert direct.status_code == ours.status_code == 200, (direct.text, ours.text)
+            d, o = direct.json(), ours.json()
+            keys = ("token_ids", "text", "message", "finish_reason")
+            same = ([{k: ch.get(k) for k in keys} for ch in d["choices"]] == [{k: ch.get(k) for k in keys} for ch in o["choices"]]
+                    and counts(d["usage"]) == counts(o["usage"]))
+            prompt = (d.get("prompt_token_ids") or d["choices"][0].get("prompt_token_ids"),
+                      o.get("prompt_token_ids") or o["choices"][0].get("prompt_token_ids"))
+            if not same or prompt[0] != prompt[1]:
+                differ.append(f"{route} {json.dumps(body, ensure_ascii=False)[:200]}: {o['choices']} vs {d['choices']}")
+        seen = [c.get(e2e.narwhal + "/status").json()["prompt_ids"] for _ in range(4)]
+    assert not differ, "\n".join(differ[:3])
+    assert all(s["mode"] == "all" for s in seen), seen
+    mine = [s["engines"][ENGINE_NAME] for s in seen if ENGINE_NAME in s["engines"]]
+    assert mine and all(e["disagreed"] is None for e in mine), seen
+    assert max(e["forwarded"] for e in mine) >= 30, seen
+    REPORT.setdefault("extra", []).append(f"prompts as token IDs: {max(e['forwarded'] for e in mine)} forwarded, "
+                                          f"{max(e['agreed'] for e in mine)} checked against vLLM's, none differed")

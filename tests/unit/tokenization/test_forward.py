@@ -1,0 +1,200 @@
+"""Prompts sent to the engine as the router's own token IDs (tokenization/forward.py): only after
+the engine's answers showed the same IDs, never for what the engine must see as text, stopped by
+one disagreement; the answer the same either way (the relay over a simulated vLLM engine, which
+takes a chat's IDs as vLLM 0.32 does, ``kv_transfer_params.prompt_token_ids``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from narwhal_serve.config import EngineConfig
+from narwhal_serve.config.sim import SimEngineConfig
+from narwhal_serve.engines.legs import DIALECTS
+from narwhal_serve.engines.vllm import VLLM
+from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
+from narwhal_serve.protocol.requests import ParsedRequest, parse_request
+from narwhal_serve.relay.pipeline import Relay
+from narwhal_serve.sim.app import create_app
+from narwhal_serve.sim.tokenizer import SimTokenizer
+from narwhal_serve.tokenization.forward import RECHECK_EVERY, VERIFY_FIRST, PromptIdForwarding
+from narwhal_serve.tokenization.sizer import PromptSizer
+from tests.support.sse import parse_sse
+
+ENGINE = EngineConfig(name="e1", url="http://sim")
+
+
+async def sized(route: str, body: dict[str, Any]) -> ParsedRequest:
+    raw = json.dumps({"model": "narwhal-sim", **body}).encode()
+    return (await PromptSizer(SimTokenizer()).size(parse_request(route, raw, model="narwhal-sim"))).parsed  # type: ignore[arg-type]
+
+
+def completion(prompt: str = "the quick brown fox jumps", **extra: Any) -> dict[str, Any]:
+    return {"prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": True, **extra}
+
+
+def chat(text: str = "tell me about foxes", **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}],
+            "max_tokens": 6, "temperature": 0, "stream": True, **extra}
+
+
+class Fleet:
+    """A relay over one simulated vLLM engine (in process): the bodies it got and the answers."""
+
+    def __init__(self, mode: str = "completions", dialect: str = "vllm") -> None:
+        self.app = create_app(SimEngineConfig(name="e1", eos_prob=0, dialect=dialect))  # type: ignore[arg-type]
+        self.engine = self.app.state.sim_engine
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app))
+        self.relay = Relay(self.client, forward_prompt_ids=mode)  # type: ignore[arg-type]
+        self.engine_cfg = EngineConfig(name="e1", url="http://sim", dialect=dialect)  # type: ignore[arg-type]
+
+    async def ask(self, req: ParsedRequest, rid: str = "rid") -> str:
+        placed = PlacedRequest(rid, "narwhal-sim", req, (RouteChoice(kind="single", decode=self.engine_cfg),),
+                               time.time() + 30)
+        data = b""
+        async for msg in self.relay.run(placed):
+            assert msg.error is None, msg.error
+            data += msg.data
+        text = ""
+        for ev in parse_sse(data.decode()):
+            if isinstance(ev, dict):
+                for ch in ev.get("choices") or ():
+                    text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+        return text
+
+    def sent(self) -> dict[str, Any]:
+        body: dict[str, Any] = self.engine.recent[-1]["body"]
+        return body
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+async def test_an_engine_gets_ids_only_after_its_answers_showed_the_routers_own() -> None:
+    fleet = Fleet()
+    try:
+        req = await sized("completion", completion())
+        assert req.own_ids is not None
+        texts = []
+        for i in range(VERIFY_FIRST):
+            texts.append(await fleet.ask(req))
+            assert fleet.sent()["prompt"] == "the quick brown fox jumps", i  # text until trusted
+        texts.append(await fleet.ask(req))
+        assert fleet.sent()["prompt"] == list(req.own_ids)  # now the router's IDs
+        assert len(set(texts)) == 1 and texts[0]  # the same answer either way
+        status = fleet.relay.forwarding.status()
+        assert status["engines"]["e1"] == {"agreed": VERIFY_FIRST, "forwarded": 1, "disagreed": None}
+        # one in RECHECK_EVERY still goes as text, and is checked again
+        kinds = []
+        for _ in range(RECHECK_EVERY):
+            await fleet.ask(req)
+            kinds.append(isinstance(fleet.sent()["prompt"], str))
+        assert kinds.count(True) == 1
+        assert fleet.relay.forwarding.status()["engines"]["e1"]["agreed"] == VERIFY_FIRST + 1
+    finally:
+        await fleet.close()
+
+
+async def test_a_chat_goes_as_ids_with_mode_all_only_and_never_when_echoed() -> None:
+    for mode, forwarded in (("completions", False), ("all", True)):
+        fleet = Fleet(mode)
+        try:
+            req = await sized("chat", chat())
+            want = await fleet.ask(req)
+            for _ in range(VERIFY_FIRST):
+                assert await fleet.ask(req) == want
+            got = await fleet.ask(req)
+            kvp = fleet.sent().get("kv_transfer_params") or {}
+            assert ("prompt_token_ids" in kvp) is forwarded, mode
+            if forwarded:
+                assert kvp["prompt_token_ids"] == list(req.own_ids or ())
+                assert fleet.sent()["messages"] == chat()["messages"]  # the messages still go along
+            assert got == want
+            echoed = await sized("chat", chat(echo=True))
+            await fleet.ask(echoed)
+            assert "prompt_token_ids" not in (fleet.sent().get("kv_transfer_params") or {})
+        finally:
+            await fleet.close()
+
+
+async def test_a_disagreement_stops_the_ids_to_that_engine() -> None:
+    fleet = Fleet()
+    try:
+        req = await sized("completion", completion())
+        for _ in range(VERIFY_FIRST):
+            await fleet.ask(req)
+        assert fleet.relay.forwarding.choose("e1", True, req) is not None
+        # a router whose tokenizer reads one prompt otherwise (its IDs are not the engine's)
+        assert req.own_ids is not None
+        wrong = dataclasses.replace(req, own_ids=(*req.own_ids[:-1], req.own_ids[-1] + 1))
+        fleet.relay.forwarding = fresh = PromptIdForwarding("completions")
+        for i in range(VERIFY_FIRST - 1):
+            await fleet.ask(req, f"ok-{i}")
+        await fleet.ask(wrong, "the-odd-one")
+        assert fresh.status()["engines"]["e1"]["disagreed"] == "the-odd-one"
+        for _ in range(3):
+            await fleet.ask(req)
+            assert isinstance(fleet.sent()["prompt"], str)  # text from now on
+        assert fresh.status()["engines"]["e1"]["forwarded"] == 0
+    finally:
+        await fleet.close()
+
+
+@pytest.mark.parametrize("dialect", ["sglang", "openai"])
+async def test_engines_of_other_dialects_always_get_the_text(dialect: str) -> None:
+    assert not DIALECTS[dialect].takes_prompt_ids
+    fwd = PromptIdForwarding("all")
+    req = await sized("completion", completion())
+    for _ in range(VERIFY_FIRST):
+        fwd.observed("e1", "r", req, list(req.own_ids or ()))
+    assert fwd.choose("e1", True, req) is not None
+    assert fwd.choose("e1", DIALECTS[dialect].takes_prompt_ids, req) is None
+
+
+async def test_only_the_routers_own_tokenization_goes_as_ids() -> None:
+    fwd = PromptIdForwarding("all")
+    ids_prompt = await sized("completion", {"prompt": [5, 6, 7], "max_tokens": 2})
+    assert ids_prompt.own_ids is None and not fwd.wanted(ids_prompt)  # the client's IDs go as they came
+    cut = await sized("completion", completion(truncate_prompt_tokens=3))
+    assert cut.own_ids is None and not fwd.wanted(cut)  # the engine cuts a text prompt itself
+    assert not PromptIdForwarding("off").wanted(await sized("completion", completion()))
+    assert not fwd.wanted(await sized("completion", completion(echo=True)))
+
+
+async def test_a_pd_pair_gets_the_ids_on_both_legs_beside_the_prefill_answer() -> None:
+    req = await sized("chat", chat())
+    ids = req.own_ids
+    assert ids is not None
+    prefill = VLLM.with_prompt_ids(VLLM.prefill_body(req), "chat", ids)
+    assert prefill["kv_transfer_params"]["do_remote_decode"] is True
+    assert prefill["kv_transfer_params"]["prompt_token_ids"] == list(ids)
+    answer = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "p"}
+    decode = VLLM.with_prompt_ids(VLLM.decode_body(req, answer), "chat", ids)
+    assert decode["kv_transfer_params"] == {**answer, "prompt_token_ids": list(ids)}
+    assert answer == {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "p"}  # not changed
+    comp = await sized("completion", completion())
+    assert comp.own_ids is not None
+    body = VLLM.with_prompt_ids(VLLM.decode_body(comp), "completion", comp.own_ids)
+    assert body["prompt"] == list(comp.own_ids) and "kv_transfer_params" not in body
+
+
+async def test_the_simulator_takes_and_checks_a_chats_ids_as_vllm() -> None:
+    app = create_app(SimEngineConfig(name="e1", eos_prob=0))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sim") as c:
+        base = {"model": "narwhal-sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                "return_token_ids": True}
+        r = await c.post("/v1/chat/completions", json={**base, "kv_transfer_params": {"prompt_token_ids": [7, 8, 9]}})
+        assert r.status_code == 200 and r.json()["prompt_token_ids"] == [7, 8, 9], r.text
+        assert r.json()["usage"]["prompt_tokens"] == 3
+        for bad in ([], [1, -2], [1, True], "12"):
+            r = await c.post("/v1/chat/completions", json={**base, "kv_transfer_params": {"prompt_token_ids": bad}})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params.prompt_token_ids", bad
+        media = {**base, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                 "kv_transfer_params": {"prompt_token_ids": [7, 8, 9]}}
+        r = await c.post("/v1/chat/completions", json=media)  # non-text content: rendered, the IDs ignored
+        assert r.status_code == 200 and r.json()["prompt_token_ids"] != [7, 8, 9]
