@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--distinct-prompts", type=int, default=512,
                    help="prompts in the pool the clients cycle through (1: one prompt, which a real engine "
                         "answers from its prefix cache: the per-request costs alone)")
+    o.add_argument("--unique-tail", action="store_true",
+                   help="end each request's prompt with its own number: no two texts alike (the router "
+                        "tokenizes each one whole), all but their last tokens shared (an engine's prefix cache)")
     profile.add_parser(sub, _common)
     vllmbench.add_parser(sub, _common)
     d = sub.add_parser("decision", help="CPU cost of one admission decision, lease and scheduler (no servers)")
@@ -246,7 +249,8 @@ def overhead_args(ns: argparse.Namespace) -> OverheadArgs:
     return OverheadArgs(concurrencies=ns.concurrency, phase_s=ns.phase_s, rounds=ns.rounds,
                         tput_concurrency=ns.tput_concurrency, tput_s=ns.tput_s, refusal_s=ns.refusal_s,
                         prompt_tokens=ns.prompt_tokens, output_tokens=ns.output_tokens, api=ns.api,
-                        model=ns.model, seed=ns.seed, distinct_prompts=ns.distinct_prompts)
+                        model=ns.model, seed=ns.seed, distinct_prompts=ns.distinct_prompts,
+                        unique_tail=ns.unique_tail)
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:

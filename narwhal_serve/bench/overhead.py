@@ -45,6 +45,7 @@ class OverheadArgs:
     model: str = "narwhal-sim"
     seed: int = 0
     distinct_prompts: int = 512  # the pool of prompts the clients cycle through
+    unique_tail: bool = False  # each request's prompt ends with its own number (no two texts the same)
 
 
 def _workload(a: OverheadArgs, out_tokens: int) -> Workload:
@@ -70,6 +71,7 @@ class OverheadRun:
         self.targets = targets
         self.log: list[tuple[dict[str, Any], list[RequestResult]]] = []
         self._pools: dict[int, list[RequestSpec]] = {}
+        self._tails = 0  # numbers given to prompts' tails so far (unique_tail)
 
     async def closed(self, target: str, label: str, concurrency: int, duration_s: float, stream: bool,
                      out_tokens: int, headers: tuple[tuple[str, str], ...] = (),
@@ -82,6 +84,9 @@ class OverheadRun:
         if pool is None:  # distinct prompts, reused (the overhead fleet has no prefill cost)
             pool = self._pools[out_tokens] = _workload(self.a, out_tokens).closed_loop_specs(self.a.distinct_prompts)
         specs = [replace(pool[i % len(pool)], idx=i) for i in range(n)]
+        if self.a.unique_tail:  # the router's tokenization cache cannot answer them, an engine's prefix cache can
+            base, self._tails = self._tails, self._tails + n
+            specs = [replace(s, prompt=f"{s.prompt} {base + s.idx}") for s in specs]
         shape = Shape(api=self.a.api, model=self.a.model, stream=stream, timeout_s=30.0, extra_headers=headers)
         await asyncio.to_thread(self.fleet.settle)
         async with make_session() as session:

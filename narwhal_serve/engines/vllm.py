@@ -49,8 +49,10 @@ class VLLMDialect:
         P/D prefill leg's answer put there (vLLM takes the key out before the KV connector sees it)."""
         if route == "completion":
             body["prompt"] = list(ids)
-        else:
-            body["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), "prompt_token_ids": list(ids)}
+            return body
+        kvp = body.get("kv_transfer_params")
+        if kvp is None or isinstance(kvp, dict):  # (an engine's odd kv_transfer_params is passed on as it came)
+            body["kv_transfer_params"] = {**(kvp or {}), "prompt_token_ids": list(ids)}
         return body
 
 

@@ -135,6 +135,8 @@ class Relay(ResumingReads):
                 faults.extend(faults_of(exc, at.route))
                 failures.append(str(exc))
                 excluded.add(at.cursor.engine)
+                if exc.status is None:  # not reached: it may come back as another engine
+                    self.forwarding.forget(at.cursor.engine)
                 if exc.backpressure:
                     pushed_back.append(exc.retry_after_s)
             except BadEngineResponse as exc:
@@ -175,7 +177,7 @@ class Relay(ResumingReads):
                 at.health.append(EngineWorked(at.route.engines))  # the route produced a first token
                 if at.prompt_ids is None:  # sent as text: did the engine read the prompt as the router did?
                     self.forwarding.observed(at.route.decode.name, placed.request_id, placed.request,
-                                             at.transcript.prompt_ids)
+                                             at.transcript.prompt_ids, self.clock())
             if bad is None or (good and at.meter.first is not None):
                 yield good
             if bad is not None:
@@ -190,7 +192,7 @@ class Relay(ResumingReads):
         req = placed.request
         route = at.route
         takes_ids = all(dialect_of(e).takes_prompt_ids for e in (route.prefill, route.decode) if e is not None)
-        at.prompt_ids = self.forwarding.choose(route.decode.name, takes_ids, req)
+        at.prompt_ids = self.forwarding.choose(route.decode.name, takes_ids, req, self.clock())
         stream = open_route(self.client, route, req, headers, self.tracing, span, at.cursor, placed.priority,
                             at.prompt_ids)
         if self.coalesce_reads:

@@ -68,7 +68,7 @@ def tokenizer_path(cfg: "NarwhalConfig") -> str | None:
 # Engine flags under which a model directory's tokenizer and chat template are not what the engine
 # renders and counts with (vLLM's and SGLang's spellings)
 _RENDERING_FLAGS = ("--chat-template", "--chat-template-content-format", "--default-chat-template-kwargs",
-                    "--tokenizer", "--tokenizer-mode", "--tokenizer-path")
+                    "--tokenizer", "--tokenizer-mode", "--tokenizer-path", "--exclude-tools-when-tool-choice-none")
 
 
 def renders_otherwise(args: "Sequence[str]") -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import time
 from typing import Any
 
@@ -22,7 +23,7 @@ from narwhal_serve.protocol.requests import ParsedRequest, parse_request
 from narwhal_serve.relay.pipeline import Relay
 from narwhal_serve.sim.app import create_app
 from narwhal_serve.sim.tokenizer import SimTokenizer
-from narwhal_serve.tokenization.forward import RECHECK_EVERY, VERIFY_FIRST, PromptIdForwarding
+from narwhal_serve.tokenization.forward import RECHECK_EVERY, TRUST_S, VERIFY_FIRST, PromptIdForwarding, shape_of
 from narwhal_serve.tokenization.sizer import PromptSizer
 from tests.support.sse import parse_sse
 
@@ -51,6 +52,7 @@ class Fleet:
         self.engine = self.app.state.sim_engine
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app))
         self.relay = Relay(self.client, forward_prompt_ids=mode)  # type: ignore[arg-type]
+        self.relay.forwarding._rng = random.Random(3)
         self.engine_cfg = EngineConfig(name="e1", url="http://sim", dialect=dialect)  # type: ignore[arg-type]
 
     async def ask(self, req: ParsedRequest, rid: str = "rid") -> str:
@@ -84,20 +86,52 @@ async def test_an_engine_gets_ids_only_after_its_answers_showed_the_routers_own(
         for i in range(VERIFY_FIRST):
             texts.append(await fleet.ask(req))
             assert fleet.sent()["prompt"] == "the quick brown fox jumps", i  # text until trusted
-        texts.append(await fleet.ask(req))
-        assert fleet.sent()["prompt"] == list(req.own_ids)  # now the router's IDs
+        sent_as = []
+        for _ in range(3):
+            texts.append(await fleet.ask(req))
+            sent_as.append(fleet.sent()["prompt"])
+        assert list(req.own_ids) in sent_as  # now the router's IDs (bar a random recheck)
         assert len(set(texts)) == 1 and texts[0]  # the same answer either way
-        status = fleet.relay.forwarding.status()
-        assert status["engines"]["e1"] == {"agreed": VERIFY_FIRST, "forwarded": 1, "disagreed": None}
-        # one in RECHECK_EVERY still goes as text, and is checked again
-        kinds = []
-        for _ in range(RECHECK_EVERY):
-            await fleet.ask(req)
-            kinds.append(isinstance(fleet.sent()["prompt"], str))
-        assert kinds.count(True) == 1
-        assert fleet.relay.forwarding.status()["engines"]["e1"]["agreed"] == VERIFY_FIRST + 1
+        row = fleet.relay.forwarding.status()["engines"]["e1"]["completion"]
+        assert row["agreed"] + row["forwarded"] == VERIFY_FIRST + 3 and row["disagreed"] == []
     finally:
         await fleet.close()
+
+
+async def test_rechecks_are_random_and_trust_has_an_age() -> None:
+    fwd = PromptIdForwarding("all", random.Random(1))
+    req = await sized("completion", completion())
+    for _ in range(VERIFY_FIRST):
+        fwd.observed("e1", "r", req, list(req.own_ids or ()), now=100.0)
+    text = sum(fwd.choose("e1", True, req, now=100.0) is None for _ in range(6400))
+    assert 60 <= text <= 140  # about one in RECHECK_EVERY, at random (no period a workload can line up with)
+    assert RECHECK_EVERY == 64
+    assert fwd.choose("e1", True, req, now=100.0 + TRUST_S + 1) is None  # too long since the last check
+    fwd.observed("e1", "r", req, list(req.own_ids or ()), now=100.0 + TRUST_S + 1)
+    assert any(fwd.choose("e1", True, req, now=100.0 + TRUST_S + 2) is not None for _ in range(5))
+    fwd.forget("e1")  # the engine could not be reached: it starts over
+    assert all(fwd.choose("e1", True, req, now=100.0 + TRUST_S + 2) is None for _ in range(5))
+
+
+async def test_trust_is_per_shape_of_request() -> None:
+    fwd = PromptIdForwarding("all", random.Random(1))
+    plain = await sized("chat", chat())
+    with_tools = await sized("chat", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]))
+    comp = await sized("completion", completion())
+    assert len({shape_of(plain), shape_of(with_tools), shape_of(comp)}) == 3
+    long = await sized("completion", completion(" ".join(["word"] * 5000)))
+    assert shape_of(long) != shape_of(comp)  # another length class
+    for _ in range(VERIFY_FIRST):
+        fwd.observed("e1", "r", comp, list(comp.own_ids or ()), now=1.0)
+    # completions vouch for completions of their shape only: not for chats, nor for long prompts
+    assert any(fwd.choose("e1", True, comp, now=1.0) is not None for _ in range(5))
+    for other in (plain, with_tools, long):
+        assert fwd.choose("e1", True, other, now=1.0) is None
+    for _ in range(VERIFY_FIRST):
+        fwd.observed("e1", "r", plain, list(plain.own_ids or ()), now=1.0)
+    assert any(fwd.choose("e1", True, plain, now=1.0) is not None for _ in range(5))
+    assert fwd.choose("e1", True, with_tools, now=1.0) is None
+    assert fwd.choose("e2", True, plain, now=1.0) is None  # and per engine
 
 
 async def test_a_chat_goes_as_ids_with_mode_all_only_and_never_when_echoed() -> None:
@@ -110,6 +144,9 @@ async def test_a_chat_goes_as_ids_with_mode_all_only_and_never_when_echoed() -> 
                 assert await fleet.ask(req) == want
             got = await fleet.ask(req)
             kvp = fleet.sent().get("kv_transfer_params") or {}
+            if forwarded and "prompt_token_ids" not in kvp:  # (a random recheck: the next one goes as IDs)
+                got = await fleet.ask(req)
+                kvp = fleet.sent().get("kv_transfer_params") or {}
             assert ("prompt_token_ids" in kvp) is forwarded, mode
             if forwarded:
                 assert kvp["prompt_token_ids"] == list(req.own_ids or ())
@@ -126,21 +163,20 @@ async def test_a_disagreement_stops_the_ids_to_that_engine() -> None:
     fleet = Fleet()
     try:
         req = await sized("completion", completion())
-        for _ in range(VERIFY_FIRST):
-            await fleet.ask(req)
-        assert fleet.relay.forwarding.choose("e1", True, req) is not None
-        # a router whose tokenizer reads one prompt otherwise (its IDs are not the engine's)
         assert req.own_ids is not None
+        # a router whose tokenizer reads one prompt otherwise (its IDs are not the engine's)
         wrong = dataclasses.replace(req, own_ids=(*req.own_ids[:-1], req.own_ids[-1] + 1))
-        fleet.relay.forwarding = fresh = PromptIdForwarding("completions")
         for i in range(VERIFY_FIRST - 1):
             await fleet.ask(req, f"ok-{i}")
         await fleet.ask(wrong, "the-odd-one")
-        assert fresh.status()["engines"]["e1"]["disagreed"] == "the-odd-one"
-        for _ in range(3):
+        row = fleet.relay.forwarding.status()["engines"]["e1"]["completion"]
+        assert row["disagreed"] == ["the-odd-one"]
+        for _ in range(5):
             await fleet.ask(req)
             assert isinstance(fleet.sent()["prompt"], str)  # text from now on
-        assert fresh.status()["engines"]["e1"]["forwarded"] == 0
+        assert fleet.relay.forwarding.status()["engines"]["e1"]["completion"]["forwarded"] == 0
+        fleet.relay.forwarding.forget("e1")  # a disagreement is not forgotten with the engine
+        assert fleet.relay.forwarding.choose("e1", True, req, time.time()) is None
     finally:
         await fleet.close()
 
@@ -148,12 +184,12 @@ async def test_a_disagreement_stops_the_ids_to_that_engine() -> None:
 @pytest.mark.parametrize("dialect", ["sglang", "openai"])
 async def test_engines_of_other_dialects_always_get_the_text(dialect: str) -> None:
     assert not DIALECTS[dialect].takes_prompt_ids
-    fwd = PromptIdForwarding("all")
+    fwd = PromptIdForwarding("all", random.Random(1))
     req = await sized("completion", completion())
     for _ in range(VERIFY_FIRST):
-        fwd.observed("e1", "r", req, list(req.own_ids or ()))
-    assert fwd.choose("e1", True, req) is not None
-    assert fwd.choose("e1", DIALECTS[dialect].takes_prompt_ids, req) is None
+        fwd.observed("e1", "r", req, list(req.own_ids or ()), now=1.0)
+    assert any(fwd.choose("e1", True, req, now=1.0) is not None for _ in range(5))
+    assert fwd.choose("e1", DIALECTS[dialect].takes_prompt_ids, req, now=1.0) is None
 
 
 async def test_only_the_routers_own_tokenization_goes_as_ids() -> None:
@@ -164,6 +200,13 @@ async def test_only_the_routers_own_tokenization_goes_as_ids() -> None:
     assert cut.own_ids is None and not fwd.wanted(cut)  # the engine cuts a text prompt itself
     assert not PromptIdForwarding("off").wanted(await sized("completion", completion()))
     assert not fwd.wanted(await sized("completion", completion(echo=True)))
+    # a suffix is rendered with the prompt's text (or refused with IDs): text, and not checked either
+    fim = await sized("completion", completion(suffix="return 1"))
+    assert fim.own_ids and not fwd.wanted(fim)
+    assert fwd.observed("e1", "r", fim, [1, 2, 3], now=1.0) is None
+    # an empty prompt would be no prompt at all as IDs (vLLM refuses the empty text)
+    empty = await sized("completion", {"prompt": [""], "max_tokens": 2, "add_special_tokens": False})
+    assert empty.own_ids == () and not fwd.wanted(empty)
 
 
 async def test_a_pd_pair_gets_the_ids_on_both_legs_beside_the_prefill_answer() -> None:

@@ -22,7 +22,8 @@ def test_a_managed_engine_rendering_otherwise_leaves_the_router_on_the_estimate(
     assert tokenizer_path(config(tmp_path)) == str(tmp_path)
     assert tokenizer_path(config(tmp_path, "--max-model-len", "512", "--enforce-eager")) == str(tmp_path)
     for args in (("--chat-template", "/t/chat.jinja"), ("--tokenizer=/other",),
-                 ("--default-chat-template-kwargs", '{"enable_thinking": false}'), ("--tokenizer-mode", "mistral")):
+                 ("--default-chat-template-kwargs", '{"enable_thinking": false}'), ("--tokenizer-mode", "mistral"),
+                 ("--exclude-tools-when-tool-choice-none",)):
         assert tokenizer_path(config(tmp_path, *args)) is None, args
         assert renders_otherwise(args) == args[0].split("=")[0]
     # the operator's explicit tokenizer still wins
