@@ -11,7 +11,6 @@ from typing import Any, Protocol
 
 import httpx
 
-from narwhal_serve.observability import Tracing
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.relay.pipeline import Relay
@@ -46,12 +45,7 @@ class LocalBackend(SchedulerApi):
     def __init__(self, svc: SchedulerService, client: httpx.AsyncClient) -> None:
         self.svc = svc
         # as in an ingress replica (deployment.relay: ingress): no coalescing for a Ray hop
-        self.relay_ = Relay(
-            client, idle_timeout_s=svc.cfg.serving.engine_idle_timeout_s, tracing=Tracing(svc.cfg.observability),
-            coalesce_reads=False, max_resumes=svc.cfg.serving.max_resumes,
-            resume_first_token_s=svc.cfg.serving.resume_first_token_s,
-            forward_prompt_ids=svc.cfg.serving.forward_prompt_ids,
-        )
+        self.relay_ = Relay.configured(client, svc.cfg.serving, svc.cfg.observability, coalesce_reads=False)
 
     def relay(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         return self.relay_.run(placed)

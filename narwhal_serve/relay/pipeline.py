@@ -88,6 +88,14 @@ class Relay(ResumingReads):
         self.tracing = tracing if tracing is not None and tracing.on else None
         self._active: dict[Attempt, PlacedRequest] = {}  # answers being relayed (cut_engine)
 
+    @classmethod
+    def configured(cls, client: httpx.AsyncClient, serving: ServingConfig, observability: ObservabilityConfig,
+                   *, coalesce_reads: bool = True) -> "Relay":
+        """A relay over ``client`` with the serving and observability settings that concern it."""
+        return cls(client, idle_timeout_s=serving.engine_idle_timeout_s, tracing=Tracing(observability),
+                   coalesce_reads=coalesce_reads, max_resumes=serving.max_resumes,
+                   resume_first_token_s=serving.resume_first_token_s, forward_prompt_ids=serving.forward_prompt_ids)
+
     async def run(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         failures: list[str] = []
         faults: list[EngineFault] = []  # failed attempts not yet sent to the ingress
@@ -314,6 +322,4 @@ def relay_of(engine_http: Literal["aiohttp", "httpx"], serving: ServingConfig, o
              *, coalesce_reads: bool = True) -> Relay:
     """The relay of a process that opens engine streams itself (an ingress replica with
     ``deployment.relay: ingress``, or an Assembler replica): its own pooled engine client."""
-    return Relay(engine_client(engine_http), idle_timeout_s=serving.engine_idle_timeout_s, tracing=Tracing(observability),
-                 coalesce_reads=coalesce_reads, max_resumes=serving.max_resumes,
-                 resume_first_token_s=serving.resume_first_token_s, forward_prompt_ids=serving.forward_prompt_ids)
+    return Relay.configured(engine_client(engine_http), serving, observability, coalesce_reads=coalesce_reads)
