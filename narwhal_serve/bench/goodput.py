@@ -35,11 +35,22 @@ from narwhal_serve.bench.fleet import Fleet, SimTiming
 from narwhal_serve.bench.progress import Progress
 from narwhal_serve.bench.report import check
 from narwhal_serve.bench.stats import RequestResult, Slo, ratio, summarize
-from narwhal_serve.bench.workload import Api, Arrival, LengthDist, Workload, arrival_times, oracle_hit_rate
+from narwhal_serve.bench.workload import (
+    Api,
+    Arrival,
+    LengthDist,
+    RequestSpec,
+    Workload,
+    arrival_times,
+    oracle_hit_rate,
+)
 from narwhal_serve.config.sim import SimEngineConfig
+from narwhal_serve.sim import render_chat
 
-CHAT_TEMPLATE_TOKENS = 6  # the simulator's chat template around one user message
-CHAT_LEAD_TOKENS = 3  # of which before the message (<|im_start|> user \n); completions: BOS only
+# the simulator's chat template around one user message, and the part of it before the message
+# (<|im_start|> user \n; a completion has its BOS only), in the simulator's tokens
+CHAT_TEMPLATE_TOKENS = len(render_chat([("user", "")]))
+CHAT_LEAD_TOKENS = len(render_chat([("user", "")], add_generation_prompt=False)) - 2
 SIM_DEFAULTS = SimEngineConfig()
 
 
@@ -84,6 +95,28 @@ def cached_prefix_tokens(wl: Workload, api: Api = "chat", block_size: int = SIM_
     return (lead + wl.prefix_tokens) // block_size * block_size
 
 
+def oracle_prefix_hit_rate(wl: Workload, specs: list[RequestSpec], seed_offset: int, api: Api = "chat",
+                           block_size: int = SIM_DEFAULTS.kv_block_size) -> float | None:
+    """The prefix-cache hit rate an oracle placement gets on the requests of one run (every request
+    on an engine that holds every prefix sent before it, an unbounded cache), in prompt tokens as
+    the engines count them: for a trace, from its block ids (:func:`oracle_hit_rate`, the run's
+    stretch of it); for a shared-prefix workload, every request but its group's first hits the
+    group's whole prefix blocks.  ``None`` for a workload that shares no prefixes."""
+    if wl.trace:
+        return oracle_hit_rate(wl.trace_slice(len(specs), seed_offset)) if wl.trace[0].hash_ids else None
+    if not wl.prefix_groups or not specs:
+        return None
+    cached, extra = cached_prefix_tokens(wl, api, block_size), (CHAT_TEMPLATE_TOKENS if api == "chat" else 1)
+    seen: set[int | None] = set()
+    hit = total = 0
+    for s in specs:
+        total += s.prompt_tokens + extra
+        if s.group in seen:
+            hit += cached
+        seen.add(s.group)
+    return hit / total if total else None
+
+
 def sim_cache_blocks(wl: Workload, engines: int, api: Api = "chat",
                      block_size: int = SIM_DEFAULTS.kv_block_size) -> int:
     """Prefix-cache blocks per simulated engine: the simulator's default, or for a shared-prefix
@@ -122,6 +155,7 @@ class GoodputRun:
                                           ("X-TPOT-Target", f"{a.slo.tpot_s:g}")))
         self.cache_blocks = a.num_gpu_blocks or sim_cache_blocks(a.workload, fleet.spec.engines, a.api)
         self.engines_seen: dict[str, Any] = {}  # engine_delta of the last open_run
+        self.specs_seen: list[RequestSpec] = []  # the requests of the last open_run
 
     async def _prepare(self) -> None:
         """Before a run: engines idle, prefix caches empty (and sized for this workload)."""
@@ -171,7 +205,7 @@ class GoodputRun:
         a = self.a
         times = arrival_times(a.arrival, rate, a.duration_s if duration_s is None else duration_s,
                               np.random.default_rng([a.seed, seed_offset]), burst_size=a.burst_size)
-        specs = a.workload.specs(times, seed_offset=seed_offset)
+        specs = self.specs_seen = a.workload.specs(times, seed_offset=seed_offset)
         await self._prepare()
         before = await asyncio.to_thread(self.fleet.sim_counters)
         async with make_session() as session:
@@ -196,9 +230,9 @@ class GoodputRun:
             for t in targets[k:] + targets[:k]:
                 rs = await self.open_run(t, "sweep", rate, 100 + i)
                 s = summarize(rs, self.a.slo, duration_s=self.a.duration_s)
-                oracle = {}
-                if wl.trace and wl.trace[0].hash_ids:  # the best hit rate any placement could get here
-                    oracle = {"oracle_hit_rate": round(oracle_hit_rate(wl.trace_slice(len(rs), 100 + i)), 4)}
+                oracle = {}  # the best hit rate any placement could get here
+                if (o := oracle_prefix_hit_rate(wl, self.specs_seen, 100 + i, self.a.api)) is not None:
+                    oracle = {"oracle_hit_rate": round(o, 4)}
                 rows.append({"workload": wl.kind, "target": t, "load": round(frac, 3), "offered_rps": round(rate, 3),
                              "goodput_vs_capacity": ratio(s["goodput_rps"], capacity), **s,
                              "engines": self.engines_seen, **oracle})
@@ -251,7 +285,22 @@ def prefix_gain(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "blind_goodput_rps": blind["goodput_rps"],
                         "gain": ratio(aware["goodput_rps"], blind["goodput_rps"]),
                         "predictive_engines": aware.get("engines"), "blind_engines": blind.get("engines"),
-                        "oracle_hit_rate": aware.get("oracle_hit_rate")})
+                        "oracle_hit_rate": aware.get("oracle_hit_rate"),
+                        "hits_vs_oracle": ratio((aware.get("engines") or {}).get("prefix_hit_rate"),
+                                                aware.get("oracle_hit_rate"))})
+    return out
+
+
+def prefix_checks(gain: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 19's prefix targets at every overload: prefix-aware goodput >= 2x prefix-blind's, and
+    its engines' cache hit rate >= 0.9 of the oracle placement's."""
+    out: list[dict[str, Any]] = []
+    for g in gain:
+        if g["load"] >= OVERLOAD:
+            out.append(check(f"{g['workload']}: predictive goodput / prefix-blind at {g['load']}x", g["gain"],
+                             ">=", 2.0))
+            out.append(check(f"{g['workload']}: predictive cache hits / oracle at {g['load']}x",
+                             g.get("hits_vs_oracle"), ">=", 0.9))
     return out
 
 
@@ -271,6 +320,7 @@ async def run_goodput_suite(runs: list[GoodputArgs], fleet: Fleet, targets: list
     (``capacity``: the first workload's, ``capacities``: every workload's)."""
     parts = [await run_goodput(a, fleet, targets) for a in runs]
     rows = [r for p in parts for r in p["rows"]]
+    gain = prefix_gain(rows)
     return {"capacity": parts[0]["capacity"], "capacities": [p["capacity"] for p in parts], "rows": rows,
-            "prefix_gain": prefix_gain(rows), "checks": [c for p in parts for c in p["checks"]],
+            "prefix_gain": gain, "checks": [c for p in parts for c in p["checks"]] + prefix_checks(gain),
             "_log": [e for p in parts for e in p["_log"]]}

@@ -106,7 +106,8 @@ def goodput_view(res: dict[str, Any], out: Path) -> tuple[str, list[Path]]:
                            [[g.get("workload", "shared-prefix"), g["load"], g["predictive_goodput_rps"],
                              g["blind_goodput_rps"], g["gain"],
                              f"{_hits(g['predictive_engines'])} / {_hits(g['blind_engines'])}",
-                             "-" if g.get("oracle_hit_rate") is None else f"{g['oracle_hit_rate']:.2f}",
+                             "-" if g.get("oracle_hit_rate") is None
+                             else f"{g['oracle_hit_rate']:.2f} (pred {g.get('hits_vs_oracle')}x)",
                              f"{_per_engine(g['predictive_engines'])} / {_per_engine(g['blind_engines'])}"]
                             for g in gain], nd=3))
     parts.append("\n## targets")

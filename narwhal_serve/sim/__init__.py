@@ -22,13 +22,14 @@ _EXPORTS = {
     "SimTokenizer": "tokenizer",
     "block_hashes": "timing",
     "prefill_deadline": "timing",
+    "render_chat": "textgen",
     "render_metrics": "metrics",
     "start_server": "server",
     "token_interval": "timing",
 }
 __all__ = [
     "Engine", "Histogram", "KVEventSink", "Scheduler", "SimServer", "SimTokenizer", "block_hashes",
-    "prefill_deadline", "render_metrics", "start_server", "token_interval",
+    "prefill_deadline", "render_chat", "render_metrics", "start_server", "token_interval",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from narwhal_serve.sim.kvevents import KVEventSink as KVEventSink
     from narwhal_serve.sim.engine import Scheduler as Scheduler
     from narwhal_serve.sim.server import SimServer as SimServer
+    from narwhal_serve.sim.textgen import render_chat as render_chat
     from narwhal_serve.sim.tokenizer import SimTokenizer as SimTokenizer
     from narwhal_serve.sim.timing import block_hashes as block_hashes
     from narwhal_serve.sim.timing import prefill_deadline as prefill_deadline

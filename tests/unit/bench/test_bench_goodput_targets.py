@@ -16,10 +16,14 @@ from narwhal_serve.bench.cli import build_parser, goodput_args
 from narwhal_serve.bench.client import Endpoint, RetryPolicy, Shape, make_session, run_open_loop
 from narwhal_serve.bench.fleet import NARWHAL_PREFIX, SimTiming, narwhal_serve_config, prom_value
 from narwhal_serve.bench.goodput import (
+    CHAT_LEAD_TOKENS,
+    CHAT_TEMPLATE_TOKENS,
     cached_prefix_tokens,
     engine_delta,
     goodput_checks,
     model_capacity,
+    oracle_prefix_hit_rate,
+    prefix_checks,
     prefix_gain,
     sim_cache_blocks,
 )
@@ -27,7 +31,7 @@ from narwhal_serve.bench.stats import RequestResult, Slo, summarize, ttft_predic
 from narwhal_serve.bench.views import goodput_view
 from narwhal_serve.bench.workload import LengthDist, Workload
 from narwhal_serve.config import NarwhalConfig
-from narwhal_serve.sim.textgen import render_chat
+from narwhal_serve.sim.textgen import encode_prompt, render_chat
 from narwhal_serve.sim.timing import block_hashes
 
 SLO = Slo(ttft_s=0.5, tpot_s=0.05)
@@ -79,7 +83,45 @@ def test_shared_prefix_blocks_hit_the_simulators_prefix_cache() -> None:
     hx = block_hashes(render_chat([("user", x.prompt)]), 16)
     hy = block_hashes(render_chat([("user", y.prompt)]), 16)
     common = next(i for i, (p, q) in enumerate(zip(hx, hy)) if p != q)
-    assert common == (3 + 200) // 16 == cached_prefix_tokens(shared(prefix=200)) // 16
+    assert common == (4 + 200) // 16 == cached_prefix_tokens(shared(prefix=200)) // 16
+    for api, ids in (("chat", render_chat([("user", x.prompt)])), ("completions", encode_prompt(x.prompt))):
+        lead = ids.index(encode_prompt(x.prompt)[1])  # where the message starts
+        extra = CHAT_TEMPLATE_TOKENS if api == "chat" else 1
+        assert (len(ids), lead) == (x.prompt_tokens + extra, CHAT_LEAD_TOKENS if api == "chat" else 1)
+    long = [s for s in shared(prefix=1500).specs([0.0] * 40) if s.group == 0][:2]
+    hx, hy = (block_hashes(render_chat([("user", s.prompt)]), 16) for s in long)
+    common = next(i for i, (p, q) in enumerate(zip(hx, hy)) if p != q)
+    assert common * 16 == cached_prefix_tokens(shared(prefix=1500)) == 1504
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_oracle_hit_rate_of_a_shared_prefix_run_is_what_an_unbounded_engine_cache_hits(api: str) -> None:
+    """Computed independently: every request's prompt as the simulator tokenizes it, its leading
+    block hashes looked up in one unbounded cache of every block seen before."""
+    wl = shared(groups=5, prefix=200, suffix=40)
+    specs = wl.specs([0.0] * 30, seed_offset=3)
+    seen: set[int] = set()
+    hit = total = 0
+    for s in specs:
+        ids = render_chat([("user", s.prompt)]) if api == "chat" else encode_prompt(s.prompt)
+        total += len(ids)
+        hs = block_hashes(ids, 16)
+        hit += 16 * next((i for i, h in enumerate(hs) if h not in seen), len(hs))
+        seen.update(hs)
+    assert hit > 0 and oracle_prefix_hit_rate(wl, specs, 3, api) == pytest.approx(hit / total)  # type: ignore[arg-type]
+    assert oracle_prefix_hit_rate(Workload(LengthDist(16, 0.0, 16, 16), OUT), specs, 3) is None
+    assert oracle_prefix_hit_rate(wl, [], 3) is None
+
+
+def test_prefix_checks_at_overload_only() -> None:
+    gain = [{"workload": "shared-prefix", "load": 1.0, "gain": 1.1, "hits_vs_oracle": 0.5},
+            {"workload": "shared-prefix", "load": 2.0, "gain": 2.5, "hits_vs_oracle": 0.89},
+            {"workload": "mooncake", "load": 2.0, "gain": 1.9, "hits_vs_oracle": None}]
+    assert [(c["check"], c["verdict"]) for c in prefix_checks(gain)] == [
+        ("shared-prefix: predictive goodput / prefix-blind at 2.0x", "PASS"),
+        ("shared-prefix: predictive cache hits / oracle at 2.0x", "MISS"),
+        ("mooncake: predictive goodput / prefix-blind at 2.0x", "MISS"),
+        ("mooncake: predictive cache hits / oracle at 2.0x", "n/a")]
 
 
 def test_default_workload_unchanged_and_bad_prefix_rejected() -> None:
@@ -96,14 +138,15 @@ def test_capacity_model_and_cache_size_for_shared_prefix() -> None:
     wl = shared(groups=8, prefix=1500, suffix=32)
     cold, hot = model_capacity(t, 1, wl), model_capacity(t, 1, wl, cached_tokens=cached_prefix_tokens(wl))
     # (no decode time: the one prefill at a time bounds it, not the two slots)
-    assert cold == pytest.approx(1 / (0.001 * (1532 + 6)))
-    assert hot == pytest.approx(1 / (0.001 * (1532 + 6 - 1488)))
+    # (the simulator's chat template: 11 tokens, 4 of them before the message)
+    assert cold == pytest.approx(1 / (0.001 * (1532 + 11)))
+    assert hot == pytest.approx(1 / (0.001 * (1532 + 11 - 1504)))
     slots_bound = SimTiming(prefill_overhead_s=0.0, prefill_per_token_s=0.001, tpot_base_s=0.1, tpot_per_running_s=0.0,
                             max_num_seqs=2)
-    assert model_capacity(slots_bound, 1, wl) == pytest.approx(2 / (0.001 * 1538 + 0.1 * (wl.output_len.mean() - 1)))
-    blocks_per_prompt = -(-1538 // 16)
+    assert model_capacity(slots_bound, 1, wl) == pytest.approx(2 / (0.001 * 1543 + 0.1 * (wl.output_len.mean() - 1)))
+    blocks_per_prompt = -(-1543 // 16)
     assert sim_cache_blocks(wl, 2) == 5 * blocks_per_prompt  # 4 of the 8 prefixes per engine, plus one
-    assert sim_cache_blocks(wl, 2) < 8 * 1488 // 16  # not all of them
+    assert sim_cache_blocks(wl, 2) < 8 * 1504 // 16  # not all of them
     assert sim_cache_blocks(Workload(LengthDist(16, 0.0, 16, 16), OUT), 2) == 4096  # the simulator's default
 
 
@@ -262,7 +305,10 @@ def test_checks_at_every_overload_and_prefix_gain(tmp_path: Path) -> None:
     sp[1]["engines"] = {"requests": [49, 49], "prefix_hit_rate": 0.4}
     assert prefix_gain(rows + sp) == [{"workload": "shared-prefix", "load": 2.0, "predictive_goodput_rps": 9.0,
                                        "blind_goodput_rps": 7.5, "gain": 1.2, "predictive_engines": sp[0]["engines"],
-                                       "blind_engines": sp[1]["engines"], "oracle_hit_rate": None}]
+                                       "blind_engines": sp[1]["engines"], "oracle_hit_rate": None,
+                                       "hits_vs_oracle": None}]
+    sp[0]["oracle_hit_rate"] = 0.95
+    assert prefix_gain(rows + sp)[0]["hits_vs_oracle"] == 0.947
     res = {"capacity": {"workload": "lognormal", "capacity_rps": 10.0},
            "capacities": [{"workload": "lognormal", "capacity_rps": 10.0},
                           {"workload": "shared-prefix", "capacity_rps": 9.0, "model_rps_prefix_cached": 11.0,
@@ -271,6 +317,7 @@ def test_checks_at_every_overload_and_prefix_gain(tmp_path: Path) -> None:
     text, _ = goodput_view(res, tmp_path)
     assert "shared-prefix: SLO capacity 9.0" in text and "prefix gain ceiling 1.16x" in text
     assert "## prefix gain" in text and "1.200" in text and "0.90 / 0.40" in text and "50,48 / 49,49" in text
+    assert "0.95 (pred 0.947x)" in text
     assert "3/4 (0.75)" in text and "retries admitted" in text and "ttft pred err p50" in text
 
 
