@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 CACHE_TOKENS = 2_000_000  # token IDs a cache holds at most (least recently used dropped first)
 
@@ -33,11 +33,35 @@ class TokenCache:
                 return ids
         ids = self._encode(text)
         with self._lock:
-            self.misses += 1
-            if text not in self._cache:
-                self._cache[text] = ids
-                self._tokens += len(ids)
-                while self._tokens > self._capacity and self._cache:
-                    _, old = self._cache.popitem(last=False)
-                    self._tokens -= len(old)
+            self._keep(text, ids)
         return ids
+
+    def many(self, texts: Sequence[str], encode_many: Callable[[list[str]], list[list[int]]]) -> list[list[int]]:
+        """``encode`` of each of ``texts``: the remembered ones from the cache, the others encoded
+        together by ``encode_many`` (one call: a batch the tokenizer may spread over cores)."""
+        out: list[list[int] | None] = [None] * len(texts)
+        with self._lock:
+            for i, text in enumerate(texts):
+                if len(text) >= self._min_chars and (ids := self._cache.get(text)) is not None:
+                    self._cache.move_to_end(text)
+                    self.hits += 1
+                    out[i] = ids
+        todo = [i for i, ids in enumerate(out) if ids is None]
+        if todo:
+            new = encode_many([texts[i] for i in todo])
+            with self._lock:
+                for i, ids in zip(todo, new, strict=True):
+                    out[i] = ids
+                    if len(texts[i]) >= self._min_chars:
+                        self._keep(texts[i], ids)
+        return [ids for ids in out if ids is not None]
+
+    def _keep(self, text: str, ids: list[int]) -> None:
+        """(under the lock) A miss: remembered, the least recently used dropped past the capacity."""
+        self.misses += 1
+        if text not in self._cache:
+            self._cache[text] = ids
+            self._tokens += len(ids)
+            while self._tokens > self._capacity and self._cache:
+                _, old = self._cache.popitem(last=False)
+                self._tokens -= len(old)

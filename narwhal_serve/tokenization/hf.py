@@ -87,7 +87,8 @@ class HfTokenizer:
         special tokens at the edges, between spaces and newlines, inside words; a rendered chat."""
         specials = [t.content for t in self._rust.get_added_tokens_decoder().values()]
         body = "Hello  world\n\n  the quick 東京 fox\tdef f(x):\n    return x  \n"
-        out = [body, " " + body + " ", body * 40]
+        words = "It's the router's cache: don't drop it, we'll see. A b C d e's f 'll x y'z I'M ok Ab cD"
+        out = [body, " " + body + " ", body * 40, words, " " + words + " a", words * 40]
         for sp in specials:
             out += [sp + body + sp, body + sp + body, "a" + sp + "b", " " + sp + " ", "\n" + sp + "\n" + body, sp * 3]
         if self.chat_template is not None:

@@ -11,6 +11,16 @@ is exact: no normalizer (it could rewrite text across a piece boundary), a byte-
 without a prefix space (none added to every piece), added tokens matched as they are (no lstrip,
 rstrip, single-word or normalized matching) — and then a self-check on sample texts must give the
 same IDs both ways.  Otherwise the tokenizer encodes whole texts as before.
+
+A long piece (a long completion prompt, a long message) is cut again into blocks of about
+:data:`CHUNK_CHARS`, each ending before a space that sits between two ASCII letters ("word| word"):
+a byte-level pre-tokenizer's word patterns (GPT-2's, Llama 3's, Qwen's) never take a letter and
+the space after it into one word, and BPE never merges across words, so each block encodes alone
+to exactly its share of the whole.  The blocks are cached like pieces, so a long prompt that shares
+a long start with an earlier one (few-shot examples, a document asked about again, a conversation
+sent as one message) is tokenized only from its last shared block on; the blocks not cached are
+encoded in one batch (which the Rust tokenizer spreads over the cores it has).  Cut this way only
+where a second self-check, cutting at every such space, agrees.
 """
 
 from __future__ import annotations
@@ -24,13 +34,17 @@ from narwhal_serve.tokenization.cache import CACHE_TOKENS, TokenCache
 
 MIN_CACHED_CHARS = 256  # shorter pieces are encoded each time (cheaper than hashing and bookkeeping)
 MIN_SEGMENTED_CHARS = 1024  # shorter texts are encoded whole
+CHUNK_CHARS = 1024  # a piece at least twice this long is encoded in blocks of about this many characters
+_CUT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")  # where a block may end: before a space between two letters
 
 
 class SegmentCache:
     """Encodes texts piece by piece between special tokens, caching long pieces (thread-safe)."""
 
     def __init__(self, rust: Any, specials: dict[str, int], prefix: list[int], suffix: list[int],
-                 capacity_tokens: int = CACHE_TOKENS) -> None:
+                 capacity_tokens: int = CACHE_TOKENS, chunk_chars: int = CHUNK_CHARS) -> None:
+        self._rust = rust
+        self.chunk_chars = chunk_chars  # 0: pieces are not cut
         self._ids = specials
         self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")")
         self._prefix, self._suffix = prefix, suffix
@@ -50,11 +64,33 @@ class SegmentCache:
         for i, part in enumerate(self._split.split(text)):
             if i % 2:
                 out.append(self._ids[part])
+            elif self.chunk_chars and len(part) >= 2 * self.chunk_chars:
+                for ids in self._piece.many(self.blocks(part), self._encode_many):
+                    out.extend(ids)
             elif part:
                 out.extend(self._piece(part))
         if add_special_tokens:
             out.extend(self._suffix)
         return out
+
+    def blocks(self, piece: str) -> list[str]:
+        """``piece`` cut before the first space between two letters at least ``chunk_chars`` into
+        each block (the same start always gives the same blocks, whatever follows)."""
+        out: list[str] = []
+        start, n = 0, len(piece)
+        while start + self.chunk_chars < n:
+            cut = _CUT.search(piece, start + max(1, self.chunk_chars))
+            if cut is None:
+                break
+            out.append(piece[start:cut.start()])
+            start = cut.start()
+        out.append(piece[start:])
+        return out
+
+    def _encode_many(self, texts: list[str]) -> list[list[int]]:
+        if len(texts) == 1:
+            return [list(self._rust.encode(texts[0], add_special_tokens=False).ids)]
+        return [list(e.ids) for e in self._rust.encode_batch(texts, add_special_tokens=False)]
 
 
 def _exact_by_construction(rust: Any) -> bool:
@@ -95,9 +131,13 @@ def segmenter(rust: Any, samples: Sequence[str]) -> SegmentCache | None:
     parts = _specials_and_wrapping(rust)
     if parts is None:
         return None
-    check = SegmentCache(rust, *parts)
+    check = SegmentCache(rust, *parts, chunk_chars=0)
     for text in samples:
         for special in (False, True):
             if check.encode(text, special) != list(rust.encode(text, add_special_tokens=special).ids):
                 return None
-    return SegmentCache(rust, *parts)  # (an empty cache: the samples are not requests)
+    # blocks: cut at every place a block may end (a block of one character at least)
+    cut = SegmentCache(rust, *parts, chunk_chars=1)
+    chunked = all(cut.encode(text, special) == list(rust.encode(text, add_special_tokens=special).ids)
+                  for text in samples for special in (False, True))
+    return SegmentCache(rust, *parts, chunk_chars=CHUNK_CHARS if chunked else 0)  # (empty: samples are not requests)

@@ -112,3 +112,30 @@ def test_prompts_sent_as_the_routers_token_ids_are_answered_as_their_text(e2e: E
     assert sent["chat"] >= 10 and sent["completion"] >= 5, (before, after)
     REPORT.setdefault("extra", []).append(f"prompts as token IDs: {sent} of 120 answers sent as IDs, all equal to "
                                           "vLLM's answers to the text")
+
+
+def test_long_prompts_tokenized_in_cached_blocks_equal_vllms(e2e: E2E) -> None:
+    """Long prompts (20-60 KiB: English, code, CJK, contractions) are tokenized by the router in
+    cached blocks cut between words (narwhal_serve/tokenization/segments.py); the IDs equal vLLM's
+    own ``/tokenize`` of the whole text, also for prompts that share a long start with an earlier one
+    (whose blocks came from the cache)."""
+    tok = HfTokenizer(engine.MODEL_DIR)
+    assert tok.segments is not None and tok.segments.chunk_chars > 0
+    words = ["the", "router's", "don't", "cache", "A", "b", "x1", "東京の", "数据", "def f(x):", "\n", "  ", "'ll",
+             "Zebra", "é", "ok,", "return x", "{\"k\": [1, 2]}", "\t", "I'M"]
+    doc = " ".join(words[(i * 7 + i // 3) % len(words)] for i in range(6000))
+    bodies: list[tuple[str, dict[str, Any]]] = []
+    for q in ("What is it about?", "Summarize it, then list the x1 values.", "东京 or 数据?"):
+        bodies.append(("completion", {"model": MODEL, "prompt": doc + "\n\nQ: " + q}))
+        bodies.append(("chat", {"model": MODEL, "messages": [{"role": "system", "content": doc},
+                                                             {"role": "user", "content": q * 200}]}))
+    bodies.append(("completion", {"model": MODEL, "prompt": (doc + " ") * 3}))
+    hits = tok.segments.hits
+    with httpx.Client(timeout=120) as c:
+        for route, body in bodies:
+            r = c.post(e2e.vllm + "/tokenize", json=body)
+            assert r.status_code == 200, r.text[:300]
+            want = r.json()["tokens"]
+            got = tok.prompt(route, body).ids
+            assert got == want, (route, len(got), len(want), next(i for i, (a, b) in enumerate(zip(got, want)) if a != b))
+    assert len(tok.segments.blocks(doc)) > 10 and tok.segments.hits - hits > 40  # cut, and the shared start reused
