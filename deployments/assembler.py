@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from deployments.logs import to_serve_log
 from narwhal_serve.config import ObservabilityConfig, ServingConfig
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.relay.messages import RelayMessage
@@ -19,6 +20,7 @@ class Assembler:
         serving: dict[str, Any] | None = None,
         observability: dict[str, Any] | None = None,
     ) -> None:
+        to_serve_log()
         self.relay = relay_of(engine_http, ServingConfig.model_validate(serving or {}),
                               ObservabilityConfig.model_validate(observability or {}))
 

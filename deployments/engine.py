@@ -24,6 +24,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from deployments.logs import to_serve_log
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.managed.command import (
     HEALTH_HTTP_TIMEOUT_S,
@@ -74,6 +75,7 @@ async def _accelerators(spec: LaunchSpec, node_id: str, engine: str) -> list[str
 
 class ManagedEngine:
     async def __init__(self, engine: dict[str, Any], model: str) -> None:
+        to_serve_log()
         self.cfg = EngineConfig.model_validate(engine)
         spec = self.cfg.launch
         if spec is None:

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 import ray
 from ray.serve.handle import DeploymentHandle
 
+from deployments.logs import to_serve_log
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.gateway.app import build_api
 from narwhal_serve.protocol.placement import PlacedRequest
@@ -74,6 +75,7 @@ class HandleBackend:
 
 class Ingress:
     def __init__(self, config: dict[str, Any], scheduler: DeploymentHandle, assembler: DeploymentHandle | None) -> None:
+        to_serve_log()
         self.cfg = NarwhalConfig.model_validate(config)
         relay = assembler if assembler is not None else relay_of(self.cfg.deployment.engine_http,
                                                                  self.cfg.serving,

@@ -3,12 +3,19 @@ one replica each, following the engines the scheduler gives it; and the schedule
 
 from __future__ import annotations
 
+from typing import Any
+
 from ray.serve.handle import DeploymentHandle
 
+from deployments.logs import to_serve_log
 from narwhal_serve.kvevents.shard import KVShard, Taken
 
 
 class KVEventShard(KVShard):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        to_serve_log()
+        super().__init__(*args, **kwargs)
+
     async def __del__(self) -> None:
         await self.stop()
 

@@ -8,6 +8,7 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 
 from deployments.kvshard import HandleLink
+from deployments.logs import to_serve_log
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.scheduler.api import SchedulerApi
 from narwhal_serve.scheduler.service import SchedulerService
@@ -18,6 +19,7 @@ class Scheduler(SchedulerApi):
         self, config: dict[str, Any], sim_fleet: DeploymentHandle | None = None, *engines: DeploymentHandle,
         kv_shards: Sequence[DeploymentHandle] = (),
     ) -> None:
+        to_serve_log()
         # ``engines``: the managed engines' deployments, bound here only so that Serve deploys them
         # with the app; never awaited (they start in their own time and report here when up)
         self.engines = engines

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from deployments.logs import to_serve_log
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.sim.server import SimServer, start_server
 
 
 class SimFleet:
     async def __init__(self, config: dict[str, Any]) -> None:
+        to_serve_log()
         cfg = NarwhalConfig.model_validate(config)
         self.servers: list[SimServer] = []
         for i, engine_cfg in enumerate(cfg.sim_engine_configs()):

@@ -6,9 +6,9 @@ Some sections live in their own modules: :mod:`.launch` (a managed engine's laun
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from narwhal_serve.config.base import Strict as _Strict
 from narwhal_serve.config.deployment import DeploymentKnobs as DeploymentKnobs
@@ -56,6 +56,11 @@ class ServingConfig(_Strict):
     # engine's answers showed the same IDs (tokenization/forward.py): `completions` (any vLLM),
     # `all` (chat too: vLLM >= 0.32), `off`
     forward_prompt_ids: Literal["off", "completions", "all"] = "completions"
+
+    @field_validator("forward_prompt_ids", mode="before")
+    @classmethod
+    def _bare_off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
 
     def first_token_limit(self, ttft_budget_s: float) -> float:
         if self.first_token_timeout_s is not None:

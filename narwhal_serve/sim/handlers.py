@@ -151,7 +151,7 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
         req = parse_body(ChatRequest, raw)
         reused = _reused_prompt_ids(req) if cfg.dialect == "vllm" else None
         prompt_ids = reused if reused is not None else render_chat(
-            [(m.role, m.text()) for m in req.messages], getattr(req, "add_generation_prompt", True) is not False)
+            [(m.role, m.text()) for m in req.messages], req.add_generation_prompt)
     else:
         req = parse_body(CompletionRequest, raw)
     check_sim_ext(req.sim)
@@ -163,7 +163,7 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
     if req.priority != 0 and not cfg.priority_scheduling:  # vLLM's own answer
         raise bad_request(f"Got priority {req.priority} but Priority scheduling is not enabled.", "priority")
     if isinstance(req, CompletionRequest):
-        prompt_ids = _completion_prompt(req.prompt, getattr(req, "add_special_tokens", True) is not False)
+        prompt_ids = _completion_prompt(req.prompt, req.add_special_tokens)
     limit = cfg.max_model_len
     asked = req.max_completion_tokens if isinstance(req, ChatRequest) else None
     param = "max_completion_tokens" if asked is not None else "max_tokens"

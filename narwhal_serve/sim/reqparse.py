@@ -121,6 +121,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage]
+    add_generation_prompt: bool = True  # (vLLM's: a boolean, lax — 0 and "false" are False, null is refused)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -128,6 +129,7 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    add_special_tokens: bool = True
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = False
 

@@ -10,6 +10,7 @@ from typing import Any
 from narwhal_serve.config.sim import SimEngineConfig
 from narwhal_serve.sim.textgen import VOCAB_SIZE, encode_prompt, render_chat, token_str, tokenize_text
 from narwhal_serve.tokenization.cache import TokenCache
+from narwhal_serve.tokenization.chat import NotExact
 from narwhal_serve.tokenization.hf import Encoded, text_prompt
 
 SOURCE = "narwhal-sim"
@@ -42,8 +43,10 @@ class SimTokenizer:
         return [token_str(i) for i in ids]
 
     def prompt(self, route: str, body: dict[str, Any]) -> Encoded:
+        flag = "add_generation_prompt" if route == "chat" else "add_special_tokens"
+        if not isinstance(value := body.get(flag, True), bool):  # (the engine reads it its own way, or refuses it)
+            raise NotExact(f"{flag} is not a boolean")
         if route == "chat":
             msgs = [(str(m.get("role", "")), _text(m.get("content"))) for m in body["messages"]]
-            return Encoded(render_chat(msgs, bool(body.get("add_generation_prompt", True)), self._tokenize), False)
-        special = body.get("add_special_tokens", True)
-        return Encoded(encode_prompt(text_prompt(body), bool(special)), bool(special))
+            return Encoded(render_chat(msgs, value, self._tokenize), False)
+        return Encoded(encode_prompt(text_prompt(body), value), value)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -41,7 +42,7 @@ ForwardMode = Literal["off", "completions", "all"]
 VERIFY_FIRST = 8  # agreements a shape shows on an engine before it goes there as IDs
 RECHECK_EVERY = 64  # about one in this many requests that could go as IDs goes as text, checked
 TRUST_S = 60.0  # a shape whose last agreement is older goes as text once more, checked
-MAX_SHAPES = 4096  # shapes followed per process (past it, new ones go as text, unchecked)
+MAX_SHAPES = 4096  # shapes followed per process (past it, the least recently used that never disagreed goes)
 
 # body fields that change how vLLM renders a prompt: their values (scalars) or presence (the rest)
 _SCALAR_KEYS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "reasoning_effort",
@@ -51,11 +52,21 @@ _PRESENT_KEYS = ("tools", "chat_template_kwargs", "documents", "mm_processor_kwa
 Shape = tuple[Any, ...]
 
 
+def _value(v: Any) -> Any:
+    """A rendering field's value as a shape holds it: booleans and strings as they are, anything
+    else by its type too (``0``, ``1``, ``null`` and ``false`` are different shapes: ``0 == False``
+    in Python, not to every reader of the field), a list or an object by its type alone."""
+    if isinstance(v, (bool, str)):
+        return v
+    return (type(v).__name__, v if v is None or isinstance(v, (int, float)) else None)
+
+
 def shape_of(req: ParsedRequest) -> Shape:
     """What a request's rendering depends on, besides its text: requests of one shape that agree
-    with the engine vouch for each other, and for no other shape."""
+    with the engine vouch for each other, and for no other shape.  A rendering field sent with any
+    value (``null`` included) is a different shape from the field left out."""
     body = req.body
-    scalars = tuple((k, v) for k in _SCALAR_KEYS if isinstance(v := body.get(k), (bool, str)))
+    scalars = tuple((k, _value(body[k])) for k in _SCALAR_KEYS if k in body)
     present = tuple(k for k in _PRESENT_KEYS if body.get(k) is not None)
     n = len(req.own_ids or ())
     length = 0 if n < 256 else 1 if n < 4096 else 2
@@ -80,10 +91,12 @@ class PromptIdForwarding:
     """Per process, engine and shape: whether a request goes to its engine as the router's token IDs.
     ``now`` arguments are wall-clock seconds; ``rng`` decides the random rechecks."""
 
-    def __init__(self, mode: ForwardMode = "completions", rng: random.Random | None = None) -> None:
+    def __init__(self, mode: ForwardMode = "completions", rng: random.Random | None = None,
+                 max_shapes: int = MAX_SHAPES) -> None:
         self.mode = mode
         self._rng = rng or random.Random()
-        self._trust: dict[tuple[str, Shape], _Trust] = {}
+        self._max = max_shapes
+        self._trust: OrderedDict[tuple[str, Shape], _Trust] = OrderedDict()  # least recently used first
 
     @staticmethod
     def plain(req: ParsedRequest) -> bool:
@@ -98,9 +111,21 @@ class PromptIdForwarding:
         return req.route == "completion" or self.mode == "all"
 
     def _get(self, engine: str, shape: Shape) -> _Trust | None:
-        t = self._trust.get((engine, shape))
-        if t is None and len(self._trust) < MAX_SHAPES:
-            t = self._trust[(engine, shape)] = _Trust()
+        """The shape's record on ``engine`` (made on first sight).  The table is bounded: a new shape
+        past :data:`MAX_SHAPES` takes the place of the least recently used one that never disagreed
+        (which starts over if it comes back), so a client sending ever new shapes costs other
+        shapes their trust, never their checks; a disagreement is kept (None when every record is one)."""
+        key = (engine, shape)
+        t = self._trust.get(key)
+        if t is not None:
+            self._trust.move_to_end(key)
+            return t
+        if len(self._trust) >= self._max:
+            old = next((k for k, v in self._trust.items() if v.disagreed is None), None)
+            if old is None:
+                return None
+            del self._trust[old]
+        t = self._trust[key] = _Trust()
         return t
 
     def choose(self, engine: str, takes_ids: bool, req: ParsedRequest, now: float) -> tuple[int, ...] | None:

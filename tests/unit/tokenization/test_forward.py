@@ -181,6 +181,73 @@ async def test_a_disagreement_stops_the_ids_to_that_engine() -> None:
         await fleet.close()
 
 
+async def test_a_rendering_field_sent_as_null_or_a_number_is_a_shape_of_its_own() -> None:
+    """Found by a hostile probe: ``add_special_tokens: null`` or ``0`` counted as the field left out,
+    so once plain completions were trusted they went as the router's IDs unchecked, and the engine
+    read them otherwise (silently a different answer); one sent as text when the default shape's
+    trust was old turned IDs off for every client's plain completions."""
+    forms = [{}, {"add_special_tokens": True}, {"add_special_tokens": False}, {"add_special_tokens": 1},
+             {"add_special_tokens": 0}, {"add_special_tokens": 0.0}, {"add_special_tokens": None},
+             {"add_special_tokens": "false"}, {"add_special_tokens": [1]}, {"add_special_tokens": {"a": 1}}]
+    shapes = [shape_of(dataclasses.replace(await sized("completion", completion()), body=completion(**f))) for f in forms]
+    assert len(set(shapes)) == len(forms)  # (True == 1 and 0 == False in Python: not here)
+    fleet = Fleet()
+    try:
+        plain = await sized("completion", completion())
+        for _ in range(VERIFY_FIRST):
+            await fleet.ask(plain)
+        # the simulator is vLLM here: null is refused, 0 is False (lax booleans); the router sizes
+        # what is not a boolean with the estimate, so neither can go as IDs
+        for value in (None, 0):
+            odd = await sized("completion", completion(add_special_tokens=value))
+            assert odd.own_ids is None and fleet.relay.forwarding.choose("e1", True, odd, time.time()) is None
+        await fleet.ask(plain)
+        await fleet.ask(plain)
+        assert list(plain.own_ids or ()) in (fleet.sent()["prompt"], fleet.engine.recent[-2]["body"]["prompt"])
+        row = fleet.relay.forwarding.status()["engines"]["e1"]["completion"]
+        assert row["disagreed"] == [] and row["forwarded"] >= 1
+        for value, status in ((None, 400), (0, 200)):  # vLLM's lax boolean
+            r = await fleet.client.post("http://sim/v1/completions", json={
+                "prompt": "the quick", "max_tokens": 1, "add_special_tokens": value, "return_token_ids": True})
+            assert r.status_code == status, r.text
+        assert r.json()["choices"][0]["prompt_token_ids"] == list((await sized("completion", completion(
+            "the quick", add_special_tokens=False))).own_ids or ())  # 0 read as False
+        # and a shape the router does size, trusted apart: no IDs for it before its own agreements
+        fwd = PromptIdForwarding("all", random.Random(1))
+        off = await sized("completion", completion(add_special_tokens=False))
+        for _ in range(VERIFY_FIRST):
+            fwd.observed("e1", "r", plain, list(plain.own_ids or ()), now=1.0)
+        assert fwd.choose("e1", True, off, now=1.0) is None
+    finally:
+        await fleet.close()
+
+
+async def test_the_shape_table_is_bounded_by_recency_and_keeps_disagreements() -> None:
+    """Found by a hostile probe: 4,100 chats with made-up ``reasoning_effort`` values filled the
+    table for good (later shapes were neither forwarded nor checked)."""
+    fwd = PromptIdForwarding("all", random.Random(1), max_shapes=4)
+    plain = await sized("chat", chat())
+    bad = await sized("chat", chat(reasoning_effort="odd"))
+    for _ in range(VERIFY_FIRST):
+        fwd.observed("e1", "r", plain, list(plain.own_ids or ()), now=1.0)
+    fwd.observed("e1", "bad-1", bad, [1, 2, 3], now=1.0)  # a disagreement
+    for i in range(10):  # a client sending ever new shapes
+        junk = await sized("chat", chat(reasoning_effort=f"x{i}"))
+        fwd.choose("e1", True, junk, now=1.0)
+        if i == 1:
+            assert any(fwd.choose("e1", True, plain, now=1.0) is not None for _ in range(5))  # still trusted
+    assert all(fwd.choose("e1", True, plain, now=1.0) is None for _ in range(5))  # pushed out: starts over
+    for _ in range(VERIFY_FIRST):
+        fwd.observed("e1", "r", plain, list(plain.own_ids or ()), now=1.0)
+    assert any(fwd.choose("e1", True, plain, now=1.0) is not None for _ in range(5))  # and is checked again
+    rows = fwd.status()["engines"]["e1"]["chat"]
+    assert rows["disagreed"] == ["bad-1"] and rows["shapes"] == 4  # the disagreement stayed
+    assert fwd.choose("e1", True, bad, now=1.0) is None
+    full = PromptIdForwarding("all", random.Random(1), max_shapes=1)
+    full.observed("e1", "bad-2", bad, [1, 2, 3], now=1.0)
+    assert full._get("e1", shape_of(plain)) is None  # nothing but disagreements: new shapes go as text
+
+
 @pytest.mark.parametrize("dialect", ["sglang", "openai"])
 async def test_engines_of_other_dialects_always_get_the_text(dialect: str) -> None:
     assert not DIALECTS[dialect].takes_prompt_ids
