@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--prompt-tokens", type=int, default=64)
     o.add_argument("--output-tokens", type=int, default=16)
     o.add_argument("--distinct-prompts", type=int, default=512,
-                   help="prompts in the pool the clients cycle through (1: one prompt, which a real engine "
-                        "answers from its prefix cache: the per-request costs alone)")
+                   help="prompts in the pool the clients cycle through, every phase going on where the last "
+                        "stopped (1: one prompt, which a real engine answers from its prefix cache: the "
+                        "per-request costs alone; N larger than the run's requests: no prompt sent twice)")
     o.add_argument("--unique-tail", action="store_true",
                    help="end each request's prompt with its own number: no two texts alike (the router "
                         "tokenizes each one whole), all but their last tokens shared (an engine's prefix cache)")

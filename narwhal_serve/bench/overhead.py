@@ -72,6 +72,7 @@ class OverheadRun:
         self.log: list[tuple[dict[str, Any], list[RequestResult]]] = []
         self._pools: dict[int, list[RequestSpec]] = {}
         self._tails = 0  # numbers given to prompts' tails so far (unique_tail)
+        self._sent = 0  # prompts of the pool taken so far: each phase goes on where the last one stopped
 
     async def closed(self, target: str, label: str, concurrency: int, duration_s: float, stream: bool,
                      out_tokens: int, headers: tuple[tuple[str, str], ...] = (),
@@ -83,7 +84,9 @@ class OverheadRun:
         pool = self._pools.get(out_tokens)
         if pool is None:  # distinct prompts, reused (the overhead fleet has no prefill cost)
             pool = self._pools[out_tokens] = _workload(self.a, out_tokens).closed_loop_specs(self.a.distinct_prompts)
-        specs = [replace(pool[i % len(pool)], idx=i) for i in range(n)]
+        # (every target and round goes on through the pool, so with --distinct-prompts N no prompt
+        # comes twice, to the router or to an engine, before N were sent)
+        specs = [replace(pool[(self._sent + i) % len(pool)], idx=i) for i in range(n)]
         if self.a.unique_tail:  # the router's tokenization cache cannot answer them, an engine's prefix cache can
             base, self._tails = self._tails, self._tails + n
             specs = [replace(s, prompt=f"{s.prompt} {base + s.idx}") for s in specs]
@@ -94,6 +97,7 @@ class OverheadRun:
                 res = await run_closed_loop(session, ep, shape, specs, concurrency=concurrency,
                                             duration_s=duration_s, drain_s=10.0, progress=prog, on_start=on_start)
         self.log.append(({"phase": label, "target": target, "concurrency": concurrency}, res))
+        self._sent += len(res)
         return res
 
     async def warmup(self) -> None:
