@@ -123,6 +123,24 @@ def _specials_and_wrapping(rust: Any) -> tuple[dict[str, int], list[int], list[i
     return specials, full[:at], full[at + len(bare):]
 
 
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# every pair of ASCII letters around a space, and contractions and capitals around spaces
+_WORD_PROBE = " ".join(a + b for a in _LETTERS for b in _LETTERS) + " it's a I'M ok we'll go x'd y A'S b don't Ab"
+
+
+def _splits_between_words(rust: Any) -> bool:
+    """Whether ``rust``'s pre-tokenizer starts a new word at every space between two ASCII letters
+    (so BPE, which merges within a word only, never joins tokens across a block's cut).  A
+    tokenizer whose words may span spaces (a byte-level pre-tokenizer without its regex, as
+    SuperBPE's "superword" tokenizers have: merges like "Ġto" + "Ġthe") fails it, whatever its
+    samples show (found by a fuzzing review)."""
+    pre = rust.pre_tokenizer
+    if pre is None:
+        return False
+    starts = {start for _, (start, _) in pre.pre_tokenize_str(_WORD_PROBE)}
+    return all(m.start() in starts for m in _CUT.finditer(_WORD_PROBE))
+
+
 def segmenter(rust: Any, samples: Sequence[str]) -> SegmentCache | None:
     """A :class:`SegmentCache` for ``rust`` if piece-wise encoding is exact for it (checked on
     ``samples``, with and without special tokens), else None."""
@@ -136,8 +154,10 @@ def segmenter(rust: Any, samples: Sequence[str]) -> SegmentCache | None:
         for special in (False, True):
             if check.encode(text, special) != list(rust.encode(text, add_special_tokens=special).ids):
                 return None
-    # blocks: cut at every place a block may end (a block of one character at least)
+    # blocks: only where the pre-tokenizer itself starts a word at every place a block may end, and
+    # then cut at every such place in the samples (a block of one character at least)
     cut = SegmentCache(rust, *parts, chunk_chars=1)
-    chunked = all(cut.encode(text, special) == list(rust.encode(text, add_special_tokens=special).ids)
-                  for text in samples for special in (False, True))
+    chunked = _splits_between_words(rust) and all(
+        cut.encode(text, special) == list(rust.encode(text, add_special_tokens=special).ids)
+        for text in samples for special in (False, True))
     return SegmentCache(rust, *parts, chunk_chars=CHUNK_CHARS if chunked else 0)  # (empty: samples are not requests)

@@ -92,6 +92,38 @@ def test_a_pre_tokenizer_that_joins_words_across_a_space_gets_no_cut() -> None:
     assert seg.encode("ab cd " * 600, False) == list(joined.encode("ab cd " * 600, add_special_tokens=False).ids)
 
 
+def test_a_tokenizer_whose_words_span_spaces_gets_no_cut(tok: HfTokenizer) -> None:
+    """Found by a fuzzing review: a SuperBPE-like tokenizer ("superword" merges across a space, a
+    byte-level pre-tokenizer without its regex) passed the samples' self-check, and "go to the"
+    encoded whole is ["go", "Ġto" + "Ġthe"], cut ["go", "Ġto", "Ġthe"]."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from narwhal_serve.tokenization.segments import _splits_between_words
+
+    base = Tokenizer.from_str(tok._rust.to_str())
+    assert _splits_between_words(base)
+    corpus = ["we went to the shop and to the park", "go to the end of the road"] * 200
+    words = Tokenizer(models.BPE())
+    words.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    words.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>"],
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    cfg = json.loads(words.to_str())
+    assert "Ġto" in cfg["model"]["vocab"] and "Ġthe" in cfg["model"]["vocab"]
+    cfg["model"]["vocab"]["ĠtoĠthe"] = len(cfg["model"]["vocab"])
+    cfg["model"]["merges"].append(["Ġto", "Ġthe"])
+    cfg["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    superword = Tokenizer.from_str(json.dumps(cfg))
+    text = "go to the end " * 300
+    whole_ids = list(superword.encode(text, add_special_tokens=False).ids)
+    assert cfg["model"]["vocab"]["ĠtoĠthe"] in whole_ids  # a token that spans a space
+    assert not _splits_between_words(superword)
+    seg = segmenter(superword, ["hello world <s> and more words here"])
+    assert seg is not None and seg.chunk_chars == 0  # pieces between special tokens: still cached
+    assert seg.encode(text, False) == whole_ids
+
+
 def test_token_cache_many_encodes_only_what_it_lacks_in_one_call() -> None:
     calls: list[list[str]] = []
 
