@@ -74,6 +74,10 @@ class HfTokenizer:
         except Exception as exc:
             raise TokenizerLoadError(f"{self.path}: {type(exc).__name__}: {exc}") from exc
         self._rust: Any = self._hf.backend_tokenizer
+        # as transformers' own calls (vLLM's) leave it: a tokenizer.json's truncation or padding
+        # is cleared by the first of them, so it never applies to what the engine sees
+        self._rust.no_truncation()
+        self._rust.no_padding()
         self.chat_template: str | None = self._hf.chat_template if isinstance(self._hf.chat_template, str) else None
         sig = inspect.signature(PythonBackend.apply_chat_template)
         self._base_params = frozenset(p.name for p in sig.parameters.values()

@@ -19,8 +19,10 @@ the space after it into one word, and BPE never merges across words, so each blo
 to exactly its share of the whole.  The blocks are cached like pieces, so a long prompt that shares
 a long start with an earlier one (few-shot examples, a document asked about again, a conversation
 sent as one message) is tokenized only from its last shared block on; the blocks not cached are
-encoded in one batch (which the Rust tokenizer spreads over the cores it has).  Cut this way only
-where a second self-check, cutting at every such space, agrees.
+encoded in one batch (spread over the cores the Rust tokenizer has where ``TOKENIZERS_PARALLELISM``
+allows it; :mod:`.hf` leaves it off unless the environment says otherwise).  Cut this way only
+where the pre-tokenizer makes the same words of the blocks as of the whole text, and a second
+self-check, cutting at every such space, agrees.
 """
 
 from __future__ import annotations
@@ -128,17 +130,25 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _WORD_PROBE = " ".join(a + b for a in _LETTERS for b in _LETTERS) + " it's a I'M ok we'll go x'd y A'S b don't Ab"
 
 
-def _splits_between_words(rust: Any) -> bool:
-    """Whether ``rust``'s pre-tokenizer starts a new word at every space between two ASCII letters
-    (so BPE, which merges within a word only, never joins tokens across a block's cut).  A
-    tokenizer whose words may span spaces (a byte-level pre-tokenizer without its regex, as
-    SuperBPE's "superword" tokenizers have: merges like "Ġto" + "Ġthe") fails it, whatever its
-    samples show (found by a fuzzing review)."""
+def _splits_between_words(rust: Any, samples: Sequence[str] = ()) -> bool:
+    """Whether ``rust``'s pre-tokenizer makes the same words of a text cut at every space between
+    two ASCII letters, block by block, as of the whole text (so BPE, which merges within a word
+    only, gives each block exactly its share): on every pair of letters around a space, and on
+    ``samples``.  A tokenizer whose words may span spaces (a byte-level pre-tokenizer without its
+    regex, as SuperBPE's "superword" tokenizers have: merges like "Ġto" + "Ġthe") fails it,
+    whatever its samples' IDs show (found by a fuzzing review)."""
     pre = rust.pre_tokenizer
     if pre is None:
         return False
-    starts = {start for _, (start, _) in pre.pre_tokenize_str(_WORD_PROBE)}
-    return all(m.start() in starts for m in _CUT.finditer(_WORD_PROBE))
+
+    def words(text: str) -> list[str]:
+        return [w for w, _ in pre.pre_tokenize_str(text)]
+
+    for text in (_WORD_PROBE, *samples):
+        cuts = [0, *(m.start() for m in _CUT.finditer(text)), len(text)]
+        if words(text) != [w for a, b in zip(cuts, cuts[1:]) if b > a for w in words(text[a:b])]:
+            return False
+    return True
 
 
 def segmenter(rust: Any, samples: Sequence[str]) -> SegmentCache | None:
@@ -157,7 +167,7 @@ def segmenter(rust: Any, samples: Sequence[str]) -> SegmentCache | None:
     # blocks: only where the pre-tokenizer itself starts a word at every place a block may end, and
     # then cut at every such place in the samples (a block of one character at least)
     cut = SegmentCache(rust, *parts, chunk_chars=1)
-    chunked = _splits_between_words(rust) and all(
+    chunked = _splits_between_words(rust, samples) and all(
         cut.encode(text, special) == list(rust.encode(text, add_special_tokens=special).ids)
         for text in samples for special in (False, True))
     return SegmentCache(rust, *parts, chunk_chars=CHUNK_CHARS if chunked else 0)  # (empty: samples are not requests)

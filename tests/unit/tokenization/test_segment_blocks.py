@@ -124,6 +124,29 @@ def test_a_tokenizer_whose_words_span_spaces_gets_no_cut(tok: HfTokenizer) -> No
     assert seg.encode(text, False) == whole_ids
 
 
+def test_a_truncation_or_padding_in_tokenizer_json_does_not_apply(tmp_path: Path) -> None:
+    """Found by a fuzzing review: a ``tokenizer.json`` with ``truncation`` set cut the router's
+    whole-text encodings (transformers' own calls, vLLM's, clear it first)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    src = build_tiny_tokenizer(tmp_path / "src")
+    dst = tmp_path / "truncating"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "tokenizer.json").read_text())
+    cfg["truncation"] = {"direction": "Right", "max_length": 16, "strategy": "LongestFirst", "stride": 0}
+    cfg["padding"] = {"strategy": {"Fixed": 4096}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                      "pad_type_id": 0, "pad_token": "<unk>"}
+    (dst / "tokenizer.json").write_text(json.dumps(cfg))
+    text = "short text of a few words, more than sixteen tokens for certain: " * 3
+    want = AutoTokenizer.from_pretrained(str(dst), local_files_only=True)(text)["input_ids"]
+    assert len(want) > 16
+    tok = HfTokenizer(dst)
+    assert tok.encode(text, True) == want and tok.prompt("completion", {"prompt": text}).ids == want
+
+
 def test_token_cache_many_encodes_only_what_it_lacks_in_one_call() -> None:
     calls: list[list[str]] = []
 
