@@ -147,6 +147,26 @@ def test_a_truncation_or_padding_in_tokenizer_json_does_not_apply(tmp_path: Path
     assert tok.encode(text, True) == want and tok.prompt("completion", {"prompt": text}).ids == want
 
 
+def test_a_special_token_matched_on_normalized_text_without_a_normalizer_keeps_the_cache() -> None:
+    """GPT-2's ``<|endoftext|>`` is ``normalized: true``; with no normalizer that is matching as
+    written, so the segment cache (and its blocks) stays on, exact."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+
+    gpt2 = Tokenizer(models.BPE())
+    gpt2.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    gpt2.train_from_iterator(["the quick brown fox, it's here: 12 foxes\n"] * 100 + ["東京 data"] * 20,
+                             trainers.BpeTrainer(vocab_size=400,
+                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    gpt2.add_special_tokens([AddedToken("<|endoftext|>", normalized=True)])
+    samples = ["the quick<|endoftext|>brown fox", " <|endoftext|> it's 12 foxes\n" * 30]
+    seg = segmenter(gpt2, samples)
+    assert seg is not None and seg.chunk_chars == CHUNK_CHARS
+    rng = random.Random(2)
+    for _ in range(20):
+        text = "<|endoftext|>".join(words(rng, rng.randrange(50, 900)) for _ in range(rng.randrange(1, 4)))
+        assert seg.encode(text, False) == list(gpt2.encode(text, add_special_tokens=False).ids)
+
+
 def test_token_cache_many_encodes_only_what_it_lacks_in_one_call() -> None:
     calls: list[list[str]] = []
 
