@@ -54,6 +54,11 @@ CHAT_LEAD_TOKENS = len(render_chat([("user", "")], add_generation_prompt=False))
 SIM_DEFAULTS = SimEngineConfig()
 
 
+def template_tokens(api: Api) -> int:
+    """The simulator's tokens around one prompt: the chat template's, or a completion's BOS."""
+    return CHAT_TEMPLATE_TOKENS if api == "chat" else 1
+
+
 @dataclass
 class GoodputArgs:
     slo: Slo = Slo(ttft_s=2.0, tpot_s=0.06)
@@ -82,7 +87,7 @@ def model_capacity(timing: SimTiming, engines: int, wl: Workload, api: Api = "ch
     """Requests per second the simulated fleet completes with every slot busy (no queueing);
     ``cached_tokens`` of every prompt found in the prefix cache.  The simulator prefills one request
     at a time (``prefill_mode: serial``), so an engine also completes at most 1 / prefill time."""
-    prompt = wl.mean_prompt_tokens() + (CHAT_TEMPLATE_TOKENS if api == "chat" else 1) - cached_tokens
+    prompt = wl.mean_prompt_tokens() + template_tokens(api) - cached_tokens
     service = timing.prefill_s(prompt) + max(0.0, wl.mean_output_tokens() - 1) * timing.tpot_s(timing.max_num_seqs)
     return engines * min(timing.max_num_seqs / service, 1.0 / timing.prefill_s(prompt))
 
@@ -106,7 +111,7 @@ def oracle_prefix_hit_rate(wl: Workload, specs: list[RequestSpec], seed_offset: 
         return oracle_hit_rate(wl.trace_slice(len(specs), seed_offset)) if wl.trace[0].hash_ids else None
     if not wl.prefix_groups or not specs:
         return None
-    cached, extra = cached_prefix_tokens(wl, api, block_size), (CHAT_TEMPLATE_TOKENS if api == "chat" else 1)
+    cached, extra = cached_prefix_tokens(wl, api, block_size), template_tokens(api)
     seen: set[int | None] = set()
     hit = total = 0
     for s in specs:
@@ -124,7 +129,7 @@ def sim_cache_blocks(wl: Workload, engines: int, api: Api = "chat",
     the K prefixes and the suffixes passing through, not for all K (unless K is that small)."""
     if not wl.prefix_groups:
         return SIM_DEFAULTS.num_gpu_blocks
-    prompt = wl.mean_prompt_tokens() + (CHAT_TEMPLATE_TOKENS if api == "chat" else 1)
+    prompt = wl.mean_prompt_tokens() + template_tokens(api)
     return (math.ceil(wl.prefix_groups / max(1, engines)) + 1) * math.ceil(prompt / block_size)
 
 

@@ -26,11 +26,9 @@ class TokenCache:
         if len(text) < self._min_chars:
             return self._encode(text)
         with self._lock:
-            ids = self._cache.get(text)
-            if ids is not None:
-                self._cache.move_to_end(text)
-                self.hits += 1
-                return ids
+            ids = self._hit(text)
+        if ids is not None:
+            return ids
         ids = self._encode(text)
         with self._lock:
             self._keep(text, ids)
@@ -39,13 +37,8 @@ class TokenCache:
     def many(self, texts: Sequence[str], encode_many: Callable[[list[str]], list[list[int]]]) -> list[list[int]]:
         """``encode`` of each of ``texts``: the remembered ones from the cache, the others encoded
         together by ``encode_many`` (one call: a batch the tokenizer may spread over cores)."""
-        out: list[list[int] | None] = [None] * len(texts)
         with self._lock:
-            for i, text in enumerate(texts):
-                if len(text) >= self._min_chars and (ids := self._cache.get(text)) is not None:
-                    self._cache.move_to_end(text)
-                    self.hits += 1
-                    out[i] = ids
+            out = [self._hit(text) if len(text) >= self._min_chars else None for text in texts]
         todo = [i for i, ids in enumerate(out) if ids is None]
         if todo:
             new = encode_many([texts[i] for i in todo])
@@ -55,6 +48,14 @@ class TokenCache:
                     if len(texts[i]) >= self._min_chars:
                         self._keep(texts[i], ids)
         return [ids for ids in out if ids is not None]
+
+    def _hit(self, text: str) -> list[int] | None:
+        """(under the lock) ``text``'s IDs if remembered (then the most recently used), else None."""
+        ids = self._cache.get(text)
+        if ids is not None:
+            self._cache.move_to_end(text)
+            self.hits += 1
+        return ids
 
     def _keep(self, text: str, ids: list[int]) -> None:
         """(under the lock) A miss: remembered, the least recently used dropped past the capacity."""

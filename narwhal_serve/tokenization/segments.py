@@ -50,8 +50,7 @@ class SegmentCache:
         self._ids = specials
         self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")")
         self._prefix, self._suffix = prefix, suffix
-        self._piece = TokenCache(lambda text: list(rust.encode(text, add_special_tokens=False).ids),
-                                 MIN_CACHED_CHARS, capacity_tokens)
+        self._piece = TokenCache(self._encode_one, MIN_CACHED_CHARS, capacity_tokens)
 
     @property
     def hits(self) -> int:
@@ -89,9 +88,12 @@ class SegmentCache:
         out.append(piece[start:])
         return out
 
+    def _encode_one(self, text: str) -> list[int]:
+        return list(self._rust.encode(text, add_special_tokens=False).ids)
+
     def _encode_many(self, texts: list[str]) -> list[list[int]]:
         if len(texts) == 1:
-            return [list(self._rust.encode(texts[0], add_special_tokens=False).ids)]
+            return [self._encode_one(texts[0])]
         return [list(e.ids) for e in self._rust.encode_batch(texts, add_special_tokens=False)]
 
 
