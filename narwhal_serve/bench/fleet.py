@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterable
@@ -79,6 +81,25 @@ def bench_serve_env(log_dir: Path, extra: Iterable[tuple[str, str]] = (), **more
         # the benchmark's applications keep the serving defaults
         env = direct_ingress_env(env, IngressLimits.of([ServingConfig()]), str(log_dir / "haproxy-bin"))
     return env
+
+
+def tree_wrapper(tree: Path, folder: Path, fallback: str) -> str:
+    """The HAProxy wrapper as the build in ``tree`` writes it: its rules are part of that build (a
+    baseline behind this build's wrapper would be measured with this build's HAProxy rules).
+    ``fallback`` (this build's) where that build cannot write one."""
+    code = ("import sys; from narwhal_serve.config import ServingConfig; "
+            "from narwhal_serve.runenv import IngressLimits, haproxy_wrapper; "
+            "print(haproxy_wrapper(IngressLimits.of([ServingConfig()]), sys.argv[1]) or '')")
+    try:
+        out = subprocess.run([sys.executable, "-c", code, str(folder)], cwd=tree, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(tree)}, timeout=60, check=False)
+        path, why = (out.stdout.strip().splitlines() or [""])[-1] if out.returncode == 0 else "", out.stderr.strip()[-200:]
+    except (OSError, subprocess.SubprocessError) as exc:
+        path, why = "", str(exc)
+    if not path:
+        print(f"WARNING: {tree} wrote no HAProxy wrapper ({why}); its build runs behind this one's", flush=True)
+        return fallback
+    return path
 
 
 @dataclass(frozen=True)
@@ -278,6 +299,9 @@ class Fleet:
         env = self._ray_env()
         if tree != app_dir():
             env["PYTHONPATH"] = str(tree) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+            if "RAY_SERVE_HAPROXY_BINARY_PATH" in env and "RAY_SERVE_HAPROXY_BINARY_PATH" not in dict(self.spec.ray_env):
+                env["RAY_SERVE_HAPROXY_BINARY_PATH"] = tree_wrapper(tree, self.log_dir / f"{name}-haproxy-bin",
+                                                                    env["RAY_SERVE_HAPROXY_BINARY_PATH"])
         serve = Path(sys.executable).parent / "serve"
         return procs.start(name, [str(serve), "run", str(cfg_path)], self.log_dir, env=env, cwd=tree), port
 

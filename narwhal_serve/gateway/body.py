@@ -10,7 +10,12 @@ from narwhal_serve.errors import BodyTimeout, InvalidRequest, RequestTooLarge
 
 
 class BodyIncomplete(Exception):
-    """The client closed or sent less than it announced before the body was complete."""
+    """The client closed or sent less than it announced before the body was complete; ``left``:
+    its connection is gone (the server said so), nobody reads an answer."""
+
+    def __init__(self, left: bool = False) -> None:
+        super().__init__()
+        self.left = left
 
 
 async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
@@ -43,7 +48,7 @@ async def _read(request: Request, limit: int) -> bytes:
                 raise RequestTooLarge.over(limit)
             parts.append(chunk)
     except ClientDisconnect:
-        raise BodyIncomplete() from None
+        raise BodyIncomplete(left=True) from None
     if expected is not None and size < expected:
         raise BodyIncomplete()
     return b"".join(parts)

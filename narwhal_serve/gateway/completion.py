@@ -206,8 +206,8 @@ class CompletionHandler:
             budget = self._ttft_budget(request)
             ask = self._ask(sized, budget, self._tpot_budget(request), retry_count(request.headers.get("x-stainless-retry-count")),
                             tenant, raw, priority)
-        except BodyIncomplete:
-            self._left_unsized(trail, "body_incomplete", 400)
+        except BodyIncomplete as short:
+            self._left_unsized(trail, "body_incomplete", 499 if short.left else 400)
             # the client ended the body early (it most likely left; if it still reads, it gets why)
             err = InvalidRequest("the request body ended before its Content-Length", code="body_incomplete")
             return error_response(err.info(), echo)

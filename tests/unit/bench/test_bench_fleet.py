@@ -138,3 +138,27 @@ def test_baseline_targets_and_their_config(tmp_path: Path) -> None:
     cfg = narwhal_serve_config(8000, ["http://127.0.0.1:1"], "m", ["narwhal-assembler"], 2.0)
     args = NarwhalConfig.model_validate(cfg["applications"][0]["args"])
     assert args.deployment.relay == "assembler" and args.admission.mode == "predictive"
+
+
+@pytest.mark.skipif(__import__("narwhal_serve.runenv", fromlist=["real_haproxy"]).real_haproxy() is None,
+                    reason="no HAProxy binary")
+def test_a_baseline_tree_runs_behind_its_own_haproxy_wrapper(tmp_path: Path) -> None:
+    """The wrapper's rules are part of a build: a tree whose runenv writes other rules gets its
+    own wrapper (here a copy of this package with one rule changed), a tree that cannot write one
+    the fallback."""
+    import shutil
+
+    from narwhal_serve.bench.fleet import app_dir, tree_wrapper
+
+    tree = tmp_path / "tree"
+    shutil.copytree(app_dir() / "narwhal_serve", tree / "narwhal_serve",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    runenv = tree / "narwhal_serve" / "runenv.py"
+    runenv.write_text(runenv.read_text().replace("del-header x-request-disconnect-disabled",
+                                                 "set-header x-request-disconnect-disabled ?1"))
+    theirs = Path(tree_wrapper(tree, tmp_path / "theirs", "fallback"))
+    assert theirs.parent == tmp_path / "theirs"
+    assert "set-header x-request-disconnect-disabled ?1" in theirs.read_text()
+    ours = Path(tree_wrapper(app_dir(), tmp_path / "ours", "fallback"))
+    assert "del-header x-request-disconnect-disabled" in ours.read_text()
+    assert tree_wrapper(tmp_path / "empty", tmp_path / "none", "fallback") == "fallback"
