@@ -29,7 +29,27 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
 from narwhal_serve.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from narwhal_serve.placement.prefix import next_id_block_hash
+import hashlib
+from array import array
+
+from narwhal_serve.placement.prefix import id_bytes
+
+_ID_WIDTH: Final = array("Q").itemsize
+
+
+def _raw(ids: list[int]) -> bytes | None:
+    """An engine block's token IDs as the router hashes them (None: one past 64 bits)."""
+    try:
+        return id_bytes(ids)
+    except (OverflowError, TypeError):
+        return None
+
+
+def _router_hash(prev: int | None, raw: bytes) -> int:
+    """:func:`~narwhal_serve.placement.prefix.next_id_block_hash` of the IDs whose bytes are ``raw``
+    (the same bytes hashed: the key every ingress computes for the prompt)."""
+    seed = b"" if prev is None else prev.to_bytes(8, "big")
+    return int.from_bytes(hashlib.blake2b(seed + b"i" + raw, digest_size=8).digest(), "big")
 
 Verdict = Literal["applied", "duplicate", "gap", "restart"]
 
@@ -50,10 +70,13 @@ class Target(Protocol):
 #   (parent, depth, tokens, ours, covered_by)
 #   parent: the engine's hash of the block before it (None: the first)
 #   depth: engine blocks from the start of the prompt (1: the first)
-#   tokens: its token IDs until its router block is hashed (then ())
+#   tokens: its token IDs as the router hashes them (little-endian unsigned 64-bit, placement/prefix.py
+#     _id_bytes; None: an ID past 64 bits, never hashed), kept while another router block may still
+#     need them: a block inside a router block keeps them (a second prompt may branch after it and
+#     need them to hash its own router block), the block ending one drops them once it is hashed
 #   ours: the router block ending at this engine block (None: none, or not known)
 #   covered_by: the router blocks this engine block is part of (() : none)
-_Node = tuple[Any, int, tuple[int, ...], int | None, tuple[int, ...]]
+_Node = tuple[Any, int, bytes | None, int | None, tuple[int, ...]]
 _PARENT: Final = 0
 _DEPTH: Final = 1
 _TOKENS: Final = 2
@@ -152,17 +175,26 @@ class KVEventIndex:
             return
         parent_h = ev.parent_block_hash
         per = max(1, r // b)
+        fresh = 0  # the depth of the last block this event stored anew
         for i, h in enumerate(ev.block_hashes):
             node = nodes.get(h)
             if node is not None:  # a reused block announced again
                 nodes.move_to_end(h)
+                d = node[_DEPTH]
+                if b <= r and d % per == 0 and d - per < fresh and node[_TOKENS] == b"":
+                    # it ends a router block one of whose blocks before it was stored again (it
+                    # had been evicted, taking the router block out): the router block is whole again
+                    raw = _raw(ev.token_ids[i * b:(i + 1) * b])
+                    if raw is not None:
+                        node = self._complete(h, (node[_PARENT], d, raw, node[_OURS], node[_COVERED]), per)
                 parent, parent_h = node, h
                 continue
             depth = parent[_DEPTH] + 1 if parent is not None else 1
             # past placement.prefix_max_blocks no request matches it: its tokens are not kept, nor
             # is it hashed or put in the target
             deep = self.max_blocks is not None and self._blocks_before(depth, b) >= self.max_blocks
-            node = nodes[h] = (parent_h, depth, () if deep else tuple(ev.token_ids[i * b:(i + 1) * b]), None, ())
+            node = nodes[h] = (parent_h, depth, b"" if deep else _raw(ev.token_ids[i * b:(i + 1) * b]), None, ())
+            fresh = depth
             self.stats["stored"] += 1
             if not deep:
                 if b > r:
@@ -183,24 +215,32 @@ class KVEventIndex:
     def _split(self, h: Any, node: _Node, parent: _Node | None, r: int) -> _Node:
         """An engine block (``h``) of several router blocks: all of them, chained from the one
         before.  Returns the node as it is now."""
-        if parent is not None and parent[_OURS] is None:
+        raw = node[_TOKENS]
+        if (parent is not None and parent[_OURS] is None) or raw is None:
             return node
-        tokens = node[_TOKENS]
-        first = self._blocks_before(node[_DEPTH], len(tokens))
+        step = r * _ID_WIDTH
+        first = self._blocks_before(node[_DEPTH], len(raw) // _ID_WIDTH)
         prev = None if parent is None else parent[_OURS]
         ours: list[int] = []
-        for k in range(0, len(tokens), r):
+        for k in range(0, len(raw), step):
             if self.max_blocks is not None and first + len(ours) >= self.max_blocks:
                 break
-            prev = next_id_block_hash(prev, tokens[k:k + r])
+            prev = _router_hash(prev, raw[k:k + step])
             ours.append(prev)
-        node = self._nodes[h] = (node[_PARENT], node[_DEPTH], (), prev, tuple(ours))
+        node = self._nodes[h] = (node[_PARENT], node[_DEPTH], b"", prev, tuple(ours))
         self.target.insert(ours)
         return node
 
     def _complete(self, h: Any, last: _Node, per: int) -> _Node:
-        """``last`` (``h``) ends a router block: hash it from its engine blocks' tokens.  Returns
-        ``last`` as it is now."""
+        """``last`` (``h``) ends a router block: hash it from its engine blocks' tokens (its own,
+        and those its blocks before it keep).  Returns ``last`` as it is now.
+
+        The blocks before it may be shared with other prompts that branch after them (a system
+        prompt, a chat's history): each such block is part of every router block built on it, so
+        it keeps its tokens and lists all of those router blocks (its removal takes each out).  A
+        router block's hash is always of its own tokens — never one found on a block it shares
+        with another prompt (a review found that: the other prompt's hash, and every later block
+        of this prompt chained from it)."""
         nodes = self._nodes
         chain = [(h, last)]
         node = last
@@ -217,12 +257,16 @@ class KVEventIndex:
             if before is None or before[_OURS] is None:
                 return last  # the router block before it is not known: neither is this one's hash
             prev = before[_OURS]
-        done = next((n[_COVERED][0] for _, n in chain[1:] if n[_COVERED]), None)
-        # hashed before (its last engine block was removed and stored again): the same block
-        ours = done if done is not None else next_id_block_hash(prev, [t for _, n in reversed(chain) for t in n[_TOKENS]])
-        # hashed: what they held is not needed again (a third of the index's memory)
-        for key, n in chain:
-            nodes[key] = (n[_PARENT], n[_DEPTH], (), ours if key == h else n[_OURS], (ours,))
+        parts = [n[_TOKENS] for _, n in reversed(chain)]
+        if any(not p for p in parts):
+            return last  # an ID past 64 bits (or tokens not kept): no ingress hashes it this way
+        ours = _router_hash(prev, b"".join(parts))
+        for key, n in chain[1:]:  # the blocks before it: part of this router block too
+            if ours not in n[_COVERED]:
+                nodes[key] = (n[_PARENT], n[_DEPTH], n[_TOKENS], n[_OURS], (*n[_COVERED], ours))
+        # the block ending it: hashed, its tokens are not needed again (a stored-again block
+        # brings them with it)
+        nodes[h] = (last[_PARENT], last[_DEPTH], b"", ours, (ours,))
         self.target.insert([ours])
         return nodes[h]
 

@@ -24,7 +24,10 @@ from narwhal_serve.kvevents.wire import END_SEQ, KVEventBatch, decode_batch, seq
 
 log = logging.getLogger("narwhal.kvevents")
 
-REPLAY_TIMEOUT_S = 2.0
+REPLAY_TIMEOUT_S = 2.0  # the replay socket's silence that ends a replay
+REPLAY_MAX_S = 30.0  # a whole replay
+YIELD_EVERY = 256  # replayed batches read or applied between two turns of the event loop
+MAX_MESSAGE_BYTES = 64 << 20  # a frame larger than this is no KV-event batch (vLLM's are kilobytes to a few MB)
 RESTART_S = 1.0
 
 
@@ -57,12 +60,15 @@ class KVEventSubscriber:
         self._ctx = zmq.asyncio.Context.instance()
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # (a larger frame closes the connection: it reconnects)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         sub.connect(self.endpoint)
         try:
             if self.replay_endpoint is not None:
-                for seq, batch in await self._replay(0):
+                for i, (seq, batch) in enumerate(await self._replay(0)):
                     self.index.offer(seq, batch)
+                    if i % YIELD_EVERY == YIELD_EVERY - 1:
+                        await asyncio.sleep(0)  # (a long replay applied a piece at a time: the loop's other work goes on)
             self.state = "subscribed"
             while True:
                 frames = await sub.recv_multipart()
@@ -81,9 +87,12 @@ class KVEventSubscriber:
         if len(frames) != 3:
             self.errors["malformed_frames"] += 1
             return None
+        if len(frames[1]) != 8:  # vLLM's sequence numbers are 8 bytes; one of 9 was a "gap" that wiped the index
+            self.errors["malformed_frames"] += 1
+            return None
         try:
             return seq_of(frames[1]), decode_batch(frames[2])
-        except (msgspec.DecodeError, ValueError):
+        except (msgspec.DecodeError, ValueError, RecursionError):  # (a frame nested deep enough: RecursionError)
             self.errors["malformed_frames"] += 1
             return None
 
@@ -96,10 +105,12 @@ class KVEventSubscriber:
                         self.engine, expected, seq - 1)
             self.index.resync(seq, batch)
             return
-        for s, b in replayed:
+        for i, (s, b) in enumerate(replayed):
             if s > seq:
                 break
             self.index.offer(s, b)
+            if i % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)
         if self.index.last_seq is not None and self.index.last_seq < seq:
             self.index.resync(seq, batch)  # the replay ended short of the live batch
 
@@ -107,18 +118,28 @@ class KVEventSubscriber:
         assert self.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        dealer.setsockopt(zmq.RCVHWM, 0)  # the whole replay queued here, not dropped on the way
         dealer.connect(self.replay_endpoint)
         out: list[tuple[int, KVEventBatch]] = []
         try:
             await dealer.send_multipart([b"", seq_bytes(start)])
-            async with asyncio.timeout(REPLAY_TIMEOUT_S):
+            # each answer within REPLAY_TIMEOUT_S of the one before, the whole within REPLAY_MAX_S: a
+            # single deadline for the whole stream cut vLLM's default buffer (10,000 batches) short
+            # at a few thousand, and the first live batch after it then found a gap and cleared the index
+            async with asyncio.timeout(REPLAY_MAX_S):
                 while True:
-                    frames = await dealer.recv_multipart()
+                    async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                        frames = await dealer.recv_multipart()
                     if len(frames) == 4 and seq_of(frames[2]) == END_SEQ:
                         break
                     got = self._decode(frames[1:])
                     if got is not None:
                         out.append(got)
+                    if len(out) % YIELD_EVERY == 0:
+                        # frames already queued are read without the loop getting a turn: 10,000
+                        # of them stood the process still for seconds
+                        await asyncio.sleep(0)
         except TimeoutError:
             self.errors["replay_timeouts"] += 1
         finally:

@@ -4,18 +4,29 @@ vLLM's own consumers and what vLLM publishes decodes here."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 END_SEQ = -1  # the replay socket's end-of-replay marker
 
 
+# A block's hash as vLLM publishes it (``ExternalBlockHash``): bytes (its default: SHA-256, 32
+# bytes) or int (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).  Anything else — a list, a map, 64 KiB of
+# bytes — is a batch that does not decode (a malformed frame): taken as a key, it failed mid-batch
+# after the sequence number had moved on (the rest of the batch lost), or cost the index its memory
+# bound in bytes (found by a hostile review).
+BlockHash = int | Annotated[bytes, msgspec.Meta(max_length=64)]
+# A block of more tokens than this is no engine's (vLLM's largest page is far below): one such
+# block made every prefix match round down to nothing (admission credits whole engine blocks).
+MAX_BLOCK_SIZE = 1 << 14
+
+
 class BlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    block_hashes: list[Any]  # bytes (vLLM's default) or int (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
-    parent_block_hash: Any
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
     token_ids: list[int]
-    block_size: int
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
     lora_id: int | None
     medium: str | None
     lora_name: str | None
@@ -29,7 +40,7 @@ class BlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 
 
 class BlockRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    block_hashes: list[Any]
+    block_hashes: list[BlockHash]
     medium: str | None
     group_idx: int | None = None
     locality: str | None = None

@@ -39,6 +39,7 @@ _EXPORTS = {
     "matched_blocks": "prefix",
     "may_open": "health",
     "next_id_block_hash": "prefix",
+    "id_bytes": "prefix",
     "rel_error": "drift",
     "request_prefix": "prefix",
     "resume_targets": "picker",
@@ -49,7 +50,7 @@ __all__ = [
     "Breaker", "CREDIT_EWMA", "EngineState", "FleetPrior", "MAX_CANDIDATES", "PROFILE_OUTPUT_TOKENS",
     "PROFILE_PROMPT_CHARS", "PrefixIndex", "PriorCoeffs", "ProfileErrors", "RouteOrder", "SetUnion",
     "adopt_fleet_prior", "borrows_ttft", "fleet_ttft", "index_capacity", "matched_blocks", "may_open",
-    "next_id_block_hash", "rel_error", "request_prefix", "resume_targets", "settled_prior", "was_hit",
+    "next_id_block_hash", "id_bytes", "rel_error", "request_prefix", "resume_targets", "settled_prior", "was_hit",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     from narwhal_serve.placement.prefix import matched_blocks as matched_blocks
     from narwhal_serve.placement.health import may_open as may_open
     from narwhal_serve.placement.prefix import next_id_block_hash as next_id_block_hash
+    from narwhal_serve.placement.prefix import id_bytes as id_bytes
     from narwhal_serve.placement.drift import rel_error as rel_error
     from narwhal_serve.placement.prefix import request_prefix as request_prefix
     from narwhal_serve.placement.picker import resume_targets as resume_targets

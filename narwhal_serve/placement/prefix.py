@@ -60,7 +60,7 @@ _ID_WIDTH = array("Q").itemsize
 _BIG_ENDIAN = sys.byteorder != "little"
 
 
-def _id_bytes(ids: Sequence[int]) -> bytes:
+def id_bytes(ids: Sequence[int]) -> bytes:
     """Token IDs as little-endian unsigned 64-bit integers (hashes are compared across processes)."""
     a = array("Q", ids)
     if _BIG_ENDIAN:
@@ -72,7 +72,7 @@ def _id_block(ids: Sequence[int]) -> bytes:
     """A token-ID block's bytes: the IDs as unsigned 64-bit integers (a tenth of the cost of their
     decimal digits), or, for an ID past 2^64 (a client's: no engine has one), its digits."""
     try:
-        return b"i" + _id_bytes(ids)
+        return b"i" + id_bytes(ids)
     except OverflowError:
         return b"I" + ",".join(map(str, ids)).encode()
 
@@ -94,7 +94,7 @@ def id_block_hashes(ids: Sequence[int], block_tokens: int, max_blocks: int) -> t
     """Chained hashes of the full ``block_tokens``-token blocks of a token-ID prompt."""
     n = min(len(ids) // block_tokens, max_blocks)
     try:  # one conversion for the whole prefix, then a slice per block: the same bytes as _id_block's
-        raw = _id_bytes(ids[:n * block_tokens])
+        raw = id_bytes(ids[:n * block_tokens])
     except OverflowError:
         return _chain(_id_block(ids[i * block_tokens:(i + 1) * block_tokens]) for i in range(n))
     step = _ID_WIDTH * block_tokens

@@ -18,7 +18,7 @@ from narwhal_serve.kvevents import index
 from narwhal_serve.kvevents.index import KVEventIndex
 from narwhal_serve.kvevents.subscriber import KVEventSubscriber
 from narwhal_serve.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
-from narwhal_serve.placement.prefix import PrefixIndex, id_block_hashes
+from narwhal_serve.placement.prefix import PrefixIndex, id_block_hashes, matched_blocks
 from narwhal_serve.sim.kvevents import SimKVPublisher
 from narwhal_serve.sim.timing import block_hashes
 from tests.support.local_router import LocalRouter, start_local_router
@@ -85,7 +85,9 @@ def test_a_hashed_block_keeps_no_tokens_and_is_found_again_when_stored_again() -
     ids = list(range(5000, 5200))
     eh = chain(ids, 16)
     idx.offer(0, batch(stored(eh[:10], None, ids[:160], 16)))  # router blocks 1 and 2; half of the third
-    assert [len(idx._nodes[h][index._TOKENS]) for h in eh[:10]] == [0] * 8 + [16, 16]  # hashed ones hold none
+    # a block ending a router block keeps no tokens once hashed; the ones inside keep theirs (8
+    # bytes an ID), for another prompt branching after them
+    assert [len(idx._nodes[h][index._TOKENS] or b"") // 8 for h in eh[:10]] == [16, 16, 16, 0] * 2 + [16, 16]
     ours = id_block_hashes(ids, 64, 10)
     # the last engine block of the second router block leaves, and comes back (the engine computed it again)
     idx.offer(1, batch(BlockRemoved([eh[7]], "GPU")))
@@ -94,6 +96,44 @@ def test_a_hashed_block_keeps_no_tokens_and_is_found_again_when_stored_again() -
     assert set(target.held()) == set(ours[:2])  # the same router block, though its first three keep no tokens
     idx.offer(3, batch(stored(eh[10:12], eh[9], ids[160:192], 16)))
     assert set(target.held()) == set(ours[:3])
+
+
+def test_prompts_branching_inside_a_router_block_each_get_their_own_keys() -> None:
+    """(Found by a hostile review.) Two prompts sharing 96 tokens (6 engine blocks of 16) branch
+    inside the second router block of 64: each router block is keyed by its own tokens — the keys
+    every ingress computes for that prompt — never by a key found on a block shared with the
+    other prompt (the second prompt matched 1 block of 4, and a prompt the engine held 2 blocks of
+    matched 4). A shared block lists every router block built on it: its eviction takes each out."""
+    target = PrefixIndex(1000)
+    idx = KVEventIndex(router_block_tokens=64, capacity=10_000, target=target)
+    p1 = list(range(1000, 1256))
+    p2 = p1[:96] + list(range(7000, 7160))
+    h1, h2 = chain(p1, 16), chain(p2, 16)
+    assert h1[:6] == h2[:6] and h1[6] != h2[6]
+    idx.offer(0, batch(stored(h1, None, p1, 16)))
+    idx.offer(1, batch(stored(h2[6:], h2[5], p2[96:], 16)))  # the engine reuses the shared six
+    k1, k2 = id_block_hashes(p1, 64, 10), id_block_hashes(p2, 64, 10)
+    assert set(target.held()) == set(k1) | set(k2)
+    assert matched_blocks(target.held(), k2) == 4 and matched_blocks(target.held(), k1) == 4
+    mixed = id_block_hashes(p1[:128] + p2[128:], 64, 10)  # held: its first 2 router blocks (p1's), no more
+    assert matched_blocks(target.held(), mixed) == 2
+    idx.offer(2, batch(BlockRemoved([h1[5]], "GPU")))  # shared, inside router block 2 of both
+    assert matched_blocks(target.held(), k1) == 1 and matched_blocks(target.held(), k2) == 1
+
+
+def test_a_block_inside_a_router_block_stored_again_makes_it_whole_again() -> None:
+    """(Found by a hostile review.) A block inside a router block evicted (the router block out),
+    then the engine computes it again and announces it with the blocks after it that it kept: the
+    router block is held again."""
+    target = PrefixIndex(1000)
+    idx = KVEventIndex(router_block_tokens=64, capacity=10_000, target=target)
+    ids = list(range(3000, 3128))
+    eh, keys = chain(ids, 16), id_block_hashes(ids, 64, 10)
+    idx.offer(0, batch(stored(eh, None, ids, 16)))
+    idx.offer(1, batch(BlockRemoved([eh[1]], "GPU")))
+    assert matched_blocks(target.held(), keys) == 0
+    idx.offer(2, batch(stored(eh[1:], eh[0], ids[16:], 16)))
+    assert set(target.held()) == set(keys) and matched_blocks(target.held(), keys) == 2
 
 
 def test_orphans_mismatched_blocks_and_lora_blocks_are_not_indexed() -> None:
@@ -106,6 +146,43 @@ def test_orphans_mismatched_blocks_and_lora_blocks_are_not_indexed() -> None:
     idx.offer(3, batch(stored([1, 2], None, ids[:20], 16)))  # token count does not match the blocks
     assert len(target) == 0
     assert (idx.stats["orphans"], idx.stats["incompatible"], idx.stats["malformed"]) == (3, 1, 1)
+
+
+def test_frames_no_publisher_of_vllms_format_sends_are_malformed_and_change_nothing() -> None:
+    """(Found by a hostile review.) A sequence number that is not 8 bytes (one of 9 was a gap that
+    cleared the index, then a restart that cleared it again), a block hash that is neither an int
+    nor at most 64 bytes (a list raised mid-batch, after the sequence had moved on), an absurd
+    block size (one block of 65,536 tokens rounded every match down to nothing), a frame nested
+    past the decoder's recursion limit (it restarted the subscriber forever): each is counted as
+    a malformed frame, and the index is untouched."""
+    import msgspec
+
+    sub = KVEventSubscriber("e", "tcp://127.0.0.1:1", None, "", KVEventIndex(64, 1000, PrefixIndex(100)))
+    ids = list(range(64))
+    good = encode_batch(batch(stored(chain(ids, 16), None, ids, 16)))
+    assert sub._decode([b"", (0).to_bytes(8, "big"), good]) is not None
+    enc = msgspec.msgpack.Encoder()
+    nested = b"\x92" + enc.encode(1.0) + b"\x91" * 5000 + b"\x01"  # [ts, [[[[...1]]]]], 5,000 deep
+    def ev(kind: str, **fields: Any) -> dict[str, Any]:
+        return {"type": kind, "medium": "GPU", **fields}
+
+    def frame(*events: dict[str, Any]) -> list[bytes]:
+        return [b"", (1).to_bytes(8, "big"), enc.encode([time.time(), list(events)])]
+
+    ok = ev("BlockStored", block_hashes=[b"h" * 32], parent_block_hash=None, token_ids=ids[:16], block_size=16,
+            lora_id=None, lora_name=None)
+    assert sub._decode(frame(ok, ev("BlockRemoved", block_hashes=[b"h" * 32, 5]))) is not None  # vLLM's: bytes or int
+    bad = [
+        [b"", (1 << 70).to_bytes(9, "big"), good],
+        frame(ok, ev("BlockRemoved", block_hashes=[[1, 2]])),  # (the removal after a good store: all or nothing)
+        frame({**ok, "parent_block_hash": {"a": 1}}),
+        frame(ev("BlockRemoved", block_hashes=[b"x" * 65536])),
+        frame({**ok, "block_hashes": [7], "token_ids": [0] * 65536, "block_size": 65536}),
+        [b"", (1).to_bytes(8, "big"), nested],
+    ]
+    for frames in bad:
+        assert sub._decode(frames) is None
+    assert sub.errors["malformed_frames"] == len(bad)
 
 
 def test_sequence_numbers_gaps_restarts_and_duplicates() -> None:
