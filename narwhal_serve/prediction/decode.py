@@ -57,7 +57,7 @@ class TpotModel:
         if not refit_due(len(self.samples), self.unfit):
             return
         self.unfit = 0
-        sol = fit_with_prior(self.gram, ((self.prior_a, 1.0), (self.prior_b, PRIOR_BATCH_SPAN)))
+        sol = fit_with_prior(self.gram, ((self.prior_a, 1.0), (self.prior_b, PRIOR_BATCH_SPAN)), floors=(0.0, 0.0))
         self.a = max(0.0, float(sol[0]))
         self.b = max(0.0, float(sol[1]))
 

@@ -28,6 +28,8 @@ from typing import Any
 PRIOR_A = 0.02  # seconds
 PRIOR_B = 0.0002  # seconds per prompt token
 PRIOR_C = 0.0  # seconds per request ahead
+MIN_SLOPE = 1e-7  # seconds per prompt token: a prefill never gets cheaper with its prompt
+PREFILL_FLOORS = (0.0, MIN_SLOPE, 0.0)  # a, b, c
 PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior with no data; it fades as samples arrive
 # How firmly the prior holds each slope: as firmly as measurements spread over about this many
 # tokens (requests) would.  Measurements bunched at short prompts (a spread far below it) leave
@@ -98,7 +100,8 @@ def positions(k: int) -> tuple[tuple[int, ...], ...]:
                  for i in range(n))
 
 
-def fit_with_prior(g: Gram, prior: tuple[tuple[float, float], ...]) -> list[float]:
+def fit_with_prior(g: Gram, prior: tuple[tuple[float, float], ...],
+                   floors: tuple[float, ...] | None = None) -> list[float]:
     """Least squares of each sample's last value on ``[1, the values before it]`` over the window
     ``g`` sums, regularized toward ``prior`` (per coefficient: its value and the spread of data
     that would hold it as firmly), with a weight that fades as data arrive (``PRIOR_WEIGHT``
@@ -106,19 +109,47 @@ def fit_with_prior(g: Gram, prior: tuple[tuple[float, float], ...]) -> list[floa
     (the prior keeps them positive definite), by elimination with partial pivoting.  Plain loops
     over lists, row by row: at a thousand engines a fit follows nearly every measurement, and
     this form costs 40 % of one written with comprehensions and a keyed max (same operations,
-    in the same order: the same coefficients to the last bit)."""
+    in the same order: the same coefficients to the last bit).
+
+    ``floors``: each coefficient at least this.  One the unconstrained solution puts below its
+    floor is held at it and the others are solved again without it (most violated first, until
+    none is below): the best fit within the floors.  Raising it to its floor after the fact
+    instead left the others as they were fitted beside the value below it — a TPOT slope fitted
+    negative (requests admitted into an idle engine that then decoded in a full one) and raised
+    to zero left the intercept it was fitted with, about the full batch's TPOT plus what the
+    slope took off: every slot wait projected 20-40 % long."""
     k, y = len(prior), g.k
     s, ix = g.sums, positions(y)
     lam = PRIOR_WEIGHT / (1.0 + s[0] / 8.0) / 2
     a: list[list[float]] = []  # the normal equations, augmented with their right-hand side
-    d: list[float] = []
     for i, (value, span) in enumerate(prior):
         w = lam * span * span
         row = [s[at] for at in ix[i][:k]]
         row[i] += w
         row.append(s[ix[i][y]] + w * value)
         a.append(row)
-        d.append(math.sqrt(row[i]))
+    sol = _solve([row[:] for row in a])
+    if floors is None:
+        return sol
+    held: dict[int, float] = {}
+    while True:
+        low = [i for i in range(k) if i not in held and sol[i] < floors[i]]
+        if not low:
+            return sol
+        worst = min(low, key=lambda i: sol[i] - floors[i])
+        held[worst] = floors[worst]
+        free = [i for i in range(k) if i not in held]
+        if not free:
+            return [held[i] for i in range(k)]
+        x = _solve([[a[r][c] for c in free] + [a[r][k] - sum(a[r][i] * v for i, v in held.items())] for r in free])
+        sol = [held[i] if i in held else x[free.index(i)] for i in range(k)]
+
+
+def _solve(a: list[list[float]]) -> list[float]:
+    """The solution of the augmented system ``a`` (k × k+1, changed in place): scaled to a unit
+    diagonal, elimination with partial pivoting."""
+    k = len(a)
+    d = [math.sqrt(a[i][i]) for i in range(k)]
     for i in range(k):  # scaled to a unit diagonal
         row, di = a[i], d[i]
         for j in range(k):
@@ -180,8 +211,9 @@ class PrefillModel:
 def fit_prefill(g: Gram, prior_a: float = PRIOR_A, prior_b: float = PRIOR_B) -> tuple[float, float, float]:
     """A TTFT model's coefficients (a, b, c) from the sums of its samples (one engine's window, or
     several engines' pooled), regularized toward ``prior_a``, ``prior_b`` and PRIOR_C."""
-    sol = fit_with_prior(g, ((prior_a, 1.0), (prior_b, PRIOR_SLOPE_SPAN), (PRIOR_C, PRIOR_REQUEST_SPAN)))
-    return max(0.0, float(sol[0])), max(1e-7, float(sol[1])), max(0.0, float(sol[2]))
+    sol = fit_with_prior(g, ((prior_a, 1.0), (prior_b, PRIOR_SLOPE_SPAN), (PRIOR_C, PRIOR_REQUEST_SPAN)),
+                         floors=PREFILL_FLOORS)
+    return max(0.0, float(sol[0])), max(MIN_SLOPE, float(sol[1])), max(0.0, float(sol[2]))
 
 
 @dataclass(frozen=True)

@@ -184,3 +184,83 @@ def test_a_budget_narrowed_for_a_while_refuses_with_a_retry_after_not_for_good()
     out = judge(Projection(0.85, 0.85, 0.85), 0.75, 1.0)
     assert out is not None and out.error.code == "ttft_budget_exceeded" and out.error.retry_after == 1
     assert judge(Projection(1.2, 1.2, 1.2), 0.75, 1.0).error.code == "prompt_exceeds_ttft_budget"  # type: ignore[union-attr]
+
+
+def _bounded_best(samples: list[tuple[float, ...]], prior: tuple[tuple[float, float], ...],
+                  floors: tuple[float, ...]) -> tuple[np.ndarray, float]:
+    """The definition, by brute force: every set of coefficients held at their floors, the rest
+    solved by least squares (rows as _lstsq_fit's); the best fit that keeps every floor."""
+    import itertools
+
+    from narwhal_serve.prediction.ttft import PRIOR_WEIGHT
+
+    data = np.array(samples, dtype=float)
+    n, k = len(data), len(prior)
+    lam = PRIOR_WEIGHT / (1.0 + n / 8.0) / 2
+    rows, ys = [np.column_stack([np.ones(n), data[:, :-1]])], [data[:, -1]]
+    for i, (value, span) in enumerate(prior):
+        row = np.zeros((1, k))
+        row[0, i] = np.sqrt(lam) * span
+        rows.append(row)
+        ys.append(np.array([np.sqrt(lam) * span * value]))
+    m, y = np.vstack(rows), np.concatenate(ys)
+    best: tuple[np.ndarray, float] | None = None
+    for held in itertools.chain.from_iterable(itertools.combinations(range(k), r) for r in range(k + 1)):
+        coef = np.array(floors, dtype=float)
+        free = [i for i in range(k) if i not in held]
+        if free:
+            rest = y - m[:, list(held)] @ coef[list(held)] if held else y
+            coef[free] = np.linalg.lstsq(m[:, free], rest, rcond=None)[0]
+        if all(coef[i] >= floors[i] - 1e-15 for i in range(k)):
+            cost = float(np.sum((m @ coef - y) ** 2))
+            if best is None or cost < best[1]:
+                best = (coef, cost)
+    assert best is not None
+    return best
+
+
+def test_a_coefficient_below_its_floor_is_held_there_and_the_others_fitted_without_it() -> None:
+    """Raising a coefficient to its floor after the fact left the others as fitted beside its
+    value below it. A TPOT that falls with the batch the requests were admitted at (admitted into
+    an idle engine, then decoded in a full one) fitted a negative slope; raised to zero, the
+    intercept stayed where that slope put it, above every measured TPOT. Now the fit within the
+    floors is the best one (brute force over which coefficients sit at their floors), and a fit
+    within its floors is the unconstrained one to the bit."""
+    from collections import deque
+
+    from narwhal_serve.prediction.decode import PRIOR_BATCH_SPAN, TpotModel
+    from narwhal_serve.prediction.ttft import (PREFILL_FLOORS, PRIOR_REQUEST_SPAN, PRIOR_SLOPE_SPAN, WINDOW, Gram,
+                                               fit_with_prior)
+
+    rng = np.random.default_rng(11)
+    tpot_prior = ((0.02, 1.0), (0.0, PRIOR_BATCH_SPAN))
+    m = TpotModel()
+    window: deque[tuple[float, ...]] = deque(maxlen=WINDOW)
+    g = Gram(2)
+    for _ in range(200):  # measured 5.5-6 ms whatever the batch, falling slightly with it
+        batch = float(rng.integers(1, 5))
+        tpot = 0.0062 - 0.0002 * batch + float(rng.normal(0, 0.0001))
+        m.observe(batch, tpot)
+        g.push(window, (batch, tpot))
+    free = fit_with_prior(g, tpot_prior)
+    assert free[1] < 0  # the unconstrained slope is negative
+    want, _ = _bounded_best(list(window), tpot_prior, (0.0, 0.0))
+    assert m.b == 0.0 and abs(m.a - want[0]) < 1e-12
+    assert max(t for _, t in window) > m.a > min(t for _, t in window)  # within what was measured
+    assert free[0] > max(t for _, t in window)  # (the intercept the old clamp kept: above all of it)
+
+    prefill_prior = ((0.02, 1.0), (0.0002, PRIOR_SLOPE_SPAN), (0.0, PRIOR_REQUEST_SPAN))
+    for case in range(30):
+        window = deque(maxlen=WINDOW)
+        g = Gram(3)
+        a, b, c = (float(v) for v in rng.uniform([-0.2, -1e-5, -0.05], [0.05, 1e-4, 0.05]))
+        for _ in range(int(rng.integers(5, 300))):
+            x, r = float(rng.integers(100, 20_000)), float(rng.integers(0, 4))
+            g.push(window, (x, r, max(0.0, a + b * x + c * r + float(rng.normal(0, 0.01)))))
+        got = fit_with_prior(g, prefill_prior, floors=PREFILL_FLOORS)
+        want, best = _bounded_best(list(window), prefill_prior, PREFILL_FLOORS)
+        assert all(got[i] >= PREFILL_FLOORS[i] for i in range(3)), (case, got)
+        assert np.allclose(got, want, rtol=1e-7, atol=1e-12), (case, got, want)
+        unbounded = fit_with_prior(g, prefill_prior)
+        if all(unbounded[i] >= PREFILL_FLOORS[i] for i in range(3)):
+            assert got == unbounded
