@@ -52,6 +52,7 @@ def _router_hash(prev: int | None, raw: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(seed + b"i" + raw, digest_size=8).digest(), "big")
 
 Verdict = Literal["applied", "duplicate", "gap", "restart"]
+DEVICE_MEDIA: Final = (None, "GPU")  # vLLM's device cache (its MEDIUM_GPU, on CPU backends too)
 
 
 class Target(Protocol):
@@ -99,7 +100,7 @@ class KVEventIndex:
     engine_block_size: int | None = None
     stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("batches", "stored", "removed", "cleared", "orphans", "malformed", "duplicates", "gaps", "restarts",
-         "resyncs", "incompatible"), 0))
+         "resyncs", "incompatible", "other_medium"), 0))
     _nodes: "OrderedDict[Any, _Node]" = field(default_factory=OrderedDict)
 
     def __len__(self) -> int:
@@ -143,10 +144,17 @@ class KVEventIndex:
     # ------------------------------------------------------------------ events
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
-        self.last_seq, self.last_ts = seq, max(self.last_ts, batch.ts)
+        # the last batch's time, not the latest ever seen: one batch stamped in the future (a clock
+        # stepped back since, or skewed) made a restarted engine's batches duplicates for good
+        self.last_seq, self.last_ts = seq, batch.ts
         self.stats["batches"] += 1
         for ev in batch.events:
-            if isinstance(ev, BlockStored):
+            if isinstance(ev, (BlockStored, BlockRemoved)) and ev.medium not in DEVICE_MEDIA:
+                # a block copied to (or dropped from) another tier — vLLM's CPU offloading: the
+                # device's own cache is what the index follows (a CPU-tier removal took blocks the
+                # device still held out of it, found by a hostile review)
+                self.stats["other_medium"] += 1
+            elif isinstance(ev, BlockStored):
                 self._stored(ev)
             elif isinstance(ev, BlockRemoved):
                 self._removed(ev.block_hashes)

