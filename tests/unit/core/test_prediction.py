@@ -109,8 +109,8 @@ def test_the_margins_quantile_is_numpys_to_the_bit() -> None:
                 assert quantile(sorted(xs), q) == float(np.quantile(np.array(xs), q))
 
 
-def _lstsq_fit(samples: list[tuple[float, ...]], prior: tuple[tuple[float, float], ...]) -> np.ndarray:
-    """The definition: least squares on [1, features] with the prior's rows appended."""
+def _system(samples: list[tuple[float, ...]], prior: tuple[tuple[float, float], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The least-squares system of the definition: rows [1, features] and the prior's rows appended."""
     from narwhal_serve.prediction.ttft import PRIOR_WEIGHT
 
     data = np.array(samples, dtype=float)
@@ -122,7 +122,13 @@ def _lstsq_fit(samples: list[tuple[float, ...]], prior: tuple[tuple[float, float
         row[0, i] = np.sqrt(lam) * span
         rows.append(row)
         ys.append(np.array([np.sqrt(lam) * span * value]))
-    return np.linalg.lstsq(np.vstack(rows), np.concatenate(ys), rcond=None)[0]
+    return np.vstack(rows), np.concatenate(ys)
+
+
+def _lstsq_fit(samples: list[tuple[float, ...]], prior: tuple[tuple[float, float], ...]) -> np.ndarray:
+    """The definition: least squares on [1, features] with the prior's rows appended."""
+    m, y = _system(samples, prior)
+    return np.linalg.lstsq(m, y, rcond=None)[0]
 
 
 def test_the_fit_from_running_sums_is_the_least_squares_fit() -> None:
@@ -192,18 +198,8 @@ def _bounded_best(samples: list[tuple[float, ...]], prior: tuple[tuple[float, fl
     solved by least squares (rows as _lstsq_fit's); the best fit that keeps every floor."""
     import itertools
 
-    from narwhal_serve.prediction.ttft import PRIOR_WEIGHT
-
-    data = np.array(samples, dtype=float)
-    n, k = len(data), len(prior)
-    lam = PRIOR_WEIGHT / (1.0 + n / 8.0) / 2
-    rows, ys = [np.column_stack([np.ones(n), data[:, :-1]])], [data[:, -1]]
-    for i, (value, span) in enumerate(prior):
-        row = np.zeros((1, k))
-        row[0, i] = np.sqrt(lam) * span
-        rows.append(row)
-        ys.append(np.array([np.sqrt(lam) * span * value]))
-    m, y = np.vstack(rows), np.concatenate(ys)
+    m, y = _system(samples, prior)
+    k = len(prior)
     best: tuple[np.ndarray, float] | None = None
     for held in itertools.chain.from_iterable(itertools.combinations(range(k), r) for r in range(k + 1)):
         coef = np.array(floors, dtype=float)
