@@ -65,7 +65,10 @@ class KVEventSubscriber:
         sub.connect(self.endpoint)
         try:
             if self.replay_endpoint is not None:
-                for i, (seq, batch) in enumerate(await self._replay(0)):
+                # from the batch after the last one applied (a restarted subscriber keeps its index:
+                # replaying the whole buffer again was all duplicates); at the first start, everything
+                start = 0 if self.index.last_seq is None else self.index.last_seq + 1
+                for i, (seq, batch) in enumerate(await self._replay(start)):
                     self.index.offer(seq, batch)
                     if i % YIELD_EVERY == YIELD_EVERY - 1:
                         await asyncio.sleep(0)  # (a long replay applied a piece at a time: the loop's other work goes on)

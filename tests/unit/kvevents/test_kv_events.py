@@ -292,6 +292,27 @@ async def test_startup_replay_live_events_and_gap_replay() -> None:
         pub.close()
 
 
+async def test_a_restarted_subscriber_replays_from_the_batch_after_its_last() -> None:
+    """A subscriber task restarted (after a failure) keeps its index: it asks the replay socket
+    for what came after its last batch, not for the whole buffer again (all duplicates)."""
+    pub_ep, replay_ep = endpoints()
+    pub = SimKVPublisher(pub_ep, replay_ep)
+    try:
+        sub, target, task = await _subscribe(pub_ep, replay_ep)
+        first = publish_prompt(pub, list(range(64))) + publish_prompt(pub, list(range(100, 164)))
+        await eventually(lambda: set(first) <= set(target.held()), "live")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        missed = publish_prompt(pub, list(range(200, 264)))  # while it was down
+        task = asyncio.get_running_loop().create_task(sub.run())
+        await eventually(lambda: set(first + missed) <= set(target.held()), "replayed after the restart")
+        assert sub.index.stats["duplicates"] == 0 and sub.index.stats["resyncs"] == 0
+        task.cancel()
+    finally:
+        pub.close()
+
+
 async def test_an_unreplayable_gap_resyncs_and_a_restarted_publisher_clears() -> None:
     pub_ep, replay_ep = endpoints()
     pub = SimKVPublisher(pub_ep, replay_ep, buffer_steps=1)
