@@ -23,15 +23,14 @@ own ``BlockRemoved`` events normally keep it far below), the oldest forgotten fi
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
 from narwhal_serve.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-import hashlib
-from array import array
-
 from narwhal_serve.placement.prefix import id_bytes
 
 _ID_WIDTH: Final = array("Q").itemsize
@@ -72,7 +71,7 @@ class Target(Protocol):
 #   parent: the engine's hash of the block before it (None: the first)
 #   depth: engine blocks from the start of the prompt (1: the first)
 #   tokens: its token IDs as the router hashes them (little-endian unsigned 64-bit, placement/prefix.py
-#     _id_bytes; None: an ID past 64 bits, never hashed), kept while another router block may still
+#     id_bytes; None: an ID past 64 bits, never hashed), kept while another router block may still
 #     need them: a block inside a router block keeps them (a second prompt may branch after it and
 #     need them to hash its own router block), the block ending one drops them once it is hashed
 #   ours: the router block ending at this engine block (None: none, or not known)
