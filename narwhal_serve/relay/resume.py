@@ -7,7 +7,7 @@ generated and the request's own sampling parameters.  Its chunks are re-shaped i
 route (chat deltas stay chat deltas) with the original ``id`` and ``created``; ``usage`` counts the
 original prompt once and every output token once.
 
-What cannot be exact is not resumed (:func:`not_resumable`): beam search, tool calls, structured
+What cannot be exact is not resumed (:func:`not_resumable`): tool calls, structured
 output, reasoning already split off by the engine's parser, presence/frequency penalties (vLLM applies
 them to generated tokens only, and the generated tokens become prompt), and stop strings that the
 engine held text back for (vLLM keeps up to ``len(stop) - 1`` characters that may begin a stop string
@@ -54,9 +54,7 @@ def stop_strings(body: dict[str, Any]) -> list[str]:
 def not_resumable(req: ParsedRequest, holds_back_stops: bool) -> str | None:
     """Why ``req`` cannot be continued exactly on another engine (None: it can).  ``holds_back_stops``:
     the engine keeps text that may begin a stop string unsent (vLLM)."""
-    b = req.body
-    if b.get("use_beam_search"):  # (n and best_of above 1 are refused on arrival)
-        return "beam search"
+    b = req.body  # (n and best_of above 1, and beam search, are refused on arrival: protocol/requests.py)
     if b.get("tools") and b.get("tool_choice") != "none" or b.get("functions"):
         return "tool calls"
     for key in _STRUCTURED:

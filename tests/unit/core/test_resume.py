@@ -220,7 +220,6 @@ async def test_a_stop_string_across_the_cut_ends_the_answer_there() -> None:
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool calls"),
     ({"response_format": {"type": "json_object"}}, "structured output"),
     ({"frequency_penalty": 0.5}, "frequency penalty"),
-    ({"use_beam_search": True}, "beam search"),
 ])
 async def test_what_cannot_be_exact_ends_with_the_error_event(body: dict[str, Any], why: str) -> None:
     eng = Engines(FIRST_TWO, CONT)
