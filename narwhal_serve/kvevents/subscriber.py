@@ -68,10 +68,7 @@ class KVEventSubscriber:
                 # from the batch after the last one applied (a restarted subscriber keeps its index:
                 # replaying the whole buffer again was all duplicates); at the first start, everything
                 start = 0 if self.index.last_seq is None else self.index.last_seq + 1
-                for i, (seq, batch) in enumerate(await self._replay(start)):
-                    self.index.offer(seq, batch)
-                    if i % YIELD_EVERY == YIELD_EVERY - 1:
-                        await asyncio.sleep(0)  # (a long replay applied a piece at a time: the loop's other work goes on)
+                await self._offer_all(await self._replay(start))
             self.state = "subscribed"
             while True:
                 frames = await sub.recv_multipart()
@@ -108,14 +105,19 @@ class KVEventSubscriber:
                         self.engine, expected, seq - 1)
             self.index.resync(seq, batch)
             return
+        await self._offer_all(replayed, until=seq)
+        if self.index.last_seq is not None and self.index.last_seq < seq:
+            self.index.resync(seq, batch)  # the replay ended short of the live batch
+
+    async def _offer_all(self, replayed: list[tuple[int, KVEventBatch]], until: int | None = None) -> None:
+        """Replayed batches offered in order (up to sequence ``until``), a piece at a time: the
+        loop's other work goes on during a long replay."""
         for i, (s, b) in enumerate(replayed):
-            if s > seq:
+            if until is not None and s > until:
                 break
             self.index.offer(s, b)
             if i % YIELD_EVERY == YIELD_EVERY - 1:
                 await asyncio.sleep(0)
-        if self.index.last_seq is not None and self.index.last_seq < seq:
-            self.index.resync(seq, batch)  # the replay ended short of the live batch
 
     async def _replay(self, start: int) -> list[tuple[int, KVEventBatch]]:
         assert self.replay_endpoint is not None
