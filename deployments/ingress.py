@@ -39,6 +39,10 @@ class HandleBackend:
         grant: LeaseGrant | None = await self.scheduler.report.remote(rep)
         return grant
 
+    async def watch(self, lease_id: str, seen: int) -> int:
+        news: int = await self.scheduler.watch.remote(lease_id, seen)
+        return news
+
     async def snapshot(self) -> dict[str, Any]:
         snap: dict[str, Any] = await self.scheduler.snapshot.remote()
         return snap

@@ -8,6 +8,8 @@
   naming the bench's fleet (role unified, dialect vllm);
 * ``narwhal-prefix-blind``: ``narwhal-predictive`` with ``placement.prefix_aware: false``
   (``/prefix-blind``), the baseline of prefix-aware placement;
+* ``narwhal-predictive-2``: ``narwhal-predictive`` on two ingress replicas (two leases), and
+  ``narwhal-predictive-2-nowatch`` the same with ``admission.lease_watch: false``;
 * ``<narwhal target>@base`` (``--baseline-tree DIR``): the same application served by a second
   ``serve run`` (its own Ray instance) from another checkout of the repository, e.g. a
   ``git worktree`` of the commit before a change: two builds side by side in one run.
@@ -46,7 +48,7 @@ def known_target(target: str) -> bool:
 
 TARGETS: tuple[str, ...] = ("direct", "proxy", "narwhal-open", "narwhal-predictive", "rr", "narwhal-nolease",
                             "narwhal-prefix-blind", "narwhal-estimate", "narwhal-assembler", "narwhal-tenants",
-                            "narwhal-tenants-3")
+                            "narwhal-tenants-3", "narwhal-predictive-2", "narwhal-predictive-2-nowatch")
 # narwhal-nolease: open admission with a scheduler call per request (admission.ingress_leases off)
 # and plain httpx to the engines — the hot path before leases, measured beside the others
 # narwhal-assembler: predictive, with engine streams relayed by the Assembler deployment (a Ray
@@ -57,9 +59,11 @@ TARGETS: tuple[str, ...] = ("direct", "proxy", "narwhal-open", "narwhal-predicti
 # learned from placements (no tokenizer, no KV events) — the router before exact tokens, side by side
 NARWHAL_PREFIX = {"narwhal-open": "/open", "narwhal-predictive": "/predictive", "narwhal-nolease": "/nolease",
                   "narwhal-prefix-blind": "/prefix-blind", "narwhal-estimate": "/estimate",
-                  "narwhal-assembler": "/assembler", "narwhal-tenants": "/tenants", "narwhal-tenants-3": "/tenants-3"}
+                  "narwhal-assembler": "/assembler", "narwhal-tenants": "/tenants", "narwhal-tenants-3": "/tenants-3",
+                  "narwhal-predictive-2": "/predictive-2", "narwhal-predictive-2-nowatch": "/predictive-2-nowatch"}
 PREDICTIVE_TARGETS = frozenset({"narwhal-predictive", "narwhal-prefix-blind", "narwhal-estimate", "narwhal-assembler",
-                                "narwhal-tenants", "narwhal-tenants-3"})
+                                "narwhal-tenants", "narwhal-tenants-3", "narwhal-predictive-2",
+                                "narwhal-predictive-2-nowatch"})
 RAY_ENV = {
     **RUN_ENV,  # direct ingress, the run mode (--ray-env RAY_SERVE_ENABLE_HA_PROXY=0: the proxy actor)
     "RAY_ADDRESS": "local",  # never join another Ray instance on this machine
@@ -194,7 +198,8 @@ def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets:
             **({"tokenizer": tokenizer if exact else "estimate"} if tokenizer else {}),
             "admission": {"mode": mode, "ttft_budget_s": ttft_budget_s,
                           "max_ttft_budget_s": max(60.0, ttft_budget_s),
-                          "ingress_leases": t != "narwhal-nolease"},
+                          "ingress_leases": t != "narwhal-nolease",
+                          **({"lease_watch": False} if t == "narwhal-predictive-2-nowatch" else {})},
             "engines": app_engines,
             **({"deployment": {"engine_http": "httpx"}} if t == "narwhal-nolease" else {}),
             **({"deployment": {"relay": "assembler"}} if t == "narwhal-assembler" else {}),
@@ -202,6 +207,8 @@ def narwhal_serve_config(port: int, engine_urls: list[str], model: str, targets:
             **({"tenants": tenants_config()} if t in ("narwhal-tenants", "narwhal-tenants-3") else {}),
             **({"deployment": {"ingress_min_replicas": TENANT_INGRESS_REPLICAS,
                                "ingress_max_replicas": TENANT_INGRESS_REPLICAS}} if t == "narwhal-tenants-3" else {}),
+            **({"deployment": {"ingress_min_replicas": 2, "ingress_max_replicas": 2}}
+               if t.startswith("narwhal-predictive-2") else {}),
         }, t, NARWHAL_PREFIX[t]))
     return serve_config(port, apps)
 

@@ -108,6 +108,10 @@ class AdmissionConfig(_Strict):
     # (docs/performance.md, "Scale: what one scheduler holds"). Releases go at once while requests
     # wait in the scheduler's queue.
     report_linger_s: float = Field(0.005, ge=0, le=0.25)
+    # Each lease parks a call at the scheduler that is answered when another holder placed
+    # requests; its ingress then reports at once, and the answer's view has those placements
+    # (docs/architecture.md, "Admission leases"). Off: a quiet lease's view is up to 250 ms old.
+    lease_watch: bool = True
     # Priority classes, highest first (docs/contract.md, "Priority classes"): queued requests leave in class
     # order, lower classes keep headroom for higher ones, and engines that schedule by priority get it
     classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES

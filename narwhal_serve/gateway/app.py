@@ -115,7 +115,8 @@ def build_api(
     lease = AdmissionLease(f"ingress-{secrets.token_hex(6)}") if cfg.admission.ingress_leases else None
     if lease is not None and cfg.tenants is not None and any(t.budgeted() for t in cfg.tenants.list):
         lease.shares = LeaseShares(cfg.tenants.by_name())
-    reporter = Reporter(backend.report, lease=lease, linger_s=cfg.admission.report_linger_s)
+    reporter = Reporter(backend.report, lease=lease, linger_s=cfg.admission.report_linger_s,
+                        watch=backend.watch if cfg.admission.lease_watch else None)
     if lease is not None and (relay := backend.local_relay) is not None:
         relay.live_targets = lambda tokens: lease.resume_targets(clock(), tokens)  # where the fleet has room now
 

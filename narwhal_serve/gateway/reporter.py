@@ -40,6 +40,7 @@ class Reporter:
         *,
         linger_s: float = LINGER_S,
         lease: AdmissionLease | None = None,
+        watch: Callable[[str, int], Awaitable[int]] | None = None,
         renew_s: float = 0.25,
         clock: Callable[[], float] = time.time,
         mono: Callable[[], float] = time.monotonic,
@@ -59,12 +60,19 @@ class Reporter:
         self._ends = 0  # requests ended (released) so far
         self._ends_heard = 0  # of those, the ones in reports the scheduler has answered
         self._task: asyncio.Task[None] | None = None
+        # the scheduler's placement news (scheduler/watch.py): another holder's placements make
+        # this lease report at once, so that its view has them before its next decision
+        self._watch = watch if lease is not None else None
+        self._watcher: asyncio.Task[None] | None = None
+        self.news = 0  # the newest placement news heard
         self.on_view: Callable[[FleetView], None] | None = None  # each fresh lease view (the gateway's drain)
 
     def _ensure_task(self) -> None:
         if self._task is None or self._task.done():
             loop = asyncio.get_running_loop()
             self._task = loop.create_task(self._loop(), context=contextvars.Context())
+        if self._watch is not None and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.get_running_loop().create_task(self._watching(), context=contextvars.Context())
 
     def _queue(self) -> None:
         self._queued += 1
@@ -162,11 +170,30 @@ class Reporter:
 
     async def stop(self) -> None:
         """No more reports (what is pending stays unsent: :meth:`flush` first)."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for task in (self._task, self._watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._watcher = None
+
+    async def _watching(self) -> None:
+        """One parked watch call at a time; news of another holder's placements sends a report now."""
+        assert self._watch is not None and self.lease is not None
+        backoff = 0.05
+        while True:
+            try:
+                news = await self._watch(self.lease.lease_id, self.news)
+                backoff = 0.05
+            except Exception:  # the scheduler restarts or is busy: the renewals keep the view meanwhile
+                log.debug("placement watch failed; again in %.2f s", backoff, exc_info=True)
+                await asyncio.sleep(backoff)
+                backoff = min(1.0, backoff * 2)
+                continue
+            if news != self.news:  # (lower: a new scheduler numbers from 0)
+                self.news = news
+                self._urgent = True
+                self._wake.set()
 
     async def _flush(self) -> None:
         if self.lease is not None:

@@ -26,6 +26,9 @@ class SchedulerApi:
     async def report(self, rep: Report) -> LeaseGrant | None:
         return self.svc.report(rep)
 
+    async def watch(self, lease_id: str, seen: int) -> int:
+        return await self.svc.watch(lease_id, seen)
+
     async def snapshot(self) -> dict[str, Any]:
         return self.svc.snapshot()
 

@@ -71,7 +71,7 @@ class AdmissionDesk(TicketBook):
         if req.retry and (r := earliest(view.reservations, now)) is not None:
             self.reservations.pop(r.id, None)  # the retry takes the room kept for it
         if isinstance(decision, Grant):
-            return self._placed(req.ticket_id, verdict, req.request_deadline)
+            return self._placed(req.ticket_id, verdict, req.request_deadline, req.lease_id)
         return await self._wait(decision, req)
 
     async def _wait(self, decision: Enqueued, req: AdmitRequest) -> AdmitResult:
@@ -129,7 +129,7 @@ class AdmissionDesk(TicketBook):
                 self.admission.release(t.id)
                 fut.set_result(self._refuse_info(backend_unavailable(), Outcome.REJECTED, req))
             else:
-                fut.set_result(self._placed(t.id, placement, req.request_deadline))
+                fut.set_result(self._placed(t.id, placement, req.request_deadline, req.lease_id))
         self._arm_expiry()
 
     def _arm_expiry(self) -> None:

@@ -117,6 +117,8 @@ class SchedulerService(AdminOps):
                 self.tenants.lease_report(part.lease_id, part.tenants, now, fresh=fresh or part.epoch != rec.epoch)
             for lp in part.placed:
                 self._local_placed(lp, part.lease_id)
+            if part.placed:
+                self.placement_watch.placed(part.lease_id)  # the other leases hear of it now
             for r in part.reserved:
                 self._reserve(r)
             for rid in part.consumed:
@@ -162,6 +164,12 @@ class SchedulerService(AdminOps):
                           self.ha.ingress_ttl(LEASE_TTL_S), granted, target, epoch=rec.epoch,
                           tenant_granted=shares, tenant_targets=targets, tenant_facts=self.tenants.facts(now),
                           view_seq=seq, view_base=base, names=names, prefixes=prefixes, rows=rows)
+
+    async def watch(self, lease_id: str, seen: int) -> int:
+        """A lease's parked call: answered with the number of the newest placement another holder
+        made, once newer than ``seen`` (:mod:`.watch`)."""
+        self.calls["watch"] += 1
+        return await self.placement_watch.wait(lease_id, seen)
 
     def metrics_text(self) -> str:
         return render_metrics(self.snapshot(), self.histograms)

@@ -35,6 +35,7 @@ from narwhal_serve.scheduler.granted import facts as granted_facts
 from narwhal_serve.scheduler.leases import GrantView, Held, LeaseLedger
 from narwhal_serve.scheduler.managed import ManagedFleet, initial_engines
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
+from narwhal_serve.scheduler.watch import PlacementWatch
 from narwhal_serve.telemetry import TPOT_BUCKETS, Histogram, Tally
 from narwhal_serve.tenants.amounts import Amounts
 from narwhal_serve.tenants.book import TenantBook
@@ -128,7 +129,8 @@ class SchedulerState(ABC):
         self.profiler = Profiler(cfg, clock, self._health_changed)  # re-measures engines out for drift
         self._background: set[asyncio.Task[None]] = set()  # immediate scrapes of (re)joined engines
         self._ha: asyncio.Task[None] | None = None
-        self.calls = {"admit": 0, "report": 0}  # calls from ingress replicas (/status)
+        self.calls = {"admit": 0, "report": 0, "watch": 0}  # calls from ingress replicas (/status)
+        self.placement_watch = PlacementWatch()  # leases' parked watch calls (watch.py)
 
     def client(self) -> httpx.AsyncClient:
         """The one HTTP client for engine scrapes, probes and profiles (made on first use)."""

@@ -107,9 +107,11 @@ class TicketBook(SchedulerState):
                 self.tenants.charge_output(t.placement.tenant, tokens - t.output_charged, self.clock())
                 t.output_charged = tokens
 
-    def _placed(self, tid: str, placement: Placement, deadline: float) -> AdmitResult:
+    def _placed(self, tid: str, placement: Placement, deadline: float, asker: str | None) -> AdmitResult:
+        """``asker``: the lease of the ingress that asked (None: none), which has the answer."""
         self._budgeted.pop(tid, None)  # its ticket holds the budget now (released with it)
         self._charge(tid, placement, deadline, None)
+        self.placement_watch.placed(asker)  # the other leases hear of it
         st = self.tenants.states.get(placement.tenant)
         return AdmitResult(candidates=placement.routes, predicted_ttft_s=placement.predicted_s, epoch=self.ha.epoch(),
                            remaining=st.remaining() if st is not None else None)

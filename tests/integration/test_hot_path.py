@@ -24,6 +24,7 @@ async def test_admissions_under_a_held_lease_make_no_scheduler_call(graph: Graph
         after = (await status(g))["scheduler_calls"]
     assert after["admit"] == before["admit"], (before, after)
     assert after["report"] > before["report"]  # outcomes and releases still flow, batched
+    assert after["watch"] >= 1  # the replica's placement-news call is parked at the scheduler, through Ray
     snap = await wait_status(g, balanced, "counters balance and permits are back")
     assert snap["admission_leases"] and all(x["in_use"]["retention"] == 0 for x in snap["admission_leases"])
 

@@ -130,7 +130,7 @@ def test_an_engines_first_measurement_at_the_scheduler_starts_from_the_prior_it_
     route = RouteChoice(kind="single", decode=b.cfg)
     p = Placement((route,), "b", 4000, 4000, 0.0, None, ttft_budget_s=10.0)
     tid = "t-b"
-    svc._placed(tid, p, NOW + 60)
+    svc._placed(tid, p, NOW + 60, None)
     svc._release(tid, RelayStats("single", ("b",), 0.01 + 1e-5 * 4000, 2, 0.01, 1), completed=True)
     m = b.ttft_model
     assert (m.prior_a, m.prior_b) == (granted.ttft_a, granted.ttft_b) and len(m.samples) == 1
@@ -144,7 +144,7 @@ def test_engines_first_measured_before_their_kind_is_granted_start_from_the_flee
     for name, ttft in (("a", 0.05), ("b", 0.06)):  # one report: no grant between them
         e = svc.engines[name]
         p = Placement((RouteChoice(kind="single", decode=e.cfg),), name, 4000, 4000, 0.0, None, ttft_budget_s=10.0)
-        svc._placed(f"t-{name}", p, NOW + 60)
+        svc._placed(f"t-{name}", p, NOW + 60, None)
         svc._release(f"t-{name}", RelayStats("single", (name,), ttft, 2, 0.01, 1), completed=True)
     a, b = svc.engines["a"].ttft_model, svc.engines["b"].ttft_model
     assert len(a.samples) == len(b.samples) == 1

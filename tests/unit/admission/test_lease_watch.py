@@ -1,0 +1,107 @@
+"""Placement news (scheduler/watch.py): a lease's parked watch call is answered when another
+holder placed requests, and its ingress then reports at once, so that its view has those
+placements before its next decision — not only with its next renewal."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from narwhal_serve.admission.core import Ask, FleetView, Placement
+from narwhal_serve.admission.lease import AdmissionLease
+from narwhal_serve.gateway.reporter import Reporter
+from narwhal_serve.scheduler.messages import Report
+from narwhal_serve.scheduler.watch import PlacementWatch
+from tests.support.scheduler import scheduler_service
+
+
+def test_the_newest_placement_not_by_a_lease_is_known_for_every_lease_in_constant_memory() -> None:
+    rng = random.Random(7)
+    holders = ["a", "b", "c", None]
+    for _ in range(200):
+        w, log = PlacementWatch(), []
+        for _ in range(rng.randint(0, 12)):
+            h = rng.choice(holders)
+            w.placed(h)
+            log.append((w.seq, h))
+            for lease in ("a", "b", "c", "d"):
+                want = max((s for s, by in log if by != lease), default=0)
+                assert w.newest_not_by(lease) == want
+
+
+async def test_a_parked_watch_is_answered_by_another_holders_placement_not_by_its_own() -> None:
+    w = PlacementWatch()
+    parked = asyncio.Event()
+    call = asyncio.create_task(w.wait("a", 0, timeout_s=30, on_park=parked.set))
+    await parked.wait()
+    w.placed("a")  # its own: no news
+    await asyncio.sleep(0)
+    assert not call.done()
+    w.placed("b")
+    assert await call == 2
+    assert await w.wait("a", 0) == 2  # news already there: at once
+    assert await w.wait("a", 99) == 2  # a number from an earlier scheduler: at once, with this one's
+    w.placed(None)  # the scheduler's own placement is news for every lease
+    assert await w.wait("b", 2) == 3
+    assert w.parked() == 0
+
+
+async def test_a_second_watch_of_a_lease_answers_the_first_and_a_quiet_one_times_out() -> None:
+    w = PlacementWatch()
+    parked = asyncio.Event()
+    first = asyncio.create_task(w.wait("a", 0, timeout_s=30, on_park=parked.set))
+    await parked.wait()
+    parked.clear()
+    second = asyncio.create_task(w.wait("a", 0, timeout_s=0.01, on_park=parked.set))
+    assert await first == 0
+    assert await second == 0  # timed out, nothing new
+    assert w.parked() == 0
+
+
+def _in_flight(view: FleetView | None) -> int:
+    assert view is not None
+    return sum(e.inflight for e in view.facts().values())
+
+
+@pytest.mark.parametrize("watching", [True, False])
+async def test_another_leases_placement_reaches_a_quiet_lease_at_once_with_the_watch(watching: bool) -> None:
+    svc, clock = scheduler_service({"mode": "open", "phase_concurrency": {"prefill": 8, "decode": 8}})
+
+    async def send(rep: Report) -> object:
+        return svc.report(rep)
+
+    renewed = {"a": asyncio.Event(), "b": asyncio.Event()}
+    reps = {}
+    for name in ("a", "b"):
+        r = Reporter(send, lease=AdmissionLease(name), watch=svc.watch if watching else None, linger_s=0,
+                     renew_s=60, clock=clock, mono=clock)  # (no renewal within the test)
+        r.on_view = lambda _v, ev=renewed[name]: ev.set()
+        r.start()
+        reps[name] = r
+    for r in reps.values():
+        await r.flush()
+    b = reps["b"].lease
+    assert b is not None
+    before = _in_flight(b.current_view())
+    renewed["b"].clear()
+    a = reps["a"].lease
+    assert a is not None
+    got = a.try_admit("t1", Ask(10, 2.0), clock() + 60, clock(), clock())
+    assert isinstance(got, Placement)
+    reps["a"].offered()  # (the gateway's report of the request, which carries the placement)
+    await reps["a"].flush()
+    try:
+        if watching:
+            await asyncio.wait_for(renewed["b"].wait(), 5)
+            assert _in_flight(b.current_view()) == before + 1
+            assert reps["b"].news > 0
+        else:  # only its next renewal, 60 s away, would bring it
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(renewed["b"].wait(), 0.2)
+            assert _in_flight(b.current_view()) == before
+    finally:
+        for r in reps.values():
+            await r.stop()
+    assert svc.placement_watch.parked() == 0  # the stopped reporters' calls were cancelled
