@@ -39,8 +39,8 @@ class HandleBackend:
         grant: LeaseGrant | None = await self.scheduler.report.remote(rep)
         return grant
 
-    async def watch(self, lease_id: str, seen: int) -> int:
-        news: int = await self.scheduler.watch.remote(lease_id, seen)
+    async def watch(self, lease_id: str) -> bool:
+        news: bool = await self.scheduler.watch.remote(lease_id)
         return news
 
     async def snapshot(self) -> dict[str, Any]:

@@ -109,7 +109,8 @@ class AdmissionConfig(_Strict):
     # wait in the scheduler's queue.
     report_linger_s: float = Field(0.005, ge=0, le=0.25)
     # Each lease parks a call at the scheduler that is answered when another holder placed
-    # requests; its ingress then reports at once, and the answer's view has those placements
+    # requests its view lacks and it has been quiet 10 ms; its ingress then reports at once, and
+    # the answer's view has those placements
     # (docs/architecture.md, "Admission leases"). Off: a quiet lease's view is up to 250 ms old.
     lease_watch: bool = True
     # Priority classes, highest first (docs/contract.md, "Priority classes"): queued requests leave in class

@@ -27,8 +27,9 @@ class Backend(Protocol):
 
     async def report(self, rep: Report) -> LeaseGrant | None: ...
 
-    async def watch(self, lease_id: str, seen: int) -> int:
-        """Parked until another holder placed requests (scheduler/watch.py)."""
+    async def watch(self, lease_id: str) -> bool:
+        """Parked until another holder placed requests this lease has not heard of (True), or a
+        while without (False): scheduler/watch.py."""
         ...
 
     async def snapshot(self) -> dict[str, Any]: ...

@@ -40,7 +40,7 @@ class Reporter:
         *,
         linger_s: float = LINGER_S,
         lease: AdmissionLease | None = None,
-        watch: Callable[[str, int], Awaitable[int]] | None = None,
+        watch: Callable[[str], Awaitable[bool]] | None = None,
         renew_s: float = 0.25,
         clock: Callable[[], float] = time.time,
         mono: Callable[[], float] = time.monotonic,
@@ -64,7 +64,7 @@ class Reporter:
         # this lease report at once, so that its view has them before its next decision
         self._watch = watch if lease is not None else None
         self._watcher: asyncio.Task[None] | None = None
-        self.news = 0  # the newest placement news heard
+        self.news = 0  # news heard (each sent a report at once)
         self.on_view: Callable[[FleetView], None] | None = None  # each fresh lease view (the gateway's drain)
 
     def _ensure_task(self) -> None:
@@ -178,22 +178,22 @@ class Reporter:
         self._task = self._watcher = None
 
     async def _watching(self) -> None:
-        """One parked watch call at a time; news of another holder's placements sends a report now."""
+        """One parked watch call at a time; news of another holder's placements sends a report now
+        (and the call parks again once its answer is in: the scheduler then knows what it heard)."""
         assert self._watch is not None and self.lease is not None
         backoff = 0.05
         while True:
             try:
-                news = await self._watch(self.lease.lease_id, self.news)
+                news = await self._watch(self.lease.lease_id)
                 backoff = 0.05
             except Exception:  # the scheduler restarts or is busy: the renewals keep the view meanwhile
                 log.debug("placement watch failed; again in %.2f s", backoff, exc_info=True)
                 await asyncio.sleep(backoff)
                 backoff = min(1.0, backoff * 2)
                 continue
-            if news != self.news:  # (lower: a new scheduler numbers from 0)
-                self.news = news
-                self._urgent = True
-                self._wake.set()
+            if news:
+                self.news += 1
+                await self.flush()
 
     async def _flush(self) -> None:
         if self.lease is not None:

@@ -236,14 +236,9 @@ class Replay:
         api = SchedulerApi()
         api.svc = svc
         send = api.report if costs is None else costs.hop(api.report)
-        watch: Callable[[str, int], Awaitable[int]] | None = None
+        watch: Callable[[str], Awaitable[bool]] | None = None
         if cfg.admission.lease_watch:
-            watch = api.watch
-            if costs is not None:  # (the call and its answer across the hop, as a report's)
-                hopped = costs.hop(lambda m: api.watch(*m))
-
-                def watch(lease_id: str, seen: int) -> Awaitable[int]:
-                    return hopped((lease_id, seen))
+            watch = api.watch if costs is None else costs.hop(api.watch)  # (the call and its answer, as a report's)
         reporters = [Reporter(send, lease=AdmissionLease(f"ingress-{k}") if cfg.admission.ingress_leases else None,
                               linger_s=cfg.admission.report_linger_s, watch=watch,
                               clock=loop.time, mono=loop.time) for k in range(self.opts.ingresses)]

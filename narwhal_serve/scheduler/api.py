@@ -26,8 +26,8 @@ class SchedulerApi:
     async def report(self, rep: Report) -> LeaseGrant | None:
         return self.svc.report(rep)
 
-    async def watch(self, lease_id: str, seen: int) -> int:
-        return await self.svc.watch(lease_id, seen)
+    async def watch(self, lease_id: str) -> bool:
+        return await self.svc.watch(lease_id)
 
     async def snapshot(self) -> dict[str, Any]:
         return self.svc.snapshot()

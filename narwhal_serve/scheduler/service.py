@@ -98,6 +98,7 @@ class SchedulerService(AdminOps):
         now = self.clock()
         for lease_id, rec in self.leases.orphans(now):
             self.tenants.forget_lease(lease_id)
+            self.placement_watch.forget(lease_id)
             for tid in list(rec.tickets):
                 self._release(tid, None)
         for tid in [t for t, k in self._tickets.items() if now > k.deadline + REAP_GRACE_S]:
@@ -155,6 +156,7 @@ class SchedulerService(AdminOps):
         if grant_for is None or rep.lease is None:
             return None
         rec, _ = grant_for
+        self.placement_watch.reported(rep.lease.lease_id)  # (its grant holds every placement so far)
         granted, target = self.leases.grant(rec, bool(self.admission.queue))
         shares, targets = self.tenants.grant(rep.lease.lease_id, now, len(self.leases.leases))
         (view, prefixes, rows), seq, base, names = self.leases.view_for(
@@ -165,11 +167,11 @@ class SchedulerService(AdminOps):
                           tenant_granted=shares, tenant_targets=targets, tenant_facts=self.tenants.facts(now),
                           view_seq=seq, view_base=base, names=names, prefixes=prefixes, rows=rows)
 
-    async def watch(self, lease_id: str, seen: int) -> int:
-        """A lease's parked call: answered with the number of the newest placement another holder
-        made, once newer than ``seen`` (:mod:`.watch`)."""
+    async def watch(self, lease_id: str) -> bool:
+        """A lease's parked call: True once another holder placed requests its view lacks and it
+        has been quiet a moment, False after a while without (:mod:`.watch`)."""
         self.calls["watch"] += 1
-        return await self.placement_watch.wait(lease_id, seen)
+        return await self.placement_watch.wait(lease_id)
 
     def metrics_text(self) -> str:
         return render_metrics(self.snapshot(), self.histograms)

@@ -32,31 +32,52 @@ def test_the_newest_placement_not_by_a_lease_is_known_for_every_lease_in_constan
 
 
 async def test_a_parked_watch_is_answered_by_another_holders_placement_not_by_its_own() -> None:
-    w = PlacementWatch()
-    parked = asyncio.Event()
-    call = asyncio.create_task(w.wait("a", 0, timeout_s=30, on_park=parked.set))
-    await parked.wait()
+    w = PlacementWatch(quiet_s=0)
+    call = asyncio.create_task(w.wait("a", timeout_s=30))
+    await asyncio.sleep(0)
     w.placed("a")  # its own: no news
     await asyncio.sleep(0)
     assert not call.done()
     w.placed("b")
-    assert await call == 2
-    assert await w.wait("a", 0) == 2  # news already there: at once
-    assert await w.wait("a", 99) == 2  # a number from an earlier scheduler: at once, with this one's
-    w.placed(None)  # the scheduler's own placement is news for every lease
-    assert await w.wait("b", 2) == 3
+    assert await call is True
+    assert await w.wait("a") is True  # news it has not heard (no report since): at once
+    w.reported("a")  # its report's answer held it
+    assert await w.wait("a", timeout_s=0.01) is False
+    w.placed(None)  # a request no lease asked for: news for every lease
+    assert await w.wait("a") is True
+    assert await w.wait("b") is True  # (b never reported: every placement not its own is news)
     assert w.parked() == 0
 
 
-async def test_a_second_watch_of_a_lease_answers_the_first_and_a_quiet_one_times_out() -> None:
+async def test_a_lease_that_reported_a_moment_ago_hears_the_news_with_its_next_report_or_when_quiet() -> None:
+    loop = asyncio.get_running_loop()
+    w = PlacementWatch(quiet_s=0.05)
+    w.reported("a")
+    t0 = loop.time()
+    call = asyncio.create_task(w.wait("a", timeout_s=30))
+    await asyncio.sleep(0)
+    w.placed("b")
+    assert await call is True
+    assert loop.time() - t0 >= 0.05  # not before it had been quiet quiet_s
+    # reporting again within quiet_s brings the news with that report: no call
+    w.reported("a")
+    call = asyncio.create_task(w.wait("a", timeout_s=0.3))
+    await asyncio.sleep(0)
+    w.placed("b")
+    w.reported("a")
+    assert await call is False
+
+
+async def test_a_second_watch_of_a_lease_answers_the_first_and_a_forgotten_lease_is_answered() -> None:
     w = PlacementWatch()
-    parked = asyncio.Event()
-    first = asyncio.create_task(w.wait("a", 0, timeout_s=30, on_park=parked.set))
-    await parked.wait()
-    parked.clear()
-    second = asyncio.create_task(w.wait("a", 0, timeout_s=0.01, on_park=parked.set))
-    assert await first == 0
-    assert await second == 0  # timed out, nothing new
+    first = asyncio.create_task(w.wait("a", timeout_s=30))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(w.wait("a", timeout_s=30))
+    assert await first is False
+    await asyncio.sleep(0)
+    w.reported("a")
+    w.forget("a")
+    assert await second is False
     assert w.parked() == 0
 
 
@@ -96,7 +117,7 @@ async def test_another_leases_placement_reaches_a_quiet_lease_at_once_with_the_w
         if watching:
             await asyncio.wait_for(renewed["b"].wait(), 5)
             assert _in_flight(b.current_view()) == before + 1
-            assert reps["b"].news > 0
+            assert reps["b"].news == 1
         else:  # only its next renewal, 60 s away, would bring it
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(renewed["b"].wait(), 0.2)
