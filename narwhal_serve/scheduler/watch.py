@@ -57,17 +57,13 @@ class PlacementWatch:
         """``lease_id``'s report is answered: its view holds every placement so far."""
         self._heard[lease_id] = self.seq
         self._reported[lease_id] = _loop_time()
-        timer = self._due.pop(lease_id, None)
-        if timer is not None:
-            timer.cancel()
+        self._cancel_due(lease_id)
 
     def forget(self, lease_id: str) -> None:
         """A lease gone (its ingress silent past the orphan limit)."""
         self._heard.pop(lease_id, None)
         self._reported.pop(lease_id, None)
-        timer = self._due.pop(lease_id, None)
-        if timer is not None:
-            timer.cancel()
+        self._cancel_due(lease_id)
         fut = self._waiting.pop(lease_id, None)
         if fut is not None and not fut.done():
             fut.set_result(False)
@@ -79,12 +75,15 @@ class PlacementWatch:
         loop = asyncio.get_running_loop()
         due = self._reported.get(lease_id, -math.inf) + self.quiet_s
         if loop.time() >= due:
-            timer = self._due.pop(lease_id, None)
-            if timer is not None:
-                timer.cancel()
+            self._cancel_due(lease_id)
             fut.set_result(True)
         elif lease_id not in self._due:  # (its own report before then brings it the news instead)
             self._due[lease_id] = loop.call_at(due, self._on_due, lease_id)
+
+    def _cancel_due(self, lease_id: str) -> None:
+        timer = self._due.pop(lease_id, None)
+        if timer is not None:
+            timer.cancel()
 
     def _on_due(self, lease_id: str) -> None:
         self._due.pop(lease_id, None)
