@@ -1,4 +1,4 @@
-# Two commands on a fresh machine: `make run` (router + embedded simulated fleet on 127.0.0.1:8000)
+# Two commands on a fresh machine: `make run` (router + three managed simulated engines on 127.0.0.1:8000)
 # and `make test` (the whole suite). Both create .venv and install what they need.
 VENV := .venv
 PY := $(VENV)/bin/python

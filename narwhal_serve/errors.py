@@ -1,7 +1,12 @@
 """One error tree for every refusal Narwhal sends (docs/contract.md, "Errors").
 
     NarwhalError                      status  type                        code
-    ├── InvalidRequest                400     invalid_request_error       invalid_request
+    │                                 500     internal_error              (internal_error: a fault of the
+    │                                                                      router's own; after headers, as an
+    │                                                                      error event: slow_reader)
+    ├── InvalidRequest                400     invalid_request_error       invalid_request (body_incomplete;
+    │                                                                      404 not_found, 405
+    │                                                                      method_not_allowed)
     │   ├── InvalidSamplingWidth      400     invalid_request_error       invalid_sampling_width
     │   ├── UnsupportedOption         400     invalid_request_error       unsupported_option
     │   ├── ContextLengthExceeded     400     invalid_request_error       context_length_exceeded
@@ -12,11 +17,14 @@
     ├── RateLimited                   429     rate_limit_error            (retention_full, queue_full,
     │                                                                      ttft_budget_exceeded,
     │                                                                      prompt_exceeds_ttft_budget,
+    │                                                                      tpot_budget_exceeded,
+    │                                                                      tpot_budget_unattainable,
     │                                                                      rate_limit_exceeded)
     ├── TerminalExpiry                504     timeout_error               (admission_wait_expired,
     │                                                                      deadline_expired)
     ├── Unavailable                   503     service_unavailable_error   (backend_unavailable,
-    │                                                                      router_unavailable)
+    │                                                                      router_unavailable; after
+    │                                                                      headers: router_draining)
     └── BadEngineResponse             502     upstream_error              bad_engine_response
 
 Each error becomes an :class:`ErrorInfo` (plain data, what crosses the Ray hop), which renders the

@@ -73,8 +73,8 @@ HISTOGRAM_HELP = {
     ),
 }
 
-# Per-engine gauges from the scheduler's engine view: (metric, view key, help). A key whose value
-# is None (not known yet) gives no sample for that engine.
+# Per-engine gauges (and a ``_total`` count, typed counter) from the scheduler's engine view:
+# (metric, view key, help). A key whose value is None (not known yet) gives no sample for that engine.
 ENGINE_GAUGES = (
     ("narwhal_engine_healthy", "healthy", "1 when the engine's /health and /metrics last answered."),
     ("narwhal_engine_metrics_age_seconds", "metrics_age_s", "Age of the engine's last good scrape."),
@@ -193,8 +193,8 @@ def render_metrics(snap: dict[str, Any], histograms: dict[str, Histogram]) -> st
     out.append("# TYPE narwhal_engine_drift_score gauge")
     for e in snap["engines"]:
         out.append(f'narwhal_engine_drift_score{{engine="{_esc(e["name"])}"}} {e.get("drift_score", 0.0)}')
-    for name, key, help_text in ENGINE_GAUGES:
-        out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+    for name, key, help_text in ENGINE_GAUGES:  # a count that only grows (``_total``) is a counter
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {'counter' if name.endswith('_total') else 'gauge'}"]
         for e in snap["engines"]:
             if e.get(key) is not None:
                 out.append(f'{name}{{engine="{_esc(e["name"])}"}} {_num(e[key])}')

@@ -34,7 +34,7 @@ class ServingConfig(_Strict):
     body_timeout_s: float = Field(30.0, gt=0, le=86400)  # the whole request body must arrive within this → 408
     # Before response headers, an attempt with no first token this long moves to the next
     # candidate route (when there is one) and counts against the engine it waited on.
-    # None: max(2 s, 3 × the request's TTFT budget).
+    # None: max(2 s, 3 × the larger of the request's TTFT target and its predicted TTFT).
     first_token_timeout_s: float | None = Field(None, gt=0)
     # Slow readers (direct-ingress mode): a stream whose unsent data at the ingress passes
     # stream_buffer_bytes, or one write that blocks longer than slow_reader_timeout_s, is cut

@@ -14,7 +14,7 @@ from narwhal_serve.protocol.stats import RelayStats
 RESUME_REASONS = ("reset", "stall", "engine_error", "bad_response", "breaker_open")
 # How it ended, for narwhal_resumes_total{outcome}: resumed (the continuation's first token came),
 # finished (the cut came after the last token: the end is written by the router), failed (the
-# continuation failed too), and why none was tried: not_exact, no_engine, limit (relay.max_resumes),
+# continuation failed too), and why none was tried: not_exact, no_engine, limit (serving.max_resumes),
 # deadline
 RESUME_OUTCOMES = ("resumed", "finished", "failed", "not_exact", "no_engine", "limit", "deadline")
 

@@ -180,3 +180,13 @@ def test_a_fresh_router_exports_every_known_family_at_zero() -> None:
         for result in ("ok", "failed"):
             assert s[("narwhal_engine_probes_total", (("engine", name), ("result", result)))] == 0
         assert s[("narwhal_engine_ttft_predictions_total", (("engine", name),))] == 0
+
+
+def test_every_total_is_typed_counter() -> None:
+    """A family named ``*_total`` is a counter (what Prometheus' rate() and the naming rules expect),
+    whatever list it is rendered from: the per-engine drift-outs count was typed gauge."""
+    svc, _ = service()
+    typed = [line.split()[2:4] for line in svc.metrics_text().splitlines() if line.startswith("# TYPE ")]
+    totals = [(name, kind) for name, kind in typed if name.endswith("_total")]
+    assert ("narwhal_engine_drift_outs_total", "counter") in totals
+    assert all(kind == "counter" for _, kind in totals), [t for t in totals if t[1] != "counter"]
