@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -40,7 +41,12 @@ class HandleBackend:
         return grant
 
     async def watch(self, lease_id: str) -> bool:
-        news: bool = await self.scheduler.watch.remote(lease_id)
+        call = self.scheduler.watch.remote(lease_id)
+        try:
+            news: bool = await call
+        except asyncio.CancelledError:  # the ingress stops: its parked call ends now, not at its
+            call.cancel()  # timeout (the scheduler's replica would wait for it to stop)
+            raise
         return news
 
     async def snapshot(self) -> dict[str, Any]:

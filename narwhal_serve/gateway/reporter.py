@@ -64,10 +64,13 @@ class Reporter:
         # this lease report at once, so that its view has them before its next decision
         self._watch = watch if lease is not None else None
         self._watcher: asyncio.Task[None] | None = None
+        self._stopped = False
         self.news = 0  # news heard (each sent a report at once)
         self.on_view: Callable[[FleetView], None] | None = None  # each fresh lease view (the gateway's drain)
 
     def _ensure_task(self) -> None:
+        if self._stopped:  # (a task finishing as stop() cancels it may queue more: none after a stop)
+            return
         if self._task is None or self._task.done():
             loop = asyncio.get_running_loop()
             self._task = loop.create_task(self._loop(), context=contextvars.Context())
@@ -119,6 +122,7 @@ class Reporter:
 
     def start(self) -> None:
         """Begin reporting now (a lease needs its first grant before it can admit)."""
+        self._stopped = False
         self._wake.set()
         self._ensure_task()
 
@@ -170,7 +174,8 @@ class Reporter:
 
     async def stop(self) -> None:
         """No more reports (what is pending stays unsent: :meth:`flush` first)."""
-        for task in (self._task, self._watcher):
+        self._stopped = True
+        for task in (self._watcher, self._task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

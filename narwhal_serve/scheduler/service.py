@@ -112,6 +112,7 @@ class SchedulerService(AdminOps):
         grant_for = None
         if rep.lease is not None:
             part = rep.lease
+            self.placement_watch.reporting(part.lease_id)  # (what is placed from here on, its answer holds)
             rec, fresh = self.leases.touch(part.lease_id, part.in_use, now)
             self.leases.returned(part.lease_id, part.returned, part.epoch)
             if part.tenants is not None:

@@ -53,6 +53,12 @@ class PlacementWatch:
             if lease_id != holder:
                 self._check(lease_id)
 
+    def reporting(self, lease_id: str) -> None:
+        """``lease_id``'s report is being handled: its answer will hold what is placed meanwhile
+        (the scheduler's queue may place other leases' requests as the report frees permits), so
+        news of those waits for :meth:`reported` instead of calling the lease for them."""
+        self._reported[lease_id] = _loop_time()
+
     def reported(self, lease_id: str) -> None:
         """``lease_id``'s report is answered: its view holds every placement so far."""
         self._heard[lease_id] = self.seq
@@ -72,7 +78,7 @@ class PlacementWatch:
         fut = self._waiting.get(lease_id)
         if fut is None or fut.done() or self.newest_not_by(lease_id) <= self._heard.get(lease_id, 0):
             return
-        loop = asyncio.get_running_loop()
+        loop = fut.get_loop()  # (a placement may come from code run outside the loop: tests)
         due = self._reported.get(lease_id, -math.inf) + self.quiet_s
         if loop.time() >= due:
             self._cancel_due(lease_id)
