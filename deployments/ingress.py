@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -45,7 +46,8 @@ class HandleBackend:
         try:
             news: bool = await call
         except asyncio.CancelledError:  # the ingress stops: its parked call ends now, not at its
-            call.cancel()  # timeout (the scheduler's replica would wait for it to stop)
+            with contextlib.suppress(Exception):  # timeout (the scheduler's replica would wait for it
+                call.cancel()  # to stop); best effort: an error here must not swallow the cancellation
             raise
         return news
 

@@ -173,7 +173,7 @@ class Reporter:
                 await self._flush()
 
     async def stop(self) -> None:
-        """No more reports (what is pending stays unsent: :meth:`flush` first)."""
+        """No more reports until :meth:`start` (what is pending stays unsent: :meth:`flush` first)."""
         self._stopped = True
         for task in (self._watcher, self._task):
             if task is not None:
