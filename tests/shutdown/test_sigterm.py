@@ -168,43 +168,54 @@ def _still_alive(r: Run) -> list[str]:
     return left
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
-def test_signal_stops_everything(run: Run, sig: signal.Signals) -> None:
-    _wait_serving(run)
+def _serving_snapshot(r: Run) -> set[int]:
+    """Once the run serves: every port it uses, after checking that its HAProxy, its fixed ports and
+    its three managed engines are all up."""
+    _wait_serving(r)
     # HAProxy is replaced on every reload, the fallback proxy may bind after the app answers, and
     # the managed engines boot after their replicas (the app answers once one engine is up): look
     # again, bounded, until all of the run's fixed ports and its three engines' ports are bound.
     deadline = time.monotonic() + 60
     while True:
-        ports = _snapshot(run)
-        haproxy = [p for p in run.session if any(run.haproxy_dir in a for a in serve_run.cmdline(p))]
-        unbound = {k: v for k, v in run.fixed_ports.items() if v not in ports}
+        ports = _snapshot(r)
+        haproxy = [p for p in r.session if any(r.haproxy_dir in a for a in serve_run.cmdline(p))]
+        unbound = {k: v for k, v in r.fixed_ports.items() if v not in ports}
         # the managed simulated engines are the run's too: three engine processes, each listening
-        engines = [p for p in run.session if "narwhal_serve.sim.cli" in " ".join(serve_run.cmdline(p))]
+        engines = [p for p in r.session if "narwhal_serve.sim.cli" in " ".join(serve_run.cmdline(p))]
         listening = [p for p in engines if any(o == p for owners in ports.values() for _, o in owners)]
         if (haproxy and not unbound and len(listening) == len(engines) == 3) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert haproxy, f"no HAProxy of this run found (HA-proxy mode off?):\n{run.log_tail()}"
-    assert unbound == {}, f"not bound by the run: {unbound}\n{run.log_tail()}"
+    assert haproxy, f"no HAProxy of this run found (HA-proxy mode off?):\n{r.log_tail()}"
+    assert unbound == {}, f"not bound by the run: {unbound}\n{r.log_tail()}"
     assert len(engines) == 3 and listening == engines, (engines, listening, ports)
-    used = set(ports) | set(run.fixed_ports.values())
+    return set(ports) | set(r.fixed_ports.values())
 
-    t0 = time.monotonic()
-    os.kill(run.proc.pid, sig)
+
+def _stopped_cleanly(r: Run, sig: signal.Signals, t0: float, used: set[int]) -> None:
+    """After ``sig`` (sent at ``t0``): exit 0, nothing of the run left running, none of its ports
+    still bound."""
     try:
-        rc = run.proc.wait(timeout=STOP_TIMEOUT_S)
+        rc = r.proc.wait(timeout=STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"serve_run still running {STOP_TIMEOUT_S:.0f} s after {sig.name}:\n{run.log_tail()}")
+        pytest.fail(f"serve_run still running {STOP_TIMEOUT_S:.0f} s after {sig.name}:\n{r.log_tail()}")
     stop_s = time.monotonic() - t0
     print(f"{sig.name}: exit {rc} after {stop_s:.1f} s; the run used ports {sorted(used)}")
 
-    assert rc == 0, f"exit {rc} after {sig.name}:\n{run.log_tail()}"
-    assert _still_alive(run) == [], run.log_tail()
-    assert serve_run.run_processes(run.run_id, run.haproxy_dir) == []
+    assert rc == 0, f"exit {rc} after {sig.name}:\n{r.log_tail()}"
+    assert _still_alive(r) == [], r.log_tail()
+    assert serve_run.run_processes(r.run_id, r.haproxy_dir) == []
     now = serve_run.listening()
-    left = {p: now[p] for p in used if p in now and (p in run.fixed_ports.values() or any(o in run.session for _, o in now[p]))}
+    left = {p: now[p] for p in used if p in now and (p in r.fixed_ports.values() or any(o in r.session for _, o in now[p]))}
     assert left == {}, f"still listening after {sig.name}: {left}"
+
+
+def test_sigint_stops_everything(run: Run) -> None:
+    """Ctrl-C: the same clean stop as SIGTERM's (test_sigterm_drains_the_requests_in_flight)."""
+    used = _serving_snapshot(run)
+    t0 = time.monotonic()
+    os.kill(run.proc.pid, signal.SIGINT)
+    _stopped_cleanly(run, signal.SIGINT, t0, used)
 
 
 def _stream_chat(base: str, max_tokens: int, out: dict[str, object]) -> None:
@@ -235,10 +246,11 @@ def _stream_chat(base: str, max_tokens: int, out: dict[str, object]) -> None:
 def test_sigterm_drains_the_requests_in_flight(run: Run) -> None:
     """A rolling restart: SIGTERM while streams and a non-streaming request are in flight. The
     router stops admitting (/ready 503, new requests 503 router_unavailable), every request in
-    flight completes, each stream with its [DONE]; then the run stops cleanly."""
+    flight completes, each stream with its [DONE]; then the run stops as cleanly as after Ctrl-C (exit 0,
+    nothing of the run left running, none of its ports bound)."""
     import threading
 
-    _wait_serving(run)
+    used = _serving_snapshot(run)
     base = f"http://127.0.0.1:{run.port}"
     results: list[dict[str, object]] = [{} for _ in range(4)]
     threads = [threading.Thread(target=_stream_chat, args=(base, 150, results[i])) for i in range(3)]
@@ -252,6 +264,7 @@ def test_sigterm_drains_the_requests_in_flight(run: Run) -> None:
     for t in threads:
         t.start()
     time.sleep(1.0)  # in flight (each takes a few seconds)
+    t0 = time.monotonic()
     os.kill(run.proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + 15
     while _http(f"{base}/ready", timeout=5)[0] != 503 and time.monotonic() < deadline:
@@ -269,7 +282,5 @@ def test_sigterm_drains_the_requests_in_flight(run: Run) -> None:
         assert isinstance(events, list) and events[-1] == "[DONE]" and not any('"error"' in e for e in events)
         assert sum(1 for e in events if '"content"' in e) >= 100  # the whole answer, not a cut
     assert plain.get("status") == 200, plain
-    rc = run.proc.wait(timeout=STOP_TIMEOUT_S)
-    assert rc == 0, run.log_tail()
+    _stopped_cleanly(run, signal.SIGTERM, t0, used)
     assert "draining" in run.log_tail(200)
-    assert serve_run.run_processes(run.run_id, run.haproxy_dir) == []
