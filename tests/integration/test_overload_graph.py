@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -158,6 +159,10 @@ async def test_long_output_workload_is_sized_by_what_it_generated(app: App) -> N
     assert all(e["inflight"] == 0 for e in settled["engines"])
 
 
+# the drift is the scheduler's and the simulator's: the second run mode would check nothing new for
+# another half-minute of CI
+@pytest.mark.skipif(os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") != "1",
+                    reason="drift out and back: the direct-ingress run mode only")
 async def test_slowed_engine_drifts_out_and_comes_back_after_remeasurement(app: App) -> None:
     async with httpx.AsyncClient(base_url=app.url, timeout=60) as c:
         for i in range(24):  # both engines learn their speed (prompts of a few sizes)
