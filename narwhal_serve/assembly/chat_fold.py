@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._common import bad, carries_value, index_of, join, opt_dict, opt_list, opt_str, reject_unknown
-from .choice_base import ChoiceFold
+from .choice_base import KEPT_FIELDS, ChoiceFold
 from .logprobs import ChatLogprobs
 from .tokens import CHAT_GENERATED
 
@@ -42,7 +42,7 @@ class _Call:
 
 class ChatChoiceFold(ChoiceFold):
     KNOWN = frozenset({"index", "delta", "logprobs", "finish_reason", "stop_reason", "token_ids",
-                       "prompt_token_ids", "prompt_logprobs", "routed_experts"})
+                       "prompt_token_ids", "prompt_logprobs", "routed_experts"}) | KEPT_FIELDS
 
     def __init__(self, index: int) -> None:
         super().__init__(index)
@@ -168,6 +168,7 @@ class ChatChoiceFold(ChoiceFold):
             "logprobs": self.logprobs.result(),
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
+            **self.kept,
         }
         if return_token_ids:
             out["token_ids"] = self.token_ids_out()

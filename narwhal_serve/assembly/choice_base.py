@@ -4,8 +4,19 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from ._common import join, opt_list, opt_str, reject_unknown, stop_reason_of
+from ._common import bad, join, opt_list, opt_str, reject_unknown, stop_reason_of
 from .tokens import validate_ids
+
+# Other dialects' per-choice fields, kept as sent (the last non-null, non-empty value) and returned only when
+# the engine sent one: SGLang's ``matched_stop`` (the stop string or token ID that ended the
+# choice; null until then) and Azure OpenAI's ``content_filter_results`` (an object)
+KEPT_FIELDS = frozenset({"matched_stop", "content_filter_results"})
+
+
+def _kept_ok(key: str, value: object) -> bool:
+    if key == "matched_stop":
+        return isinstance(value, (str, int)) and not isinstance(value, bool)
+    return isinstance(value, dict)
 
 
 class ChoiceFold:
@@ -20,6 +31,7 @@ class ChoiceFold:
         self.token_ids: list[int] | None = None
         self.prompt_token_ids: list[int] | None = None
         self.prompt_logprobs: list[Any] | None = None
+        self.kept: dict[str, Any] = {}  # KEPT_FIELDS the engine sent
 
     def feed(self, choice: dict[str, Any], path: str) -> tuple[int | None, bool]:
         """Fold one choice event; return (token IDs it carried or None, whether it is a token event)."""
@@ -31,6 +43,12 @@ class ChoiceFold:
         stop = stop_reason_of(choice, path)
         if stop is not None:
             self.stop_reason = stop
+        for key in KEPT_FIELDS:
+            value = choice.get(key)
+            if value is not None and value != {}:  # (Azure's finish chunk carries empty results)
+                if not _kept_ok(key, value):
+                    bad(f"Engine field {join(path, key)} has the wrong type", join(path, key))
+                self.kept[key] = value
         n_ids: int | None = None
         ids = choice.get("token_ids")
         if ids is not None:

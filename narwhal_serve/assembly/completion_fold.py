@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from ._common import join, opt_str
-from .choice_base import ChoiceFold
+from .choice_base import KEPT_FIELDS, ChoiceFold
 from .logprobs import CompletionLogprobs
 
 
 class CompletionChoiceFold(ChoiceFold):
     KNOWN = frozenset({"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids",
-                       "prompt_token_ids", "prompt_logprobs", "routed_experts"})
+                       "prompt_token_ids", "prompt_logprobs", "routed_experts"}) | KEPT_FIELDS
 
     def __init__(self, index: int) -> None:
         super().__init__(index)
@@ -40,6 +40,7 @@ class CompletionChoiceFold(ChoiceFold):
             "logprobs": self.logprobs.result(),
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
+            **self.kept,
         }
         if return_token_ids:
             out["token_ids"] = self.token_ids_out()

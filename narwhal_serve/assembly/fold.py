@@ -8,10 +8,12 @@ come back in index order.
 
 What is kept:
 
-* metadata: ``id``, ``created``, ``model`` from the first chunk carrying them; ``system_fingerprint``,
+* metadata: ``id``, ``created``, ``model`` from the first chunk carrying them (not blank: ``""`` or
+  0); ``system_fingerprint``,
   ``service_tier`` and ``metrics`` from the last chunk carrying a non-null value;
 * ``finish_reason`` / ``stop_reason``: the last non-null value per choice, so a later usage-only frame
-  (``choices: []``) or null-valued chunk never erases them;
+  (``choices: []``) or null-valued chunk never erases them; so are other dialects' per-choice
+  ``matched_stop`` (SGLang) and ``content_filter_results`` (Azure OpenAI), returned only when sent;
 * usage: the last non-null engine ``usage`` as sent (extra keys kept); when the engine sent none,
   ``{"prompt_tokens", "completion_tokens", "total_tokens"}`` computed from the ``prompt_tokens``
   argument (else the prompt token IDs' length, else 0) and :attr:`Assembler.output_tokens`;
@@ -40,6 +42,9 @@ Route = Literal["chat", "completion"]
 
 _FIRST_WINS = (("id", str), ("created", int), ("model", str), ("prompt_text", str), ("prompt_logprobs", list))
 _LAST_WINS = (("system_fingerprint", str), ("service_tier", str))
+# blank ("" or 0) in a chunk that does not name the answer yet: Azure OpenAI's first chunk carries
+# only the prompt's filter results, with ``id: ""``, ``created: 0`` and ``model: ""``
+_BLANK_UNTIL_SET = frozenset({"id", "created", "model"})
 
 
 class Assembler:
@@ -90,7 +95,7 @@ class Assembler:
     def _feed_meta(self, chunk: dict[str, Any]) -> None:
         for key, kind in _FIRST_WINS:
             value = chunk.get(key)
-            if value is None:
+            if value is None or key in _BLANK_UNTIL_SET and not value:
                 continue
             self._check_type(key, value, kind)
             self._meta.setdefault(key, value)

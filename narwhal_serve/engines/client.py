@@ -108,11 +108,16 @@ def _retry_after(headers: httpx.Headers) -> float | None:
 
 
 def _http_failure(engine: str, resp_body: bytes, status: int, headers: httpx.Headers | None = None) -> EngineFailure:
-    """An EngineFailure carrying the engine's own error message and param, when it sent them."""
+    """An EngineFailure carrying the engine's own error message and param, when it sent them: in
+    OpenAI's envelope (``{"error": {...}}``) or flat (``{"object": "error", "message": ...}``, as
+    SGLang and older vLLM send them)."""
     msg: str | None = None
     param: str | None = None
     try:
-        err = loads_strict(resp_body).get("error", {})
+        body = loads_strict(resp_body)
+        err = body.get("error")
+        if not isinstance(err, dict) and body.get("object") == "error":
+            err = body
         if isinstance(err, dict):
             msg = err.get("message") if isinstance(err.get("message"), str) else None
             param = err.get("param") if isinstance(err.get("param"), str) else None

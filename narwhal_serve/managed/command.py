@@ -69,12 +69,13 @@ def engine_argv(
         if priority:
             argv += ["--scheduling-policy", "priority"]
     elif spec.kind == "sglang":
+        # SGLang serves /metrics (what eligibility reads) only with --enable-metrics
         argv = [python, "-m", "sglang.launch_server", "--host", host, "--port", str(port),
-                "--model-path", str(spec.model), "--served-model-name", model]
+                "--model-path", str(spec.model), "--served-model-name", model, "--enable-metrics"]
         if tp > 1:
             argv += ["--tp-size", str(tp)]
-        if priority:
-            argv += ["--enable-priority-scheduling"]
+        if priority:  # (SGLang runs higher values first unless told otherwise; Narwhal's 0 is the top class)
+            argv += ["--enable-priority-scheduling", "--schedule-low-priority-values-first"]
     elif spec.kind == "sim":
         argv = [python, "-m", "narwhal_serve.sim.cli", "--host", host, "--port", str(port), "--name", name,
                 "--role", role, "--dialect", dialect, "--model", model]

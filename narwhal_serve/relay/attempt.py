@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from narwhal_serve.assembly.tokens import check_token_ids
+from narwhal_serve.assembly.tokens import CHAT_GENERATED, COMPLETION_GENERATED, check_token_ids
 from narwhal_serve.assembly.usage import usage_chunk
 from narwhal_serve.engines.errors import EngineFailure
 from narwhal_serve.engines.legs import LegCursor
@@ -81,7 +81,7 @@ class UsageWatch:
 class Meter:
     """Counts validated output tokens and times them (TTFT, decode time)."""
 
-    __slots__ = ("start", "first", "last", "tokens", "check_ids", "route")
+    __slots__ = ("start", "first", "last", "tokens", "check_ids", "route", "usage_tokens")
 
     def __init__(self, start: float, check_ids: bool, route: Route) -> None:
         self.start = start
@@ -90,12 +90,18 @@ class Meter:
         self.tokens = 0
         self.check_ids = check_ids
         self.route = route
+        self.usage_tokens: int | None = None  # without IDs: the engine's own count, from its usage
 
     def observe(self, chunk: dict[str, Any], now: float) -> None:
         if self.check_ids:
             n = check_token_ids(chunk, self.route)
         else:
             n = content_events(chunk)
+            usage = chunk.get("usage")
+            if isinstance(usage, dict):
+                c = usage.get("completion_tokens")
+                if isinstance(c, int) and not isinstance(c, bool) and c >= 0:
+                    self.usage_tokens = c
         if n:
             self.tokens += n
             if self.first is None:
@@ -103,13 +109,14 @@ class Meter:
             self.last = now
 
 
+_GENERATED = COMPLETION_GENERATED + CHAT_GENERATED  # (a legacy function_call's fragments included)
+
+
 def content_events(chunk: dict[str, Any]) -> int:
     n = 0
     for ch in chunk.get("choices") or ():
         delta = ch.get("delta", ch)
-        if isinstance(delta, dict) and any(
-            delta.get(k) for k in ("content", "text", "reasoning", "reasoning_content", "refusal", "tool_calls")
-        ):
+        if isinstance(delta, dict) and any(delta.get(k) for k in _GENERATED):
             n += 1
     return n
 
@@ -161,7 +168,10 @@ class Attempt:
         meter = self.meter
         ttft = None if meter.first is None else meter.first - meter.start
         decode = 0.0 if meter.first is None or meter.last is None else meter.last - meter.first
-        return RelayStats(self.route.kind, self.route.engines, ttft, meter.tokens, decode, self.attempt,
+        # output tokens: the IDs checked; else the engine's usage where it sent one (an event may
+        # carry several tokens, and a reasoning model's hidden tokens are in no event), else events
+        out = meter.tokens if meter.check_ids or meter.usage_tokens is None else meter.usage_tokens
+        return RelayStats(self.route.kind, self.route.engines, ttft, out, decode, self.attempt,
                           tuple(self.resumed_from), tuple(self.gaps), tuple(self.prefills), tuple(self.turnarounds))
 
     def checked(

@@ -38,12 +38,20 @@ async def scrape_one(client: httpx.AsyncClient, e: EngineState, now: float, time
             e.last_answer = now
         return
     assert isinstance(health, httpx.Response) and isinstance(metrics, httpx.Response)
-    scraped(e, now, health.status_code == 200, metrics.text if metrics.status_code == 200 else None)
+    # A plain OpenAI-compatible server (the openai dialect) may have no /health or /metrics route
+    # (llama.cpp without --metrics, a hosted API): a 404/405 there is an answer — up, its load not
+    # published (the router's own in-flight counts stand alone)
+    plain = e.cfg.dialect == "openai"
+    healthy = health.status_code == 200 or plain and health.status_code in NO_ROUTE
+    text = metrics.text if metrics.status_code == 200 else "" if plain and metrics.status_code in NO_ROUTE else None
+    scraped(e, now, healthy, text)
     if not e.healthy:
         e.context_asked = None
     elif models and models[0] is not None:
         e.context, e.context_asked = context_of(models[0]), now
 
+
+NO_ROUTE = (404, 405)  # an engine's answer for a route it does not have
 
 # An engine's context is asked for again this often while it stays up: one restarted behind the same
 # address (a rolling restart behind a Service) may not have been seen down
@@ -56,7 +64,7 @@ async def _models(client: httpx.AsyncClient, base: str, timeout_s: float) -> obj
     next scrape, and not a reason to call the engine down."""
     try:
         resp = await client.get(base + "/v1/models", timeout=timeout_s)
-        if resp.status_code in (404, 405):
+        if resp.status_code in NO_ROUTE:
             return {}
         return resp.json() if resp.status_code == 200 else None
     except (httpx.HTTPError, OSError, ValueError):
@@ -94,7 +102,8 @@ async def scrape_all(
 
 
 async def probe_one(client: httpx.AsyncClient, e: EngineState, model: str, timeout_s: float) -> tuple[bool, str]:
-    """One small real request (a one-token completion): does the engine answer it properly?
+    """One small real request (a one-token completion; a one-token chat for a plain OpenAI server
+    that serves no text completions): does the engine answer it properly?
 
     For a vLLM engine the answer must carry one valid token ID (a probe whose ID list is bad
     does not count as good, as for any other measurement)."""
@@ -102,9 +111,14 @@ async def probe_one(client: httpx.AsyncClient, e: EngineState, model: str, timeo
     token_ids = e.cfg.dialect == "vllm"
     if token_ids:
         body["return_token_ids"] = True
+    headers = {"X-Request-Id": f"narwhal-probe-{e.cfg.name}"}
     try:
-        resp = await client.post(e.cfg.base_url + PATHS["completion"], json=body, timeout=timeout_s,
-                                 headers={"X-Request-Id": f"narwhal-probe-{e.cfg.name}"})
+        resp = await client.post(e.cfg.base_url + PATHS["completion"], json=body, timeout=timeout_s, headers=headers)
+        if resp.status_code in (400, *NO_ROUTE) and e.cfg.dialect == "openai":
+            # a plain server of a chat model may serve no text completions (OpenAI answers 404 "This
+            # is a chat model..."): a one-token chat then
+            chat = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1, "stream": False}
+            resp = await client.post(e.cfg.base_url + PATHS["chat"], json=chat, timeout=timeout_s, headers=headers)
     except (*TRANSPORT_ERRORS, OSError) as exc:
         return False, f"probe failed: {type(exc).__name__}"
     if resp.status_code != 200:

@@ -107,7 +107,11 @@ REFUSED: list[tuple[str, str, list[dict[str, Any]], str]] = [
      [chat({"tool_calls": [{"index": 0, "id": "c", "custom": {"name": "f", "input": "x"}}]})],
      "choices.0.delta.tool_calls.0.custom"),
     ("unknown_delta_key", "chat", [chat({"content": "x", "sparkle": 1})], "choices.0.delta.sparkle"),
-    ("unknown_choice_key", "chat", [chat({"content": "x"}, matched_stop=2)], "choices.0.matched_stop"),
+    ("unknown_choice_key", "chat", [chat({"content": "x"}, sparkle_score=2)], "choices.0.sparkle_score"),
+    # SGLang's matched_stop and Azure's content_filter_results are kept (tests/unit/test_dialect_shapes.py), malformed refused
+    ("malformed_matched_stop", "chat", [chat({"content": "x"}, matched_stop=[2])], "choices.0.matched_stop"),
+    ("malformed_content_filter_results", "chat", [chat({"content": "x"}, content_filter_results="ok")],
+     "choices.0.content_filter_results"),
     ("unknown_function_key", "chat",
      [chat({"tool_calls": [{"index": 0, "id": "c", "function": {"name": "f", "strict": True}}]})],
      "choices.0.delta.tool_calls.0.function.strict"),

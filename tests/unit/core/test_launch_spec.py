@@ -98,7 +98,8 @@ def test_vllm_and_sglang_tensor_parallel_flags() -> None:
     assert engine_argv(vllm, **kw)[-2:] == ["--tensor-parallel-size", "4"]
     sgl = LaunchSpec(kind="sglang", model="meta/llama", tensor_parallel_size=2, resources={"num_gpus": 2})
     assert engine_argv(sgl, **kw) == ["py", "-m", "sglang.launch_server", "--host", "10.0.0.5", "--port", "9000",
-                                      "--model-path", "meta/llama", "--served-model-name", "llama", "--tp-size", "2"]
+                                      "--model-path", "meta/llama", "--served-model-name", "llama", "--enable-metrics",
+                                      "--tp-size", "2"]
 
 
 def test_sim_argv_serves_the_config_model_under_the_engine_name() -> None:
@@ -113,7 +114,9 @@ def test_priority_scheduling_flags() -> None:
     kw: dict[str, Any] = {"name": "g", "model": "m", "role": "unified", "dialect": "vllm", "host": "h", "port": 1,
                           "python": "py", "priority": True}
     assert engine_argv(LaunchSpec(kind="vllm", model="/m"), **kw)[-2:] == ["--scheduling-policy", "priority"]
-    assert engine_argv(LaunchSpec(kind="sglang", model="/m"), **kw)[-1] == "--enable-priority-scheduling"
+    # SGLang runs higher values first unless told otherwise: Narwhal sends 0 for the top class
+    assert engine_argv(LaunchSpec(kind="sglang", model="/m"), **kw)[-2:] == [
+        "--enable-priority-scheduling", "--schedule-low-priority-values-first"]
     sim = engine_argv(LaunchSpec(kind="sim"), **kw)
     assert sim[-2:] == ["--scheduling-policy", "priority"]
     from narwhal_serve.sim.cli import build_parser, config_from_args
