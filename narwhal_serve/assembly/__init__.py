@@ -11,7 +11,7 @@ from narwhal_serve.exports import lazy_exports
 
 from .exposure import expose
 from .fold import Assembler
-from .tokens import check_prompt_token_ids, check_token_ids
+from .tokens import CHAT_GENERATED, COMPLETION_GENERATED, check_prompt_token_ids, check_token_ids
 
 # the package's public names (what the rest of Narwhal uses), each with the module that defines it:
 # imported on first use, so importing the package imports none of them (narwhal_serve/exports.py)
@@ -19,7 +19,8 @@ _EXPORTS = {
     "usage_chunk": "usage",
 }
 __all__ = [
-    "Assembler", "check_prompt_token_ids", "check_token_ids", "expose", "usage_chunk",
+    "Assembler", "CHAT_GENERATED", "COMPLETION_GENERATED", "check_prompt_token_ids", "check_token_ids", "expose",
+    "usage_chunk",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
