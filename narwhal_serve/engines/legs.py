@@ -139,10 +139,39 @@ async def _sglang_pd(
         body = prioritized(decode, SGLANG.decode_body(req, boot), priority)
         with leg_span(tracing, parent, "narwhal.decode", decode.name, headers) as h:
             async with aclosing(stream_chunks(client, decode.name, _url(decode, req), body, h)) as chunks:
-                async for batch in chunks:
+                async for batch in _until_prefill_fails(chunks, pre_task):
                     yield batch
         await pre_task  # drain the prefill answer; its failure fails the attempt
     finally:
         if not pre_task.done():
             pre_task.cancel()
             await asyncio.gather(pre_task, return_exceptions=True)
+
+
+async def _until_prefill_fails(
+    chunks: AsyncGenerator[list[dict[str, Any]], None], pre_task: "asyncio.Future[dict[str, Any]]",
+) -> AsyncGenerator[list[dict[str, Any]], None]:
+    """The decode leg's batches; while the prefill leg is out, its failure ends them at once (raised,
+    charged to the prefill engine): SGLang's decode engine would wait for KV that never comes, up to
+    its own disaggregation timeout (300 s by default)."""
+    it = chunks.__aiter__()
+    while True:
+        if pre_task.done():
+            try:
+                batch = await it.__anext__()
+            except StopAsyncIteration:
+                return
+        else:
+            nxt = asyncio.ensure_future(it.__anext__())
+            try:
+                await asyncio.wait((nxt, pre_task), return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done() and pre_task.exception() is not None:
+                    await pre_task  # (raises the prefill leg's failure)
+                batch = await nxt
+            except StopAsyncIteration:
+                return
+            finally:
+                if not nxt.done():  # the prefill leg failed first, or this generator is cancelled
+                    nxt.cancel()
+                    await asyncio.gather(nxt, return_exceptions=True)
+        yield batch

@@ -27,6 +27,8 @@ class SGLangDialect:
 
     def bootstrap_fields(self, prefill: EngineConfig) -> dict[str, Any]:
         host = urlsplit(prefill.url).hostname or "127.0.0.1"
+        if ":" in host:  # IPv6, bracketed as SGLang's own balancer sends it (its decode engine joins host:port)
+            host = f"[{host}]"
         return {
             "bootstrap_host": host,
             "bootstrap_port": prefill.bootstrap_port or DEFAULT_BOOTSTRAP_PORT,
