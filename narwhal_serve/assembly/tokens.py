@@ -72,7 +72,8 @@ def check_token_ids(chunk: dict[str, Any], route: Route) -> int:
         ids = choice.get("token_ids")
         if ids is None:
             if generates(choice, route, path):
-                bad(f"Engine event with generated output omitted {param}", param)
+                bad(f"Engine event with generated output omitted {param} (the vllm dialect needs vLLM >= 0.10.2, "
+                    "which returns token IDs when asked; an older engine is served as dialect openai)", param)
             continue
         total += len(validate_ids(ids, param))
     return total

@@ -1,6 +1,7 @@
 """The KV-event wire format of vLLM 0.32 (``vllm/distributed/kv_events.py``), as msgspec structs
 with the same tags, field order and encoding options, so what the simulator publishes decodes in
-vLLM's own consumers and what vLLM publishes decodes here."""
+vLLM's own consumers and what vLLM publishes decodes here; the events of vLLM 0.10–0.23 (positional
+arrays) decode too."""
 
 from __future__ import annotations
 
@@ -60,13 +61,43 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+# vLLM before 0.24 (before vllm-project/vllm#42892: 0.10 to 0.23) sent each event as a tagged
+# positional array, its fields in the same order; those added since trail, so each may be absent
+# there (0.10's BlockStored ends at ``medium``).  Decoded as the same event types (subclasses).
+class _BlockStoredArray(BlockStored, array_like=True, tag="BlockStored"):
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+class _BlockRemovedArray(BlockRemoved, array_like=True, tag="BlockRemoved"):
+    medium: str | None = None
+
+
+class _AllBlocksClearedArray(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class _KVEventBatchArrays(KVEventBatch, array_like=True, omit_defaults=True, gc=False):
+    events: list[_BlockStoredArray | _BlockRemovedArray | _AllBlocksClearedArray]  # type: ignore[assignment]
+
+
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_arrays_decoder = msgspec.msgpack.Decoder(_KVEventBatchArrays)
 _encoder = msgspec.msgpack.Encoder()
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """Raises ``msgspec.DecodeError`` (a ``ValueError``) for a payload that is not a batch."""
-    return _decoder.decode(payload)
+    """Raises ``msgspec.DecodeError`` (a ``ValueError``) for a payload that is not a batch (in
+    either encoding of the events)."""
+    try:
+        return _decoder.decode(payload)
+    except msgspec.DecodeError:
+        try:
+            return _arrays_decoder.decode(payload)
+        except msgspec.DecodeError:
+            pass
+        raise
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
