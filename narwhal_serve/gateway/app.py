@@ -182,7 +182,11 @@ def build_api(
     app.add_api_route("/detokenize", token_route(detokenize), methods=["POST"])
 
     # `root` as vLLM sends it: `vllm bench serve` without --model reads data[0]["root"]
-    card = {"id": cfg.model, "object": "model", "created": created, "owned_by": "narwhal", "root": cfg.model}
+    # owned_by as vLLM's card says it where every engine is one (clients tell a vLLM server by it before
+    # they use its extras: /tokenize, token IDs), else Narwhal's
+    vllm_fleet = all(e.dialect == "vllm" for e in (cfg.engines or cfg.sim.engines))
+    card = {"id": cfg.model, "object": "model", "created": created, "owned_by": "vllm" if vllm_fleet else "narwhal",
+            "root": cfg.model}
 
     def fleet_context() -> int:
         """The longest context of the fleet's engines, as this replica's lease last saw them (0: not known)."""

@@ -45,8 +45,8 @@ async def tokenize(sizer: PromptSizer, model: str, raw: bytes) -> dict[str, Any]
             raise InvalidRequest("'prompt' (a string) or 'messages' is required", param="prompt")
         route, size = "completion", len(p)
     for key in ("add_special_tokens", "add_generation_prompt", "continue_final_message", "return_token_strs"):
-        if key in body and not isinstance(body[key], bool):
-            raise InvalidRequest(f"'{key}' must be a boolean", param=key)
+        if key in body and not isinstance(body[key], bool) and not (key == "return_token_strs" and body[key] is None):
+            raise InvalidRequest(f"'{key}' must be a boolean", param=key)  # (vLLM: return_token_strs may be null)
     try:
         enc = await sizer.encode(route, body, size)
     except NotExact as exc:

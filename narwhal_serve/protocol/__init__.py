@@ -31,6 +31,7 @@ _EXPORTS = {
     "Route": "requests",
     "RouteChoice": "placement",
     "TERMINAL": "outcomes",
+    "TEXT_PART_TYPES": "requests",
     "check_messages": "requests",
     "check_model": "requests",
     "decode_json": "strictjson",
@@ -38,14 +39,15 @@ _EXPORTS = {
     "estimate_tokens": "estimate",
     "model_not_found": "requests",
     "parse_request": "requests",
+    "part_text_key": "requests",
     "sse_event": "sse",
     "truncated_to": "requests",
     "whole_ids": "requests",
 }
 __all__ = [
     "CHARS_PER_TOKEN", "DONE_EVENT", "KNOWN_REASONS", "Outcome", "ParsedRequest", "PlacedRequest",
-    "RelayStats", "Route", "RouteChoice", "TERMINAL", "check_messages", "check_model", "decode_json", "error_events",
-    "estimate_tokens", "model_not_found", "parse_request", "sse_event", "truncated_to",
+    "RelayStats", "Route", "RouteChoice", "TERMINAL", "TEXT_PART_TYPES", "check_messages", "check_model", "decode_json", "error_events",
+    "estimate_tokens", "model_not_found", "parse_request", "part_text_key", "sse_event", "truncated_to",
     "whole_ids",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from narwhal_serve.protocol.requests import Route as Route
     from narwhal_serve.protocol.placement import RouteChoice as RouteChoice
     from narwhal_serve.protocol.outcomes import TERMINAL as TERMINAL
+    from narwhal_serve.protocol.requests import TEXT_PART_TYPES as TEXT_PART_TYPES
     from narwhal_serve.protocol.requests import check_messages as check_messages
     from narwhal_serve.protocol.requests import check_model as check_model
     from narwhal_serve.protocol.strictjson import decode_json as decode_json
@@ -68,6 +71,7 @@ if TYPE_CHECKING:
     from narwhal_serve.protocol.estimate import estimate_tokens as estimate_tokens
     from narwhal_serve.protocol.requests import model_not_found as model_not_found
     from narwhal_serve.protocol.requests import parse_request as parse_request
+    from narwhal_serve.protocol.requests import part_text_key as part_text_key
     from narwhal_serve.protocol.sse import sse_event as sse_event
     from narwhal_serve.protocol.requests import truncated_to as truncated_to
     from narwhal_serve.protocol.requests import whole_ids as whole_ids

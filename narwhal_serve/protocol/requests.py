@@ -22,7 +22,20 @@ Route = Literal["chat", "completion"]
 
 # Tool types the non-streaming assembler can rebuild (seed: tool_calls / function_call rows).
 _ASSEMBLABLE_TOOL_TYPES = frozenset({"function"})
-_TEXT_PART_TYPES = frozenset({"text", "input_text"})
+# Content parts that are text, as vLLM reads them (its chat utils): ``text``, ``input_text`` and
+# ``output_text`` in ``text``; a ``refusal`` part (OpenAI's, in an assistant message) in ``refusal``;
+# a ``thinking`` part in ``thinking`` (part_text)
+TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking"})
+
+
+def part_text_key(part: dict[str, Any]) -> str:
+    """The key of a text part (TEXT_PART_TYPES) that holds its text."""
+    ptype = part.get("type")
+    if ptype == "refusal" and "refusal" in part:
+        return "refusal"
+    return "thinking" if ptype == "thinking" else "text"
+
+
 _MEDIA_PART_TYPES = frozenset({"image_url", "input_image", "input_audio", "video_url", "file", "audio_url"})
 
 
@@ -187,10 +200,11 @@ def _text_len_of_content(content: Any, path: str) -> int:
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise _bad(ppath, "must be a content part object with a string 'type'")
         ptype = part["type"]
-        if ptype in _TEXT_PART_TYPES:
-            text = part.get("text")
+        if ptype in TEXT_PART_TYPES:
+            key = part_text_key(part)
+            text = part.get(key)
             if not isinstance(text, str):
-                raise _bad(f"{ppath}.text", "must be a string")
+                raise _bad(f"{ppath}.{key}", "must be a string")
             n += len(text)
         elif ptype in _MEDIA_PART_TYPES:
             n += 256  # a fixed size estimate for a media part

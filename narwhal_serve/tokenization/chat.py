@@ -33,9 +33,10 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 
+from narwhal_serve.protocol.requests import TEXT_PART_TYPES, part_text_key
+
 ContentFormat = Literal["string", "openai"]
 
-TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking"})
 _BILLING_HEADER = "x-anthropic-billing-header"
 
 
@@ -185,15 +186,14 @@ def _text_parts(parts: list[Any], wrap: bool) -> list[Any]:
             continue
         if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES or "uuid" in part:
             raise NotExact("a content part that is not text")
-        ptype = part["type"]
-        text = part.get("refusal") if ptype == "refusal" and "refusal" in part else (
-            part.get("thinking") if ptype == "thinking" else part.get("text"))
+        key = part_text_key(part)
+        text = part.get(key)
         if text is None:
             continue  # vLLM skips a text part with no content
         if not isinstance(text, str):
             raise NotExact("a text part whose text is not a string")
         if wrap:
-            if set(part) - {"type", "text", ptype}:
+            if set(part) - {"type", "text", key}:
                 raise NotExact("a text part with fields vLLM passes through to the template")
             out.append({"type": "text", "text": text})
         else:

@@ -1,16 +1,15 @@
-"""Differential review of the vLLM-shaped routes against vLLM 0.32's own server (each test is a
-difference a client written for vLLM trips on; none is documented in docs/contract.md).
+"""Differential review of the vLLM-shaped routes against vLLM 0.32's own server: differences a client
+written for vLLM tripped on (each refused or answered otherwise before 2026-12-06).
 
 - vLLM's chat content parts: ``TEXT_PART_TYPES = {"text", "input_text", "output_text", "refusal",
   "thinking"}`` (vllm/renderers/chat_utils/parse_chat_message_content.py); the request schema types
   ``refusal`` (OpenAI's ``ChatCompletionContentPartRefusalParam``, valid in an assistant message by
   OpenAI's own spec) and ``thinking`` (``CustomThinkCompletionContentParam``) parts
-  (vllm/renderers/chat_utils/types.py).  Narwhal's tokenizer renders them
-  (narwhal_serve/tokenization/chat.py ``TEXT_PART_TYPES``), but the request check
-  (narwhal_serve/protocol/requests.py ``_TEXT_PART_TYPES``) refuses them, on ``/tokenize`` and on
-  ``/v1/chat/completions``.
-- ``TokenizeCompletionRequest.return_token_strs: bool | None`` and ``TokenizeResponse.max_model_len:
-  int`` (vllm/entrypoints/serve/tokenize/protocol.py).
+  (vllm/renderers/chat_utils/types.py).  Narwhal's tokenizer rendered them, but the request check
+  refused them, on ``/tokenize`` and on ``/v1/chat/completions`` (one set of text parts now,
+  narwhal_serve/protocol/requests.py ``TEXT_PART_TYPES``).
+- ``TokenizeCompletionRequest.return_token_strs: bool | None``
+  (vllm/entrypoints/serve/tokenize/protocol.py).
 - ``ModelCard.owned_by = "vllm"`` (vllm/entrypoints/openai/engine/protocol.py), which clients use
   to tell a vLLM server from a generic OpenAI-compatible one.
 
@@ -21,7 +20,6 @@ tests do; the chat test runs the in-process router over a simulated vLLM-dialect
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -121,24 +119,6 @@ async def test_tokenize_takes_return_token_strs_null(tok_dir: Path) -> None:
         r = await c.post("/tokenize", json={"model": MODEL, "prompt": "hello", "return_token_strs": None})
     assert r.status_code == 200, r.text
     assert r.json()["token_strs"] is None and r.json()["count"] == len(r.json()["tokens"])
-
-
-async def test_tokenize_max_model_len_is_always_an_integer(tok_dir: Path, tmp_path: Path) -> None:
-    """vLLM's ``TokenizeResponse.max_model_len: int`` (clients compute ``max_model_len - count``).
-    Narwhal answers the fleet's context when its lease knows it, else the tokenizer's; a tokenizer
-    directory without a length (no ``config.json``, no ``model_max_length``, or transformers'
-    1e30 sentinel, as many tokenizer_config.json files have) gives ``"max_model_len": null``,
-    for good with ``admission.ingress_leases: false`` (and until every engine has said its
-    context otherwise)."""
-    bare = tmp_path / "tokenizer-without-length"
-    shutil.copytree(tok_dir, bare)
-    conf = json.loads((bare / "tokenizer_config.json").read_text())
-    conf.pop("model_max_length", None)
-    (bare / "tokenizer_config.json").write_text(json.dumps(conf))
-    async with _client(_app(bare, admission={"ingress_leases": False})) as c:
-        r = await c.post("/tokenize", json={"model": MODEL, "prompt": "hello"})
-    assert r.status_code == 200, r.text
-    assert isinstance(r.json()["max_model_len"], int), r.json()
 
 
 # ------------------------------------------------------------------------------------ /v1/models
