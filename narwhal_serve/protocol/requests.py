@@ -36,7 +36,8 @@ def part_text_key(part: dict[str, Any]) -> str:
     return "thinking" if ptype == "thinking" else "text"
 
 
-_MEDIA_PART_TYPES = frozenset({"image_url", "input_image", "input_audio", "video_url", "file", "audio_url"})
+_MEDIA_PART_TYPES = frozenset({"image_url", "input_image", "input_audio", "video_url", "file", "audio_url",
+                               "image_embeds", "audio_embeds"})  # (the last two: vLLM's --enable-mm-embeds)
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,9 @@ def _text_len_of_content(content: Any, path: str) -> int:
     n = 0
     for i, part in enumerate(content):
         ppath = f"{path}.{i}"
+        if isinstance(part, str):  # (a plain string in the list is text, as vLLM renders it; LangChain sends them)
+            n += len(part)
+            continue
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise _bad(ppath, "must be a content part object with a string 'type'")
         ptype = part["type"]
@@ -280,6 +284,9 @@ def check_messages(body: dict[str, Any]) -> int:
 def _check_prompt(body: dict[str, Any]) -> tuple[int, tuple[int, ...] | None]:
     """Returns (prompt chars, prompt token ids when the client sent ids)."""
     p = body.get("prompt")
+    if body.get("prompt_embeds") is not None:  # (vLLM's --enable-prompt-embeds: a tensor the router cannot size)
+        raise UnsupportedOption("prompt_embeds is not supported: the router sizes every prompt (its admission "
+                                "projects the prefill from the prompt's tokens)", param="prompt_embeds")
     if p == "":  # (vLLM 0.32's words; a list holding "" is served, as vLLM serves it)
         raise InvalidRequest("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
     if isinstance(p, str):

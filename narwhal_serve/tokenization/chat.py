@@ -248,6 +248,8 @@ def conversation(messages: list[Any], fmt: ContentFormat, template: str) -> list
                 if calls is not None:
                     msg["tool_calls"] = calls
             reasoning = message.get("reasoning")
+            if reasoning is None:  # (vLLM takes a client's reasoning_content as reasoning: litellm sends it)
+                reasoning = message.get("reasoning_content")
             if reasoning is not None:
                 msg["reasoning"] = msg["reasoning_content"] = reasoning
         elif role == "tool":
