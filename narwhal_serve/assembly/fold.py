@@ -57,6 +57,7 @@ class Assembler:
         self.return_token_ids = return_token_ids
         self._choices: dict[int, ChoiceFold] = {}
         self._meta: dict[str, Any] = {}
+        self._blank: dict[str, Any] = {}  # _BLANK_UNTIL_SET values that were blank
         self._usage: dict[str, Any] | None = None
         self._prompt_ids: list[int] | None = None
         self._ids_seen = False
@@ -95,9 +96,12 @@ class Assembler:
     def _feed_meta(self, chunk: dict[str, Any]) -> None:
         for key, kind in _FIRST_WINS:
             value = chunk.get(key)
-            if value is None or key in _BLANK_UNTIL_SET and not value:
+            if value is None:
                 continue
             self._check_type(key, value, kind)
+            if key in _BLANK_UNTIL_SET and not value:  # ("" or 0: kept only if nothing else comes)
+                self._blank.setdefault(key, value)
+                continue
             self._meta.setdefault(key, value)
         for key, kind in _LAST_WINS:
             value = chunk.get(key)
@@ -165,7 +169,7 @@ class Assembler:
             self._choices[index].result(f"choices.{pos}", return_token_ids=self.return_token_ids)
             for pos, index in enumerate(sorted(self._choices))
         ]
-        meta = self._meta
+        meta = {**self._blank, **self._meta}
         out: dict[str, Any] = {
             "id": meta.get("id"),
             "object": "chat.completion" if self.route == "chat" else "text_completion",

@@ -86,7 +86,7 @@ async def open_route(
     prefill = route.prefill
     if decode.dialect == "sglang":
         # closed as soon as this generator is: its prefill leg must not outlive the attempt
-        async with aclosing(_sglang_pd(client, prefill, decode, req, headers, tracing, parent, priority)) as pd:
+        async with aclosing(_sglang_pd(client, prefill, decode, req, headers, tracing, parent, priority, cursor)) as pd:
             async for batch in pd:
                 yield batch
         return
@@ -126,7 +126,11 @@ async def _sglang_pd(
     tracing: Tracing | None = None,
     parent: "Span | None" = None,
     priority: int | None = None,
+    cursor: LegCursor | None = None,
 ) -> AsyncGenerator[list[dict[str, Any]], None]:
+    """Both legs at once; ``cursor`` names the prefill engine while its leg is out (the decode
+    engine waits on its KV: a silent attempt then, or the leg's failure, is the prefill engine's),
+    the decode engine once the prefill answered."""
     boot = SGLANG.bootstrap_fields(prefill)
 
     async def prefill_leg() -> dict[str, Any]:
@@ -135,6 +139,14 @@ async def _sglang_pd(
                                    prioritized(prefill, SGLANG.prefill_body(req, boot), priority), h)
 
     pre_task = asyncio.ensure_future(prefill_leg())
+    if cursor is not None:
+        cursor.engine = prefill.name
+
+        def answered(t: "asyncio.Future[dict[str, Any]]") -> None:
+            if not t.cancelled() and t.exception() is None:
+                cursor.engine = decode.name
+
+        pre_task.add_done_callback(answered)
     try:
         body = prioritized(decode, SGLANG.decode_body(req, boot), priority)
         with leg_span(tracing, parent, "narwhal.decode", decode.name, headers) as h:
@@ -145,7 +157,7 @@ async def _sglang_pd(
     finally:
         if not pre_task.done():
             pre_task.cancel()
-            await asyncio.gather(pre_task, return_exceptions=True)
+        await asyncio.gather(pre_task, return_exceptions=True)  # (its failure retrieved, whatever ended the attempt)
 
 
 async def _until_prefill_fails(
@@ -157,6 +169,8 @@ async def _until_prefill_fails(
     it = chunks.__aiter__()
     while True:
         if pre_task.done():
+            if not pre_task.cancelled() and pre_task.exception() is not None:
+                await pre_task  # (it failed while a batch was out, or as one came in: raised now)
             try:
                 batch = await it.__anext__()
             except StopAsyncIteration:

@@ -26,6 +26,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from narwhal_serve.protocol.estimate import CHARS_PER_TOKEN
+from narwhal_serve.protocol.requests import TEXT_PART_TYPES, part_text_key
 
 KV_SHARE = 0.8  # of an engine's KV cache, what the index assumes cached prefixes keep (running sequences use the rest)
 CREDIT_PRIOR = 0.8  # how often a believed prefix hit is a real one, before any measurement
@@ -104,8 +105,10 @@ def id_block_hashes(ids: Sequence[int], block_tokens: int, max_blocks: int) -> t
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # content parts: their text, in order
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    if isinstance(content, list):  # content parts: their text, in order (the text parts the request check takes)
+        texts = (p if isinstance(p, str) else p.get(part_text_key(p)) if isinstance(p, dict)
+                 and p.get("type") in TEXT_PART_TYPES else None for p in content)
+        return "".join(t for t in texts if isinstance(t, str))
     return ""
 
 

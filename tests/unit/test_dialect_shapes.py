@@ -14,14 +14,17 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 
 from narwhal_serve.assembly.fold import Assembler
+from narwhal_serve.errors import BadEngineResponse
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.config.launch import LaunchSpec
 from narwhal_serve.managed.command import engine_argv
 from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.placement.prefix import prompt_text
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
-from narwhal_serve.protocol.requests import parse_request
+from narwhal_serve.protocol.requests import check_messages, parse_request
 from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.relay.pipeline import Relay
 from narwhal_serve.scheduler.monitor import probe_one, scrape_one
@@ -311,3 +314,34 @@ def test_azure_openai_prompt_filter_chunk_does_not_blank_the_answer_id() -> None
         asm.feed(c)
     out = asm.result(prompt_tokens=5)
     assert (out["id"], out["created"]) == ("chatcmpl-az", 1704212243), (out["id"], out["created"])
+
+
+@pytest.mark.parametrize("key,value", [("id", 0), ("created", False), ("model", []), ("id", {}), ("created", "")])
+def test_wrong_typed_blank_metadata_is_still_refused(key: str, value: object) -> None:
+    """Only a blank of the right type ("" for id / model, 0 for created: Azure's first chunk) waits
+    for the answer's own; a wrong-typed one is still a 502 (from a review of this stop's diff)."""
+    asm = Assembler("chat", return_token_ids=False)
+    chunk = {"id": "x", "created": 1, "model": "m", "object": "chat.completion.chunk",
+             "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}
+    chunk[key] = value
+    with pytest.raises(BadEngineResponse):
+        asm.feed(chunk)
+
+
+def test_prefix_text_reads_the_text_parts_the_request_check_takes() -> None:
+    """The prefix index's text of a prompt reads the text parts the request check takes (plain
+    strings, refusal and thinking parts): it read dict parts' ``text`` only, so without a tokenizer
+    two different prompts hashed to the same prefix blocks (from a review of this stop's diff)."""
+    a = {"messages": [{"role": "user", "content": ["What is the capital of France? " * 20]}]}
+    b = {"messages": [{"role": "user", "content": ["Write me a poem about the sea. " * 20]}]}
+    check_messages(a)
+    check_messages(b)  # both accepted now
+    assert prompt_text("chat", a) != prompt_text("chat", b)
+
+
+def test_prefix_text_reads_a_thinking_part() -> None:
+    a = {"messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": "A" * 600}]}]}
+    b = {"messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": "B" * 600}]}]}
+    check_messages(a)
+    check_messages(b)
+    assert prompt_text("chat", a) != prompt_text("chat", b)

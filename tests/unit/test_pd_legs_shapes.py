@@ -24,7 +24,7 @@ import pytest
 
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.errors import EngineFailure
-from narwhal_serve.engines.legs import open_route
+from narwhal_serve.engines.legs import _until_prefill_fails, open_route
 from narwhal_serve.engines.sglang import SGLANG
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
 from narwhal_serve.protocol.requests import parse_request
@@ -154,3 +154,132 @@ async def test_sglang_pd_prefill_leg_failure_is_charged_to_the_prefill_engine() 
     assert msgs[-1].error is None, msgs[-1].error  # (the second route serves it)
     charged = [(f.engine, f.kind) for m in msgs for f in faults_of(m)]
     assert charged == [("p1", "error")], charged
+
+
+def test_a_prefill_failure_while_a_decode_batch_is_out_is_raised_at_the_next_read() -> None:
+    """The prefill leg fails while the consumer holds a decode batch: the next read raises it (it
+    waited on the decode stream, the failure surfacing only when that ended: SGLang, up to 300 s).
+    From a review of this stop's diff."""
+
+    async def main() -> str:
+        release_decode = asyncio.Event()
+
+        async def decode():
+            yield [{"first": 1}]
+            await release_decode.wait()  # decode engine waits for KV that never comes
+            yield [{"second": 2}]
+
+        fail_prefill = asyncio.Event()
+
+        async def prefill() -> dict[str, Any]:
+            await fail_prefill.wait()
+            raise EngineFailure("p1", "HTTP 500")
+
+        pre_task = asyncio.ensure_future(prefill())
+        gen = _until_prefill_fails(decode(), pre_task)
+        first = await gen.__anext__()
+        assert first == [{"first": 1}]
+        # consumer busy writing the first batch; meanwhile the prefill leg fails
+        fail_prefill.set()
+        await asyncio.sleep(0.01)
+        assert pre_task.done() and pre_task.exception() is not None
+        try:
+            await asyncio.wait_for(gen.__anext__(), 0.5)
+        except EngineFailure:
+            return "raised at once"
+        except TimeoutError:
+            return "still waiting on the decode stream"
+        finally:
+            release_decode.set()
+            await gen.aclose()
+        return "other"
+
+    assert asyncio.run(main()) == "raised at once"
+
+
+def test_a_prefill_failure_in_the_same_wakeup_as_a_decode_batch_is_raised_at_the_next_read() -> None:
+    """Both complete before the wait returns: the batch is yielded, and the failure raised at the
+    next read (it was never acted on)."""
+
+    async def main() -> str:
+        release_decode = asyncio.Event()
+        go = asyncio.Event()
+
+        async def decode():
+            await go.wait()
+            yield [{"first": 1}]
+            await release_decode.wait()
+            yield [{"second": 2}]
+
+        async def prefill() -> dict[str, Any]:
+            await go.wait()
+            raise EngineFailure("p1", "HTTP 500")
+
+        pre_task = asyncio.ensure_future(prefill())
+        gen = _until_prefill_fails(decode(), pre_task)
+        asyncio.get_running_loop().call_later(0.01, go.set)
+        first = await gen.__anext__()
+        assert first == [{"first": 1}]
+        try:
+            await asyncio.wait_for(gen.__anext__(), 0.5)
+        except EngineFailure:
+            return "raised at once"
+        except TimeoutError:
+            return "still waiting on the decode stream"
+        finally:
+            release_decode.set()
+            await gen.aclose()
+        return "other"
+
+    assert asyncio.run(main()) == "raised at once"
+
+
+class _Ok(httpx.AsyncByteStream):
+    async def __aiter__(self):  # type: ignore[no-untyped-def]
+        head = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+        yield (b"data: " + json.dumps({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
+               "content": "hi"}, "finish_reason": "stop"}]}).encode() + b"\n\n"
+               b"data: " + json.dumps({**head, "choices": [], "usage": {"prompt_tokens": 1,
+               "completion_tokens": 1, "total_tokens": 2}}).encode() + b"\n\ndata: [DONE]\n\n")
+
+
+class _Stalled(httpx.AsyncByteStream):
+    async def __aiter__(self):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(3)
+        yield b"data: [DONE]\n\n"
+
+
+def test_a_failed_sglang_prefill_engine_is_the_one_left_out_of_the_next_routes() -> None:
+    """The relay leaves the engine its cursor names out of the next routes: the prefill engine while
+    its leg is out (it named the decode engine: the failed p1 was tried again and the healthy d0
+    left out, so the route (p2, d0) that serves was skipped), as vLLM's two-step does."""
+    def eng(name: str, role: str) -> EngineConfig:
+        return EngineConfig(name=name, url=f"http://{name}", role=role, dialect="sglang")  # type: ignore[arg-type]
+
+    def chat() -> Any:
+        raw = json.dumps({"model": "m", "stream": True, "max_tokens": 8,
+                          "messages": [{"role": "user", "content": "q"}]})
+        return parse_request("chat", raw.encode(), model="m")
+
+    routes = (RouteChoice(kind="pd", decode=eng("d0", "decode"), prefill=eng("p1", "prefill")),
+              RouteChoice(kind="pd", decode=eng("d2", "decode"), prefill=eng("p1", "prefill")),
+              RouteChoice(kind="pd", decode=eng("d0", "decode"), prefill=eng("p2", "prefill")))
+
+    def handler2(r: httpx.Request) -> httpx.Response:
+        if r.url.host == "p1":
+            return httpx.Response(500, json={"object": "error", "message": "prefill crashed"})
+        if r.url.host == "p2":
+            return httpx.Response(200, json={"id": "p", "object": "chat.completion", "choices": []})
+        if r.url.host == "d0":
+            body = json.loads(r.content)
+            # the decode engine d0 is healthy: it serves once its paired prefill is p2
+            return httpx.Response(200, stream=_Ok() if body.get("bootstrap_host") == "p2" else _Stalled())
+        return httpx.Response(200, stream=_Stalled())
+
+    async def main() -> Any:
+        placed = PlacedRequest("rid-1", "m", chat(), routes, time.time() + 30, first_token_s=5.0)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler2)) as client:
+            return [m async for m in Relay(client).run(placed)]
+
+    msgs = asyncio.run(main())
+    assert msgs[-1].error is None, msgs[-1].error
