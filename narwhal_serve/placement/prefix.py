@@ -106,8 +106,8 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # content parts: their text, in order (the text parts the request check takes)
-        texts = (p if isinstance(p, str) else p.get(part_text_key(p)) if isinstance(p, dict)
-                 and p.get("type") in TEXT_PART_TYPES else None for p in content)
+        texts = (p if isinstance(p, str) else p.get(part_text_key(p)) for p in content
+                 if isinstance(p, str) or isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES)
         return "".join(t for t in texts if isinstance(t, str))
     return ""
 

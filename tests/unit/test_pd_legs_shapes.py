@@ -156,6 +156,20 @@ async def test_sglang_pd_prefill_leg_failure_is_charged_to_the_prefill_engine() 
     assert charged == [("p1", "error")], charged
 
 
+async def _next_read(gen: Any, release_decode: asyncio.Event) -> str:
+    """What ``gen``'s next read does within 0.5 s (then the decode stream is let go and ``gen`` closed)."""
+    try:
+        await asyncio.wait_for(gen.__anext__(), 0.5)
+    except EngineFailure:
+        return "raised at once"
+    except TimeoutError:
+        return "still waiting on the decode stream"
+    finally:
+        release_decode.set()
+        await gen.aclose()
+    return "other"
+
+
 def test_a_prefill_failure_while_a_decode_batch_is_out_is_raised_at_the_next_read() -> None:
     """The prefill leg fails while the consumer holds a decode batch: the next read raises it (it
     waited on the decode stream, the failure surfacing only when that ended: SGLang, up to 300 s).
@@ -183,16 +197,7 @@ def test_a_prefill_failure_while_a_decode_batch_is_out_is_raised_at_the_next_rea
         fail_prefill.set()
         await asyncio.sleep(0.01)
         assert pre_task.done() and pre_task.exception() is not None
-        try:
-            await asyncio.wait_for(gen.__anext__(), 0.5)
-        except EngineFailure:
-            return "raised at once"
-        except TimeoutError:
-            return "still waiting on the decode stream"
-        finally:
-            release_decode.set()
-            await gen.aclose()
-        return "other"
+        return await _next_read(gen, release_decode)
 
     assert asyncio.run(main()) == "raised at once"
 
@@ -220,16 +225,7 @@ def test_a_prefill_failure_in_the_same_wakeup_as_a_decode_batch_is_raised_at_the
         asyncio.get_running_loop().call_later(0.01, go.set)
         first = await gen.__anext__()
         assert first == [{"first": 1}]
-        try:
-            await asyncio.wait_for(gen.__anext__(), 0.5)
-        except EngineFailure:
-            return "raised at once"
-        except TimeoutError:
-            return "still waiting on the decode stream"
-        finally:
-            release_decode.set()
-            await gen.aclose()
-        return "other"
+        return await _next_read(gen, release_decode)
 
     assert asyncio.run(main()) == "raised at once"
 
