@@ -6,6 +6,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
+from narwhal_serve.protocol.promtext import escape_label
 from narwhal_serve.tenants.tally import render_classes, render_tenants
 from narwhal_serve.protocol.outcomes import KNOWN_REASONS
 from narwhal_serve.relay.messages import RESUME_OUTCOMES, RESUME_REASONS
@@ -40,10 +41,6 @@ class Histogram:
         lines.append(f"{name}_sum {self.total}")
         lines.append(f"{name}_count {self.n}")
         return lines
-
-
-def _esc(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 _LABELLED = {"rejected", "refused", "invalid_requests", "expired", "failed", "cancelled"}
@@ -169,7 +166,7 @@ def render_metrics(snap: dict[str, Any], histograms: dict[str, Histogram]) -> st
     for key in sorted(_LABELLED):
         out.append(f"# TYPE narwhal_{key}_total counter")
         for reason, n in sorted(by_reason[key].items()):
-            out.append(f'narwhal_{key}_total{{reason="{_esc(reason)}"}} {n}')
+            out.append(f'narwhal_{key}_total{{reason="{escape_label(reason)}"}} {n}')
     out += _resumes(snap.get("resumes") or [])
     g = snap["gauges"]
     out += [
@@ -185,24 +182,24 @@ def render_metrics(snap: dict[str, Any], histograms: dict[str, Histogram]) -> st
         "# TYPE narwhal_engine_eligible gauge",
     ]
     for e in snap["engines"]:
-        out.append(f'narwhal_engine_eligible{{engine="{_esc(e["name"])}",role="{e["role"]}"}} {int(e["eligible"])}')
+        out.append(f'narwhal_engine_eligible{{engine="{escape_label(e["name"])}",role="{e["role"]}"}} {int(e["eligible"])}')
     out.append("# TYPE narwhal_engine_tpot_seconds gauge")
     for e in snap["engines"]:
         if e.get("tpot_s") is not None:
-            out.append(f'narwhal_engine_tpot_seconds{{engine="{_esc(e["name"])}"}} {e["tpot_s"]}')
+            out.append(f'narwhal_engine_tpot_seconds{{engine="{escape_label(e["name"])}"}} {e["tpot_s"]}')
     out.append("# TYPE narwhal_engine_drift_score gauge")
     for e in snap["engines"]:
-        out.append(f'narwhal_engine_drift_score{{engine="{_esc(e["name"])}"}} {e.get("drift_score", 0.0)}')
+        out.append(f'narwhal_engine_drift_score{{engine="{escape_label(e["name"])}"}} {e.get("drift_score", 0.0)}')
     for name, key, help_text in ENGINE_GAUGES:  # a count that only grows (``_total``) is a counter
         out += [f"# HELP {name} {help_text}", f"# TYPE {name} {'counter' if name.endswith('_total') else 'gauge'}"]
         for e in snap["engines"]:
             if e.get(key) is not None:
-                out.append(f'{name}{{engine="{_esc(e["name"])}"}} {_num(e[key])}')
+                out.append(f'{name}{{engine="{escape_label(e["name"])}"}} {_num(e[key])}')
     for name, key, label, help_text in ENGINE_COUNTERS:
         out += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
         for e in snap["engines"]:
             for value, n in sorted({**dict.fromkeys(ENGINE_COUNTER_VALUES[key], 0), **(e.get(key) or {})}.items()):
-                out.append(f'{name}{{engine="{_esc(e["name"])}",{label}="{_esc(value)}"}} {n}')
+                out.append(f'{name}{{engine="{escape_label(e["name"])}",{label}="{escape_label(value)}"}} {n}')
     out += _engine_info(snap["engines"])
     out += _served(snap.get("served"), [e["name"] for e in snap["engines"]])
     out += render_tenants(snap.get("tenants") or [])
@@ -222,7 +219,7 @@ def _resumes(rows: list[dict[str, Any]]) -> list[str]:
            "reason is what cut them, outcome how each ended (resumed on another engine, or why not).",
            "# TYPE narwhal_resumes_total counter"]
     for (r, o), n in sorted(counts.items()):
-        out.append(f'narwhal_resumes_total{{reason="{_esc(r)}",outcome="{_esc(o)}"}} {n}')
+        out.append(f'narwhal_resumes_total{{reason="{escape_label(r)}",outcome="{escape_label(o)}"}} {n}')
     return out
 
 
@@ -236,9 +233,9 @@ def _engine_info(engines: list[dict[str, Any]]) -> list[str]:
         labels = {"engine": e["name"], "managed": "true" if e.get("managed") else "false",
                   "state": p.get("state") or "", "node_id": p.get("node_id") or "",
                   "node_ip": p.get("node_ip") or "", "replica": p.get("replica") or ""}
-        out.append("narwhal_engine_info{" + ",".join(f'{k}="{_esc(str(v))}"' for k, v in labels.items()) + "} 1")
+        out.append("narwhal_engine_info{" + ",".join(f'{k}="{escape_label(str(v))}"' for k, v in labels.items()) + "} 1")
         if p:
-            restarts.append(f'narwhal_engine_restarts_total{{engine="{_esc(e["name"])}"}} {p.get("restarts", 0)}')
+            restarts.append(f'narwhal_engine_restarts_total{{engine="{escape_label(e["name"])}"}} {p.get("restarts", 0)}')
     out += ["# HELP narwhal_engine_restarts_total Replicas that replaced a managed engine's process.",
             "# TYPE narwhal_engine_restarts_total counter", *restarts]
     return out
@@ -272,5 +269,5 @@ def _served(served: dict[str, Any] | None, engines: list[str]) -> list[str]:
     ):
         out += [f"# HELP {name} {help_text}, by the engine predicted to give the first token.",
                 f"# TYPE {name} counter"]
-        out += [f'{name}{{engine="{_esc(r["engine"])}"}} {r[key]}' for r in rows]
+        out += [f'{name}{{engine="{escape_label(r["engine"])}"}} {r[key]}' for r in rows]
     return out

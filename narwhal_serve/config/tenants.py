@@ -66,6 +66,8 @@ class TenantsConfig(_Strict):
             raise ValueError(f"tenants.list: names must be unique; repeated: {sorted({n for n in names if names.count(n) > 1})}")
         if not names:
             raise ValueError("tenants.list: at least one tenant (omit the tenants section for none)")
+        if "other" in names:  # tenants/tally.py OTHER: its series would be counted twice on /metrics
+            raise ValueError("tenants.list: the name 'other' is reserved (the label of requests of no configured tenant)")
         if self.anonymous is not None and self.anonymous not in names:
             raise ValueError(f"tenants.anonymous {self.anonymous!r} is not in tenants.list")
         return self

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 from narwhal_serve.admission import ledger
@@ -24,6 +25,8 @@ from narwhal_serve.scheduler.monitor import scrape_all
 from narwhal_serve.scheduler.snapshot import snapshot
 from narwhal_serve.telemetry import render_metrics
 
+
+log = logging.getLogger("narwhal.monitor")
 
 REAP_GRACE_S = 5.0  # a ticket past its request deadline by this much is forgotten (permits freed)
 
@@ -60,9 +63,12 @@ class SchedulerService(AdminOps):
 
     async def _monitor_loop(self) -> None:
         while True:
-            await self.scrape_once()
-            self.reap()
-            self.start_probes()
+            try:
+                await self.scrape_once()
+                self.reap()
+                self.start_probes()
+            except Exception:  # one odd engine answer or pass ends this pass, never the monitoring
+                log.exception("monitoring pass failed")
             await asyncio.sleep(self.cfg.monitoring.scrape_interval_s)
 
     def start_probes(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from narwhal_serve.protocol.promtext import escape_label
 from narwhal_serve.sim.engine import Engine, Histogram
 
 
@@ -9,31 +10,34 @@ def _fmt(v: float) -> str:
     return repr(float(v))
 
 
-def _labels(base: str, **extra: str) -> str:
-    parts = [*base.split(","), *(f'{k}="{v}"' for k, v in extra.items())]
-    return "{" + ",".join(sorted(parts, key=lambda p: p.split("=", 1)[0])) + "}"
+def _labels(base: dict[str, str], le: str | None = None, **extra: str) -> str:
+    """A label set as vLLM's page writes it: sorted by name, a histogram bucket's ``le`` last, values
+    escaped."""
+    labels = {**base, **extra}
+    pairs = [(k, labels[k]) for k in sorted(labels)] + ([("le", le)] if le is not None else [])
+    return "{" + ",".join(f'{k}="{escape_label(v)}"' for k, v in pairs) + "}"
 
 
-def _histogram(lines: list[str], name: str, help_: str, h: Histogram, base: str) -> None:
+def _histogram(lines: list[str], name: str, help_: str, h: Histogram, base: dict[str, str]) -> None:
     lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
     for le, n in zip(h.buckets, h.counts):
-        lines.append(f'{name}_bucket{{{base},le="{_fmt(le)}"}} {_fmt(n)}')
-    lines.append(f'{name}_bucket{{{base},le="+Inf"}} {_fmt(h.count)}')
-    lines.append(f"{name}_count{{{base}}} {_fmt(h.count)}")
-    lines.append(f"{name}_sum{{{base}}} {_fmt(h.sum)}")
+        lines.append(f"{name}_bucket{_labels(base, le=_fmt(le))} {_fmt(n)}")
+    lines.append(f'{name}_bucket{_labels(base, le="+Inf")} {_fmt(h.count)}')
+    lines.append(f"{name}_count{_labels(base)} {_fmt(h.count)}")
+    lines.append(f"{name}_sum{_labels(base)} {_fmt(h.sum)}")
 
 
 def render_metrics(engine: Engine) -> str:
-    base = f'engine="0",model_name="{engine.cfg.model}"'
+    base = {"engine": "0", "model_name": engine.cfg.model}
     c, sched = engine.counters, engine.scheduler
     lines: list[str] = []
 
     def gauge(name: str, help_: str, value: float) -> None:
-        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name}{{{base}}} {_fmt(value)}"])
+        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name}{_labels(base)} {_fmt(value)}"])
 
     def counter(name: str, help_: str, value: float) -> None:
         lines.extend([f"# HELP {name}_total {help_}", f"# TYPE {name}_total counter",
-                      f"{name}_total{{{base}}} {_fmt(value)}"])
+                      f"{name}_total{_labels(base)} {_fmt(value)}"])
 
     gauge("vllm:num_requests_running", "Number of requests in model execution batches.", sched.running)
     gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", sched.waiting)

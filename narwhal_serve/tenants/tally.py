@@ -8,16 +8,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from narwhal_serve.protocol.promtext import escape_label
 from narwhal_serve.admission.core import Placement
 from narwhal_serve.protocol.outcomes import TERMINAL
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.tenants.amounts import KINDS
 
 OTHER = "other"
-
-
-def _esc(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 @dataclass
@@ -78,14 +75,14 @@ def render_classes(rows: list[dict[str, Any]]) -> list[str]:
            "# TYPE narwhal_class_requests_total counter"]
     for r in rows:
         for o, n in sorted(r["outcomes"].items()):
-            out.append(f'narwhal_class_requests_total{{class="{_esc(r["class"])}",outcome="{o}"}} {n}')
+            out.append(f'narwhal_class_requests_total{{class="{escape_label(r["class"])}",outcome="{o}"}} {n}')
     for key in ("admitted", "goodput"):
         out += [f"# TYPE narwhal_class_{key}_total counter"]
-        out += [f'narwhal_class_{key}_total{{class="{_esc(r["class"])}"}} {r[key]}' for r in rows]
+        out += [f'narwhal_class_{key}_total{{class="{escape_label(r["class"])}"}} {r[key]}' for r in rows]
     out += ["# TYPE narwhal_class_tokens_total counter"]
     for r in rows:
         for kind in ("input", "output"):
-            out.append(f'narwhal_class_tokens_total{{class="{_esc(r["class"])}",kind="{kind}"}} {r[kind + "_tokens"]}')
+            out.append(f'narwhal_class_tokens_total{{class="{escape_label(r["class"])}",kind="{kind}"}} {r[kind + "_tokens"]}')
     return out
 
 
@@ -96,22 +93,22 @@ def render_tenants(rows: list[dict[str, Any]]) -> list[str]:
            "# TYPE narwhal_tenant_requests_total counter"]
     for r in rows:
         for o, n in sorted(r["outcomes"].items()):
-            out.append(f'narwhal_tenant_requests_total{{tenant="{_esc(r["tenant"])}",outcome="{o}"}} {n}')
+            out.append(f'narwhal_tenant_requests_total{{tenant="{escape_label(r["tenant"])}",outcome="{o}"}} {n}')
     for key, help_text in (("admitted", "Requests admitted (counted when they end)"),
                            ("goodput", "Requests served with their first token within their TTFT target")):
         out += [f"# HELP narwhal_tenant_{key}_total {help_text}, by tenant", f"# TYPE narwhal_tenant_{key}_total counter"]
-        out += [f'narwhal_tenant_{key}_total{{tenant="{_esc(r["tenant"])}"}} {r[key]}' for r in rows]
+        out += [f'narwhal_tenant_{key}_total{{tenant="{escape_label(r["tenant"])}"}} {r[key]}' for r in rows]
     out += ["# HELP narwhal_tenant_tokens_total Prompt tokens and validated output tokens served, by tenant",
             "# TYPE narwhal_tenant_tokens_total counter"]
     for r in rows:
         for kind in ("input", "output"):
-            out.append(f'narwhal_tenant_tokens_total{{tenant="{_esc(r["tenant"])}",kind="{kind}"}} {r[kind + "_tokens"]}')
+            out.append(f'narwhal_tenant_tokens_total{{tenant="{escape_label(r["tenant"])}",kind="{kind}"}} {r[kind + "_tokens"]}')
     out += ["# HELP narwhal_tenant_budget_remaining What is left of each budget of the tenant, router-wide "
             "(per-minute buckets; concurrent: free slots)",
             "# TYPE narwhal_tenant_budget_remaining gauge"]
     for r in rows:
         for kind in KINDS:
             if kind in r["budget_remaining"]:
-                out.append(f'narwhal_tenant_budget_remaining{{tenant="{_esc(r["tenant"])}",budget="{kind}"}} '
+                out.append(f'narwhal_tenant_budget_remaining{{tenant="{escape_label(r["tenant"])}",budget="{kind}"}} '
                            f'{round(r["budget_remaining"][kind], 3)}')
     return out

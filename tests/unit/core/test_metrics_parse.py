@@ -1,13 +1,16 @@
 """The /metrics reader looks only at lines starting with a name it reads; it reads exactly what the
-character-by-character definition below reads, on a real vLLM page, the simulator's and random
-text."""
+definition below reads — each sample line parsed by prometheus_client's own parser — on a real vLLM
+page, the simulator's and random text."""
 
 from __future__ import annotations
 
+import math
 import pathlib
 import random
 
-from narwhal_serve.engines.metrics import _CACHE_INFO, _NAMES, EngineLoad, _kv_tokens, parse_engine_metrics
+from prometheus_client.parser import _parse_sample
+
+from narwhal_serve.engines.metrics import _CACHE_INFO, _COPY_LABELS, _NAMES, EngineLoad, parse_engine_metrics
 from narwhal_serve.config.sim import SimEngineConfig
 from narwhal_serve.sim.engine import Engine
 from narwhal_serve.sim.metrics import render_metrics
@@ -16,30 +19,36 @@ FIXTURE = pathlib.Path(__file__).resolve().parents[2] / "fixtures" / "vllm-0.32.
 
 
 def _by_lines(text: str) -> EngineLoad:
-    """The definition: every line, its name up to the first ``{`` or space, its last field the value."""
-    acc = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
-    kv_tokens = 0
+    """The definition: every line that starts with a metric name, parsed by prometheus_client (a line
+    it refuses is skipped); a value that is not finite is skipped; for vLLM's cache-config info the
+    value is block_size × num_gpu_blocks of its labels; the copies of one label set that differ only
+    in SGLang's rank labels count once (the largest); the rest add up, KV usage takes the largest."""
+    groups: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
     for line in text.split("\n"):
-        if not line or line[0] == "#":
-            continue
-        if line.startswith(_CACHE_INFO):
-            kv_tokens += _kv_tokens(line)
-            continue
-        name_end = len(line)
-        for i, c in enumerate(line):
-            if c in "{ ":
-                name_end = i
-                break
-        key = _NAMES.get(line[:name_end])
-        fields = line.split(" ")
-        if key is None or len(fields) < 2:
+        if not line or not (line[0].isalpha() or line[0] in "_:"):
             continue
         try:
-            value = float(fields[-1])
-        except ValueError:
+            s = _parse_sample(line)
+        except Exception:  # noqa: BLE001 — the definition: what the parser refuses is not a sample
             continue
-        acc[key] = max(acc[key], value) if key == "kv_usage" else acc[key] + value
-    return EngineLoad(acc["running"], acc["waiting"], acc["kv_usage"], kv_tokens)
+        if s.name == _CACHE_INFO:
+            try:
+                value = float(max(0, int(s.labels["block_size"]) * int(s.labels["num_gpu_blocks"])))
+            except (KeyError, ValueError):
+                value = 0.0
+        elif s.name in _NAMES:
+            value = float(s.value)
+        else:
+            continue
+        if not math.isfinite(value):
+            continue
+        key = (s.name, frozenset((k, v) for k, v in s.labels.items() if k not in _COPY_LABELS))
+        groups[key] = max(groups.get(key, value), value)
+    acc = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "kv_tokens": 0.0}
+    for (name, _), value in groups.items():
+        field = "kv_tokens" if name == _CACHE_INFO else _NAMES[name]
+        acc[field] = max(acc[field], value) if field == "kv_usage" else acc[field] + value
+    return EngineLoad(acc["running"], acc["waiting"], acc["kv_usage"], max(0, int(acc["kv_tokens"])))
 
 
 def test_a_real_vllm_page_and_the_simulators() -> None:
@@ -54,14 +63,17 @@ def test_random_text_reads_as_the_definition() -> None:
     rng = random.Random(7)
     names = [*_NAMES, "vllm:num_requests_running_total", "vllm:num_requests", "#vllm:num_requests_running",
              " vllm:num_requests_running", "vllm:kv_cache_usage_perc_bucket", "sglang:token_usage", "other"]
-    labels = ["", "{}", '{engine="0"}', '{engine="1",model_name="a b"}', "{", '{le="+Inf"}']
-    values = ["1", "2.5", "0", "-3", "nan", "+Inf", "x", "", "1e3", "4 1700000000"]
+    labels = ["", "{}", '{engine="0"}', '{engine="1",model_name="a b"}', "{", '{le="+Inf"}',
+              '{model_name="q\\"} x",engine="0"}', '{tp_rank="1",dp_rank="0"}', '{tp_rank="0",dp_rank="0"}',
+              '{dp_rank="1", tp_rank="0",}', '{a="\\\\",b="\\n"}']
+    values = ["1", "2.5", "0", "-3", "nan", "+Inf", "x", "", "1e3", "4 1700000000", "7\t1700000000"]
     for _ in range(300):
         lines = []
         for _ in range(rng.randint(0, 12)):
             if rng.random() < 0.15:
-                blocks = rng.choice(['num_gpu_blocks="950"', 'block_size="16",num_gpu_blocks="10"', ""])
-                lines.append(f'{_CACHE_INFO}{blocks}}} 1.0')
+                blocks = rng.choice(['num_gpu_blocks="950"', 'block_size="16",num_gpu_blocks="10"', "",
+                                     'block_size="16",engine="1",num_gpu_blocks="7"'])
+                lines.append(f'{_CACHE_INFO}{{{blocks}}} 1.0')
             else:
                 sep = rng.choice([" ", "", "  "])
                 lines.append(f"{rng.choice(names)}{rng.choice(labels)}{sep}{rng.choice(values)}")
