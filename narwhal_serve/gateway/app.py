@@ -143,6 +143,13 @@ def build_api(
                 methods.append("HEAD")
             response.headers["Allow"] = ", ".join(methods)
         return response
+
+    @app.exception_handler(Exception)
+    async def route_failed(request: Request, exc: Exception) -> Response:
+        """A fault of a route outside the completion routes (its backend call failed, a bug) still
+        answers in the envelope (Starlette's would be a plain-text 500); the server logs it."""
+        return error_response(internal_error(f"internal error: {type(exc).__name__}"), None)
+
     sizer = sizer if sizer is not None else PromptSizer.from_config(cfg)
     handler = CompletionHandler(cfg, backend, reporter, clock, echo_request_id=echo_request_id, sizer=sizer, node=node)
     reporter.on_view = handler.on_view

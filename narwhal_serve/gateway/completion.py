@@ -55,7 +55,8 @@ _REQUEST_ID = re.compile(r"[!-~]{1,128}")  # printable ASCII, no spaces
 _SECONDS = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")  # a plain decimal number
 
 
-def _seconds_header(request: Request, name: str) -> float | None:
+def _seconds_header(request: Request, name: str, zero_is_none: bool = False) -> float | None:
+    """A time header's seconds (None: absent; with ``zero_is_none``, also 0); malformed → 400."""
     v = request.headers.get(name)
     if v is None:
         return None
@@ -64,9 +65,17 @@ def _seconds_header(request: Request, name: str) -> float | None:
     f = float(v)
     if not math.isfinite(f):
         raise InvalidRequest(f"header {name} must be a finite number of seconds", param=name)
+    if f == 0 and zero_is_none:
+        return None
     if not f > 0:
         raise InvalidRequest(f"header {name} must be positive", param=name)
     return f
+
+
+def _limited(err: ErrorInfo, limits: dict[str, str] | None) -> ErrorInfo:
+    """An answer to a budgeted tenant after admission carries its rate-limit headers (the request
+    was charged to the budget), as every answer to it does."""
+    return replace(err, extra_headers=(*err.extra_headers, *limits.items())) if limits else err
 
 
 def deadline_expired() -> ErrorInfo:
@@ -139,7 +148,8 @@ class CompletionHandler:
     def _deadline(self, request: Request, now: float) -> float:
         limits = [self.cfg.serving.request_timeout_s]
         for name in ("x-request-timeout", "x-stainless-timeout"):
-            v = _seconds_header(request, name)
+            # openai-node sends its timeout in whole seconds, rounded down: 0 is "under a second"
+            v = _seconds_header(request, name, zero_is_none=name == "x-stainless-timeout")
             if v is not None:
                 limits.append(v)
         return now + min(limits)
@@ -183,6 +193,7 @@ class CompletionHandler:
         echo = rid if self.echo_request_id else None
         self.reporter.offered()
         trail = self.obs.trail(rid, request.url.path, arrived, request.headers)
+        tenant: str | None = None
         try:
             if given is not None and given != rid:  # it goes to every engine leg as a header: keep it plain
                 raise bad_request_id()
@@ -212,7 +223,8 @@ class CompletionHandler:
             err = InvalidRequest("the request body ended before its Content-Length", code="body_incomplete")
             return error_response(err.info(), echo)
         except NarwhalError as err:
-            resp = self._refused(trail, Outcome.INVALID, err.info(), echo)
+            info = err.info() if tenant is None else self._with_limits(err.info(), tenant)
+            resp = self._refused(trail, Outcome.INVALID, info, echo)
             if isinstance(err, BodyTimeout):
                 self.reporter.unsized()  # the body never ended: it was never sized
                 # the rest of that body may still come: the connection cannot carry another request
@@ -329,14 +341,14 @@ class CompletionHandler:
             err = internal_error(f"relay failed: {type(exc).__name__}")
             flow.end(Outcome.FAILED, "internal_error", status=err.status)
             close_detached(gen)
-            return error_response(err, rid)
+            return error_response(_limited(err, limits), rid)
         finally:
             self._before_headers.discard(task)
             self._drained.discard(task)
         if first.error is not None and not first.data:
             flow.end(outcome_of(first.error), first.error.reason or first.error.code, first.stats, first.error.status)
             close_detached(gen)
-            return error_response(first.error, rid)
+            return error_response(_limited(first.error, limits), rid)
         if not parsed.stream:
             flow.end(Outcome.COMPLETED, "", first.stats)
             close_detached(gen)

@@ -6,10 +6,12 @@ guarantees the generator's ``finally`` ever runs.  Here the release sits in the 
 ASGI call itself, which runs on every exit — the stream ended, a write failed, or Ray Serve
 cancelled the request because the client went away.
 
-Keep-alive: while the relay is silent (a stalled engine), an SSE comment is written every
+Keep-alive: while the relay is silent (a stalled engine), an empty line is written every
 ``keepalive_s`` seconds.  Behind Ray Serve's HAProxy (direct-ingress mode) the replica learns of a
 client that left only when a *write* to it fails, so a silent stream must keep writing
-(docs/operations.md, "Run modes"); clients, the ``openai`` SDK included, ignore comment lines.
+(docs/operations.md, "Run modes").  An empty line ends no event in an SSE parser (the ``openai``
+SDKs'), and not a comment (``: keep-alive``): ``vllm bench serve`` strips each network read and
+keeps a lone comment in its buffer, gluing every later event behind it (the rest of the answer lost).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from narwhal_serve.protocol.sse import error_events, sse_event
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.relay.messages import HealthEvent, RelayMessage
 
-KEEPALIVE = b": keep-alive\n\n"
+KEEPALIVE = b"\n"
 DRAINED = "router_draining"
 
 

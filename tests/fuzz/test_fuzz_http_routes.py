@@ -261,7 +261,7 @@ def _sse_events(data: bytes) -> list[bytes]:
     assert data.endswith(b"\n\n"), data[-120:]
     out = []
     for event in data[:-2].split(b"\n\n"):
-        lines = [ln for ln in event.split(b"\n") if not ln.startswith(b":")]  # comments: keep-alives
+        lines = [ln for ln in event.split(b"\n") if ln and not ln.startswith(b":")]  # empty lines: keep-alives
         if not lines:
             continue
         assert len(lines) == 1 and lines[0].startswith(b"data: "), event[:120]
