@@ -32,10 +32,26 @@ def _tokenizer(sizer: PromptSizer) -> Tokenizer:
     return sizer.tokenizer
 
 
+# What vLLM 0.32's /tokenize does not read (entrypoints/serve/tokenize/protocol.py: neither request
+# has these fields, and extra fields go unread), though its chat and completion routes do
+_UNREAD = ("documents", "reasoning_effort", "truncate_prompt_tokens")
+
+
+def _as_vllm_reads(body: dict[str, Any]) -> dict[str, Any]:
+    """The request as vLLM's /tokenize reads it: without the fields above, and an assistant turn's
+    ``reasoning_content`` unread (only its chat route takes it as ``reasoning``)."""
+    out = {k: v for k, v in body.items() if k not in _UNREAD}
+    if isinstance(out.get("messages"), list):
+        out["messages"] = [{k: v for k, v in m.items() if k != "reasoning_content"}
+                           if isinstance(m, dict) and m.get("role") == "assistant" else m for m in out["messages"]]
+    return out
+
+
 async def tokenize(sizer: PromptSizer, model: str, raw: bytes) -> dict[str, Any]:
     tok = _tokenizer(sizer)
     body = decode_json(raw)
     check_model(body, model)
+    body = _as_vllm_reads(body)
     if "messages" in body:
         check_messages(body)
         route, size = "chat", len(raw)

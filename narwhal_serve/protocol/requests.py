@@ -37,7 +37,10 @@ def part_text_key(part: dict[str, Any]) -> str:
 
 
 _MEDIA_PART_TYPES = frozenset({"image_url", "input_image", "input_audio", "video_url", "file", "audio_url",
-                               "image_embeds", "audio_embeds"})  # (the last two: vLLM's --enable-mm-embeds)
+                               "image_embeds", "audio_embeds", "video_embeds"})  # (the embeds: vLLM's --enable-mm-embeds)
+# A part without a ``type`` that holds one of these keys is that media part (vLLM 0.32 infers it:
+# renderers/chat_utils.py, "missing 'type' but provided direct URL fields")
+_UNTYPED_MEDIA_KEYS = ("image_url", "image_embeds", "audio_embeds", "video_embeds", "audio_url", "input_audio", "video_url")
 
 
 @dataclass(frozen=True)
@@ -201,10 +204,16 @@ def _text_len_of_content(content: Any, path: str) -> int:
         if isinstance(part, str):  # (a plain string in the list is text, as vLLM renders it; LangChain sends them)
             n += len(part)
             continue
+        if isinstance(part, dict) and part.get("type") is None and any(k in part for k in _UNTYPED_MEDIA_KEYS):
+            n += 256  # a media part told by its key (as below)
+            continue
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise _bad(ppath, "must be a content part object with a string 'type'")
         ptype = part["type"]
-        if ptype in TEXT_PART_TYPES:
+        if ptype == "tool_reference":  # a deferred tool's reference: vLLM renders its name
+            name = part.get("name")
+            n += len(name) if isinstance(name, str) else 0
+        elif ptype in TEXT_PART_TYPES:
             key = part_text_key(part)
             text = part.get(key)
             if not isinstance(text, str):

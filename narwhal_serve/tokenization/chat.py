@@ -85,6 +85,17 @@ def _is_var_or_elems(node: jinja2.nodes.Node, name: str, key: str | None = None)
     return _is_attr(node, name, key) if key else _is_var(node, name)
 
 
+class _GivesUp(Exception):
+    """vLLM's detection asserts that a variable it follows is assigned to, or loops as, a plain name
+    (``{% set a, b = messages %}`` is not); where that fails it gives up and takes ``string``."""
+
+
+def _target(node: jinja2.nodes.Node) -> str:
+    if not isinstance(node, jinja2.nodes.Name):
+        raise _GivesUp
+    return node.name
+
+
 def _assigned_from(root: jinja2.nodes.Template, name: str) -> list[str]:
     """``name`` and every variable assigned from it (or its elements), transitively."""
     out = [name]
@@ -92,24 +103,25 @@ def _assigned_from(root: jinja2.nodes.Template, name: str) -> list[str]:
     while todo:
         current = todo.popleft()
         for assign in root.find_all(jinja2.nodes.Assign):
-            if _is_var_or_elems(assign.node, current) and isinstance(assign.target, jinja2.nodes.Name):
-                out.append(assign.target.name)
-                if assign.target.name != current:
-                    todo.append(assign.target.name)
+            if _is_var_or_elems(assign.node, current):
+                target = _target(assign.target)
+                out.append(target)
+                if target != current:
+                    todo.append(target)
     return out
 
 
-def _message_vars(root: jinja2.nodes.Template) -> Iterator[str]:
+def _message_vars(root: jinja2.nodes.Template) -> list[str]:
     names = _assigned_from(root, "messages")
-    for loop in root.find_all(jinja2.nodes.For):
-        if any(_is_var_or_elems(loop.iter, n) for n in names) and isinstance(loop.target, jinja2.nodes.Name):
-            yield loop.target.name
+    return [_target(loop.target) for loop in root.find_all(jinja2.nodes.For)
+            if any(_is_var_or_elems(loop.iter, n) for n in names)]
 
 
 def _loops_over_content(root: jinja2.nodes.Template) -> bool:
     """vLLM's ``_iter_nodes_assign_content_item``: a loop over a message's content (directly, through a
-    macro parameter bound to it, or over a top-level variable named ``content``)."""
-    msg_vars = list(_message_vars(root))
+    macro parameter bound to it, or over a top-level variable named ``content``), found in the order
+    vLLM's generator finds it (raises :class:`_GivesUp` where vLLM's asserts fail first)."""
+    msg_vars = _message_vars(root)
     by_loop: dict[int, set[str]] = {}
     in_macros: set[int] = set()
     for macro in root.find_all(jinja2.nodes.Macro):
@@ -129,13 +141,12 @@ def _loops_over_content(root: jinja2.nodes.Template) -> bool:
             if bound:
                 by_loop[id(loop)] = bound
     for loop in root.find_all(jinja2.nodes.For):
-        if any(_is_var_or_elems(loop.iter, v, "content") for v in msg_vars):
+        over_content = any(_is_var_or_elems(loop.iter, v, "content") for v in msg_vars) or (
+            isinstance(loop.iter, jinja2.nodes.Name)
+            and (loop.iter.name in by_loop.get(id(loop), ()) or (id(loop) not in in_macros and loop.iter.name == "content")))
+        if over_content:
+            _target(loop.target)
             return True
-        if isinstance(loop.iter, jinja2.nodes.Name):
-            if loop.iter.name in by_loop.get(id(loop), ()):
-                return True
-            if id(loop) not in in_macros and loop.iter.name == "content":
-                return True
     return False
 
 
@@ -144,9 +155,9 @@ def content_format(template: str) -> ContentFormat:
     """``openai`` when the template iterates over message content, else ``string`` (vLLM's default)."""
     try:
         root = _env().parse(template)
-    except jinja2.TemplateError:
+        return "openai" if _loops_over_content(root) else "string"
+    except (jinja2.TemplateError, _GivesUp):
         return "string"
-    return "openai" if _loops_over_content(root) else "string"
 
 
 @lru_cache(maxsize=32)
@@ -224,10 +235,27 @@ def _tool_calls(calls: Any) -> list[Any] | None:
     for item in calls:
         if not isinstance(item, dict) or item.get("type", "function") != "function" or not isinstance(item.get("function"), dict):
             raise NotExact("a tool call vLLM refuses")
-        fn = dict(item["function"])
-        fn["arguments"] = _arguments(fn.get("arguments"))
-        out.append({**item, "function": fn})
+        fn = _ordered({**item["function"], "arguments": _arguments(item["function"].get("arguments"))},
+                      ("arguments", "name"))
+        out.append(_ordered({**item, "function": fn}, ("id", "function", "type")))
     return out
+
+
+def _ordered(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """``d`` with its keys in the order vLLM's request validation (pydantic, over the openai package's
+    TypedDicts) leaves them: the declared ones in declaration order, extra ones after, as sent.  A
+    template that writes these objects with ``tojson`` writes that order."""
+    return {k: d[k] for k in keys if k in d} | {k: v for k, v in d.items() if k not in keys}
+
+
+def _developer_tools(tools: Any) -> Any:
+    """A developer message's ``tools`` as validated (``ChatCompletionFunctionToolParam``:
+    ``function`` — name, description, parameters, strict — then ``type``)."""
+    if not isinstance(tools, list):
+        return tools
+    return [_ordered({**t, "function": _ordered(t["function"], ("name", "description", "parameters", "strict"))}
+                     if isinstance(t.get("function"), dict) else t, ("function", "type"))
+            if isinstance(t, dict) else t for t in tools]
 
 
 def conversation(messages: list[Any], fmt: ContentFormat, template: str) -> list[dict[str, Any]]:
@@ -262,7 +290,7 @@ def conversation(messages: list[Any], fmt: ContentFormat, template: str) -> list
         if isinstance(message.get("task"), str):
             msg["task"] = message["task"]
         if role == "developer":
-            msg["tools"] = message.get("tools")
+            msg["tools"] = _developer_tools(message.get("tools"))
         conv.append(msg)
     if any(m["role"] == "developer" for m in conv) and not supports_developer_role(template):
         conv = _merge_systems([{k: v for k, v in m.items() if k != "tools"} | {"role": "system"}
@@ -328,6 +356,8 @@ def template_kwargs(body: dict[str, Any], template: str, base_params: frozenset[
              "documents": body.get("documents"), "reasoning_effort": effort}
     if effort is not None and "enable_thinking" not in user:
         extra["enable_thinking"] = effort != "none"
-    merged = dict(user) | {k: v for k, v in extra.items() if v is not None and v != "auto"}
+    # vLLM merges these over its defaults leaving out every value that is None or "auto", the
+    # request's own kwargs' too (renderers/params.py merge_kwargs): the template sees them undefined
+    merged = {k: v for k, v in (dict(user) | extra).items() if v is not None and not (isinstance(v, str) and v == "auto")}
     accept = template_variables(template) | base_params
     return {k: v for k, v in merged.items() if k in accept and k not in ("tools", "tokenize", "chat_template")}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -55,10 +56,11 @@ def tokenizer_path(cfg: "NarwhalConfig") -> str | None:
         spec = e.launch
         if spec is not None and spec.kind in ("vllm", "sglang") and spec.model and os.path.isdir(spec.model):
             if (Path(spec.model) / "tokenizer.json").is_file():
-                changed = renders_otherwise(spec.args)
+                flag = renders_otherwise(spec.args)
+                changed = f"started with {flag}" if flag else renders_itself(Path(spec.model))
                 if changed is None:
                     return spec.model
-                log.warning("engine %s is started with %s: its prompts are not rendered as its model directory's "
+                log.warning("engine %s: %s: its prompts are not rendered as its model directory's "
                             "tokenizer renders them; sizing with the estimate (set `tokenizer:` to override)",
                             e.name, changed)
                 return None
@@ -79,6 +81,34 @@ def renders_otherwise(args: "Sequence[str]") -> str | None:
         if flag in _RENDERING_FLAGS:
             return flag
     return None
+
+
+# Architectures vLLM 0.32 renders with a renderer of its own, not the HF chat template, without any
+# flag (config/model.py: "Set default tokenizer modes based on model architecture")
+_OWN_RENDERERS = frozenset({
+    "MoonshotKimiaForCausalLM", "KimiK3ForConditionalGeneration", "DeepseekV32ForCausalLM",
+    "DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration", "DeepseekV41ForCausalLM",
+    "InklingForCausalLM", "InklingForConditionalGeneration"})
+
+
+def renders_itself(model: Path) -> str | None:
+    """Why vLLM renders this model directory's chats without its HF tokenizer's template, unasked,
+    or None: a Mistral-format directory (mistral_common's tokenizer: tokenizers/registry.py), a
+    gpt-oss model (Harmony: renderers/online_renderer.py), an architecture with its own renderer."""
+    if any(model.glob("consolidated*.safetensors")) and (
+            (model / "tekken.json").is_file() or any(model.glob("tokenizer.model.v*"))):
+        return "a Mistral-format model directory (vLLM uses mistral_common's tokenizer)"
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    if config.get("model_type") == "gpt_oss":
+        return "a gpt-oss model (vLLM renders it with Harmony)"
+    archs = config.get("architectures")
+    own = [a for a in archs if a in _OWN_RENDERERS] if isinstance(archs, list) else []
+    return f"architecture {own[0]} (vLLM renders it with its own renderer)" if own else None
 
 
 def _prompt_chars(parsed: "ParsedRequest") -> int:
