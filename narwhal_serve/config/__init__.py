@@ -248,8 +248,13 @@ class LeaseConfig(_Strict):
     def _check(self) -> "LeaseConfig":
         if self.backend == "redis" and not self.url:
             raise ValueError("ha.lease.url is required with backend: redis (for example redis://127.0.0.1:6379/0)")
-        if self.renew_s * 2 > self.ttl_s:
-            raise ValueError("ha.lease.renew_s must be at most half of ha.lease.ttl_s (two renewals per lease)")
+        if self.backend == "redis" and not (self.url or "").startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"ha.lease.url {self.url!r}: a redis://, rediss:// or unix:// URL (for example "
+                             "redis://127.0.0.1:6379/0)")
+        if self.renew_s > 0.4 * self.ttl_s:
+            # a lost renewal is survived: the next comes at 2 × renew_s, before the holder stops at
+            # ttl_s minus its 10 % margin
+            raise ValueError("ha.lease.renew_s must be at most 0.4 × ha.lease.ttl_s (one lost renewal survived)")
         return self
 
 

@@ -49,6 +49,10 @@ class RouterHA:
         self.degraded_why: str | None = None
         self._last_mode: str | None = None
         self._giving_up = False  # draining: stop renewing (the lease is released)
+        self._released = False
+        # one backend call at a time: a release waits for the renewal in flight (one that reached
+        # Redis after the release would take the lease again, and nobody would release it)
+        self._calls = asyncio.Lock()
 
     # -- lease --------------------------------------------------------------------------------
     def lease_mode(self) -> LeaseMode | None:
@@ -77,49 +81,63 @@ class RouterHA:
         if self.lease is None:
             return
         lc = self.cfg.ha.lease
-        if self.backend is None:
-            self.backend = RedisLease(lc.url or "", lc.key, timeout_s=lc.renew_s)
         if self.cfg.ha.role == "standby":
             await asyncio.sleep(lc.renew_s)
         try:
             while not self._giving_up:
-                await self.renew_once()
+                if self._connect():
+                    await self.renew_once()
                 on_change()
                 await asyncio.sleep(lc.renew_s)
         finally:
             await self.release()
+
+    def _connect(self) -> bool:
+        """The backend's client, made once (a failure says why in ``last_error``, and is tried again)."""
+        if self.backend is None and not self._released and self.lease is not None:
+            lc = self.cfg.ha.lease
+            try:
+                self.backend = RedisLease(lc.url or "", lc.key, timeout_s=lc.renew_s)
+            except Exception as exc:
+                self.lease.on_error(f"{type(exc).__name__}: {exc}"[:200])
+                self.lease_mode()
+        return self.backend is not None
 
     def give_up(self) -> None:
         """Draining: renew no more (:meth:`release` hands the lease over now)."""
         self._giving_up = True
 
     async def renew_once(self) -> None:
-        if self.lease is None or self.backend is None:
-            return
-        lc = self.cfg.ha.lease
-        sent = self.mono()
-        try:
-            async with asyncio.timeout(lc.renew_s):
-                ans = await self.backend.acquire_or_renew(self.lease.holder_id, lc.ttl_s, self.lease.seen_epoch)
-        except Exception as exc:  # Redis unreachable, slow, or failing: keep the lease until it lapses
-            self.lease.on_error(f"{type(exc).__name__}: {exc}"[:200])
-        else:
-            self.lease.on_answer(ans.won, ans.epoch, ans.holder, sent)
-        self.lease_mode()  # log a transition
+        async with self._calls:
+            if self.lease is None or self.backend is None:
+                return
+            lc = self.cfg.ha.lease
+            sent = self.mono()
+            held = self.lease.epoch if self.lease.mode(sent) == "active" else 0
+            try:
+                async with asyncio.timeout(lc.renew_s):
+                    ans = await self.backend.acquire_or_renew(self.lease.holder_id, lc.ttl_s, self.lease.seen_epoch, held)
+            except Exception as exc:  # Redis unreachable, slow, or failing: keep the lease until it lapses
+                self.lease.on_error(f"{type(exc).__name__}: {exc}"[:200])
+            else:
+                self.lease.on_answer(ans.won, ans.epoch, ans.holder, sent)
+            self.lease_mode()  # log a transition
 
     async def release(self) -> None:
-        """Hand the lease over at once on a clean stop (best effort)."""
-        if self.lease is None or self.backend is None:
-            return
-        try:
-            if self.lease.mode(self.mono()) == "active":
-                async with asyncio.timeout(self.cfg.ha.lease.renew_s):
-                    await self.backend.release(self.lease.holder_id, self.lease.epoch)
-        except Exception:
-            log.warning("could not release the router lease; it lapses after ha.lease.ttl_s")
-        finally:
-            await self.backend.close()
-            self.backend = None
+        """Hand the lease over at once on a clean stop (best effort), after the renewal in flight."""
+        async with self._calls:
+            self._released = True
+            if self.lease is None or self.backend is None:
+                return
+            try:
+                if self.lease.mode(self.mono()) == "active":
+                    async with asyncio.timeout(self.cfg.ha.lease.renew_s):
+                        await self.backend.release(self.lease.holder_id, self.lease.epoch)
+            except Exception:
+                log.warning("could not release the router lease; it lapses after ha.lease.ttl_s")
+            finally:
+                await self.backend.close()
+                self.backend = None
 
     # -- monitoring ---------------------------------------------------------------------------
     def degraded(self, engines: Iterable[EngineState], now: float, maintenance: frozenset[str]) -> str | None:
