@@ -100,6 +100,12 @@ class AdmissionLease:
         view = self.current_view()
         return [] if view is None else resume_targets([e for e in view.eligible(now) if e.holds(tokens)])
 
+    def context_of(self, engine: str) -> int | None:
+        """An engine's context (``max_model_len``) as the view says it (None: not said, or no view)."""
+        view = self.current_view()
+        facts = view.facts().get(engine) if view is not None else None
+        return facts.context or None if facts is not None else None
+
     def try_admit(self, ticket_id: str, ask: Ask, deadline: float, now: float, mono: float) -> Placement | Refusal | None:
         """A placement (permits taken), a refusal (counted by the caller), or None: ask the scheduler."""
         view = self.current_view()

@@ -119,6 +119,7 @@ def build_api(
                         watch=backend.watch if cfg.admission.lease_watch else None)
     if lease is not None and (relay := backend.local_relay) is not None:
         relay.live_targets = lambda tokens: lease.resume_targets(clock(), tokens)  # where the fleet has room now
+        relay.live_context = lease.context_of
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -226,6 +226,19 @@ def _text_len_of_content(content: Any, path: str) -> int:
     return n
 
 
+def has_media(route: str, body: dict[str, Any]) -> bool:
+    """A chat whose messages hold a media part (its prompt IDs carry only the media's placeholders)."""
+    if route != "chat" or not isinstance(body.get("messages"), list):
+        return False
+    for msg in body["messages"]:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and (part.get("type") in _MEDIA_PART_TYPES or (
+                    part.get("type") is None and any(k in part for k in _UNTYPED_MEDIA_KEYS))):
+                return True
+    return False
+
+
 def _check_relayed_options(body: dict[str, Any]) -> None:
     """Options vLLM answers only in a form the router never asks for: it streams every answer
     from the engine, with the output's token IDs (``return_token_ids``), whatever the client asked.

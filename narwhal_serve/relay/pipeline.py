@@ -81,6 +81,7 @@ class Relay(ResumingReads):
         # least loaded first (the ingress's lease view); None, or nothing there: the request's own
         # candidate routes
         self.live_targets: Callable[[int], list[EngineConfig]] | None = None
+        self.live_context: Callable[[str], int | None] | None = None
         self.resume_first_token_s = resume_first_token_s  # a continuation's first token must come within this
         # merge the engine reads that piled up into one message: for a Ray hop (the Assembler
         # shape); in the ingress the SSE response's own reader buffers ahead of the client

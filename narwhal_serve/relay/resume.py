@@ -7,12 +7,17 @@ generated and the request's own sampling parameters.  Its chunks are re-shaped i
 route (chat deltas stay chat deltas) with the original ``id`` and ``created``; ``usage`` counts the
 original prompt once and every output token once.
 
-What cannot be exact is not resumed (:func:`not_resumable`): tool calls, structured
-output, reasoning already split off by the engine's parser, presence/frequency penalties (vLLM applies
-them to generated tokens only, and the generated tokens become prompt), and stop strings that the
-engine held text back for (vLLM keeps up to ``len(stop) - 1`` characters that may begin a stop string
-unsent, and they die with it) unless the client asked for ``include_stop_str_in_output``.  A stop
-string that straddles the cut is then found here, on the joined text.
+What cannot be exact is not resumed (:func:`not_resumable`, :func:`resume_refusal`): tool calls,
+structured output, media (the prompt IDs hold only their placeholders), reasoning already split off
+by the engine's parser (or a token it swallowed), what vLLM judges on generated tokens only — the
+presence/frequency penalties, ``bad_words``, ``repetition_detection`` (the generated tokens become
+prompt) —, stop strings (vLLM keeps up to ``len(stop) - 1`` characters that may begin one unsent,
+and they die with it; with ``include_stop_str_in_output`` one may straddle the cut, and the tokens
+after it would have to be trimmed as vLLM trims them), chat top logprobs (the completions endpoint
+keys them by text: tokens that decode alike collapse), a cut inside a character (the last token
+sent had no text: vLLM's detokenizer, primed with a prompt that ends mid-character, writes the
+whole prompt again), and a chat without a limit whose target's context is unknown (vLLM's
+completions endpoint turns a ``max_tokens`` of null into 16).
 
 Pure: no I/O, no clock.
 """
@@ -26,7 +31,7 @@ from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.legs import dialect_of
 from narwhal_serve.errors import BadEngineResponse
 from narwhal_serve.protocol.placement import RouteChoice
-from narwhal_serve.protocol.requests import ParsedRequest
+from narwhal_serve.protocol.requests import ParsedRequest, has_media
 
 # The client's keys a continuation must not carry (the completions endpoint reads them differently,
 # or the continuation sets them itself)
@@ -61,12 +66,21 @@ def not_resumable(req: ParsedRequest, holds_back_stops: bool) -> str | None:
         v = b.get(key)
         if v is not None and not (key == "response_format" and isinstance(v, dict) and v.get("type") == "text"):
             return "structured output"
-    for key in ("presence_penalty", "frequency_penalty"):
+    if has_media(req.route, b):
+        return "media"
+    for key in ("presence_penalty", "frequency_penalty", "bad_words", "repetition_detection"):
         if b.get(key):
             return key.replace("_", " ")
-    if holds_back_stops and stop_strings(b) and not b.get("include_stop_str_in_output"):
-        return "stop strings held back by the engine"
+    if holds_back_stops and stop_strings(b):
+        return "stop strings"
+    if req.route == "chat" and b.get("logprobs") and (b.get("top_logprobs") or b.get("logprob_token_ids")):
+        return "chat top logprobs"
     return None
+
+
+def unbounded(req: ParsedRequest) -> bool:
+    """A chat without an output limit: it runs to the context (its continuation needs the target's)."""
+    return req.route == "chat" and not isinstance(req.max_output_tokens, int)
 
 
 def logprobs_wanted(req: ParsedRequest) -> int | None:
@@ -81,26 +95,30 @@ def logprobs_wanted(req: ParsedRequest) -> int | None:
     return k if isinstance(k, int) and not isinstance(k, bool) else None
 
 
-# A completion without ``max_tokens`` ends at 16 tokens on vLLM and SGLang (the OpenAI schema's
-# default); an explicit ``null`` runs to the context
+# A completion whose ``max_tokens`` is absent or null ends at 16 tokens on vLLM 0.32 (the OpenAI
+# schema's default; its completions endpoint turns a null into it: normalize_null_max_tokens)
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
-def continuation_body(req: ParsedRequest, prompt_ids: list[int], output_ids: list[int]) -> dict[str, Any] | None:
+def continuation_body(req: ParsedRequest, prompt_ids: list[int], output_ids: list[int],
+                      context: int | None = None) -> dict[str, Any] | None:
     """The completions request that continues ``req`` after ``output_ids`` (None: nothing left to
-    generate within the client's ``max_tokens``)."""
+    generate within the client's ``max_tokens``).  ``context``: the target engine's, which a chat
+    without a limit runs to (:func:`unbounded`: never resumed without it)."""
     b = req.body
     body = {k: v for k, v in b.items() if k not in _DROPPED}
     done = len(output_ids)
     limit = req.max_output_tokens  # (a chat's max_completion_tokens unless null, else max_tokens: parse_request)
-    if req.route == "completion" and "max_tokens" not in b:
+    if req.route == "completion" and b.get("max_tokens") is None:
         limit = COMPLETION_DEFAULT_MAX_TOKENS  # the engine's own limit for this request, which the continuation keeps
     if isinstance(limit, int):
         if limit - done < 1:
             return None
         body["max_tokens"] = limit - done
-    else:  # a chat without one, or a completion's explicit null: up to the context, as before the cut
-        body["max_tokens"] = None
+    else:  # a chat without one: up to the context, as before the cut (vLLM takes the context itself
+        # as a limit, and cuts it to the room the prompt leaves)
+        assert context is not None
+        body["max_tokens"] = context
     least = b.get("min_tokens")
     if isinstance(least, int) and least > done:
         body["min_tokens"] = least - done
@@ -144,20 +162,17 @@ class Transcript:
     """What the client has been sent of a single-choice answer: the prompt and output token IDs,
     the text (its tail, for stop strings across the cut), the metadata to continue under."""
 
-    __slots__ = ("route", "prompt_ids", "output_ids", "text_len", "tail", "finish_reason", "reasoning", "meta",
-                 "_tail_max")
+    __slots__ = ("route", "prompt_ids", "output_ids", "text_len", "finish_reason", "reasoning", "meta", "mid_char")
 
     def __init__(self, req: ParsedRequest) -> None:
         self.route = req.route
         self.prompt_ids: list[int] | None = list(req.prompt_token_ids) if req.prompt_token_ids else None
         self.output_ids: list[int] = []
         self.text_len = 0  # characters of output text sent
-        self.tail = ""
         self.finish_reason: str | None = None
-        self.reasoning = False  # the engine's reasoning parser split some output off
+        self.reasoning = False  # the engine's reasoning parser split some output off (or swallowed a token)
+        self.mid_char = False  # the last token sent came without text: the answer is cut inside a character
         self.meta: dict[str, Any] = {}
-        stops = stop_strings(req.body)
-        self._tail_max = max((len(s) for s in stops), default=1) - 1
 
     def observe(self, chunk: dict[str, Any]) -> None:
         """One validated chunk as the client gets it (client route's shape)."""
@@ -179,10 +194,12 @@ class Transcript:
                 text = delta.get("content")
                 if delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls"):
                     self.reasoning = True
+                if out and "content" not in delta:  # a token the engine's parser kept back (a reasoning model's <think>)
+                    self.reasoning = True
+            if out:
+                self.mid_char = not (isinstance(text, str) and text)
             if isinstance(text, str) and text:
                 self.text_len += len(text)
-                if self._tail_max:
-                    self.tail = (self.tail + text)[-self._tail_max:]
             if ch.get("finish_reason") is not None:
                 self.finish_reason = ch["finish_reason"]
         if isinstance(ids, list):  # what the engine ran wins over the router's own tokenization
@@ -191,13 +208,12 @@ class Transcript:
 
 class Reshaper:
     """Continuation chunks (completions shape) as the client's route expects them.  Returns the
-    chunk, or None to drop it; ``ended`` once a stop string straddling the cut ended the answer."""
+    chunk, or None to drop it."""
 
     def __init__(self, req: ParsedRequest, t: Transcript, sent_prompt: list[int]) -> None:
         self.route = req.route
         self.t = t
         self.lp_k = logprobs_wanted(req)
-        self.stops = stop_strings(req.body) if req.body.get("include_stop_str_in_output") else []
         self.sent_prompt = sent_prompt
         self.prompt_tokens = len(t.prompt_ids or ())
         self.before = len(t.output_ids)  # output tokens before the cut
@@ -205,9 +221,6 @@ class Reshaper:
         # where the continuation's text starts in the whole answer: its engine's offsets count from
         # its own first character, across its chunks (vLLM's do), so this base never moves
         self.offset = t.text_len
-        self.pre = t.tail  # the end of the text sent before the cut, where a stop string may begin
-        self.post = ""  # the continuation's first characters, while a stop string may still straddle
-        self.ended = False
 
     def prompt_checked(self, chunk: dict[str, Any]) -> None:
         """The continuation must have run on exactly the prompt sent (when its engine says)."""
@@ -217,25 +230,7 @@ class Reshaper:
                 raise BadEngineResponse("the continuation engine did not run on the prompt it was sent",
                                         param="choices.0.prompt_token_ids")
 
-    def _straddle(self, text: str) -> tuple[str, str] | None:
-        """(``text`` cut after a stop string that began before the cut, that stop string)."""
-        if not self.pre or not self.stops or len(self.post) >= len(self.pre):
-            return None
-        joined = self.pre + self.post + text
-        best: tuple[int, str] | None = None
-        for s in self.stops:
-            pos = joined.find(s, max(0, len(self.pre) - len(s) + 1))
-            if 0 <= pos < len(self.pre) and (best is None or pos < best[0]):
-                best = (pos, s)
-        self.post = (self.post + text)[: len(self.pre)]
-        if best is None:
-            return None
-        pos, s = best
-        return joined[len(joined) - len(text): pos + len(s)], s
-
     def reshape(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
-        if self.ended:
-            return None
         self.prompt_checked(chunk)
         meta = self.t.meta
         usage = chunk.get("usage")
@@ -247,10 +242,6 @@ class Reshaper:
             text = raw if isinstance(raw, str) else ""
             ids = ch.get("token_ids")
             finish, stop_reason = ch.get("finish_reason"), ch.get("stop_reason")
-            cut = self._straddle(text)
-            if cut is not None:
-                text, stop_reason = cut
-                finish, self.ended = "stop", True
             if isinstance(ids, list):
                 self.new_tokens += len(ids)
             lp = ch.get("logprobs")
@@ -292,7 +283,7 @@ def resume_refusal(req: ParsedRequest, t: Transcript, engine: EngineConfig, resu
     if now >= deadline:
         return "deadline"
     dialect = dialect_of(engine)
-    if (not dialect.supports_token_ids or t.prompt_ids is None or t.reasoning
+    if (not dialect.supports_token_ids or t.prompt_ids is None or t.reasoning or t.mid_char
             or not_resumable(req, holds_back_stops=dialect.name == "vllm") is not None):
         return "not_exact"
     return None

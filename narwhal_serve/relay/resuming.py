@@ -23,7 +23,9 @@ from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
 from narwhal_serve.relay.attempt import Attempt, BreakerCut, DeadlinePassed, cut_reason, faults_of
 from narwhal_serve.relay.coalesce import coalesce
 from narwhal_serve.relay.messages import EngineWorked
-from narwhal_serve.relay.resume import Reshaper, continuation_body, length_end, resume_refusal, resume_target
+from narwhal_serve.relay.resume import (
+    Reshaper, continuation_body, length_end, resume_refusal, resume_target, unbounded,
+)
 
 
 class ResumingReads:
@@ -34,6 +36,7 @@ class ResumingReads:
     idle_timeout_s: float
     max_resumes: int
     live_targets: Callable[[int], list[EngineConfig]] | None
+    live_context: Callable[[str], int | None] | None  # an engine's context, as the lease's view says it
     resume_first_token_s: float
     coalesce_reads: bool
     _active: dict[Attempt, PlacedRequest]
@@ -67,7 +70,14 @@ class ResumingReads:
         tokens = len(t.prompt_ids or ()) + len(t.output_ids)
         target = resume_target(self.live_targets(tokens) if self.live_targets is not None else [], placed.candidates,
                                excluded)
-        return ("no_engine", None) if target is None else (None, target)
+        if target is None:
+            return "no_engine", None
+        if unbounded(placed.request) and self._context(target) is None:
+            return "not_exact", None  # its limit would be vLLM's default of 16 tokens
+        return None, target
+
+    def _context(self, target: EngineConfig) -> int | None:
+        return self.live_context(target.name) if self.live_context is not None else None
 
     async def _batches(
         self, stream: AsyncIterator[list[dict[str, Any]]], placed: PlacedRequest, at: Attempt
@@ -119,7 +129,7 @@ class ResumingReads:
             at.notes.append((reason, why or "no_engine"))
             raise failure
         assert t.prompt_ids is not None
-        body = continuation_body(req, t.prompt_ids, t.output_ids)
+        body = continuation_body(req, t.prompt_ids, t.output_ids, self._context(target))
         if body is None:  # every token the client allowed was generated: only the end was lost
             at.notes.append((reason, "finished"))
             yield [length_end(req, t)]
@@ -152,8 +162,6 @@ class ResumingReads:
                     yield out
                 if bad is not None:
                     raise bad
-                if shaper.ended:  # a stop string across the cut ended the answer
-                    return
             if at.wait_from is not None:
                 at.notes.append((reason, "resumed"))
                 at.moved = at.route.engines
