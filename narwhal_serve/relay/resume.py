@@ -14,10 +14,15 @@ presence/frequency penalties, ``bad_words``, ``repetition_detection`` (the gener
 prompt) —, stop strings (vLLM keeps up to ``len(stop) - 1`` characters that may begin one unsent,
 and they die with it; with ``include_stop_str_in_output`` one may straddle the cut, and the tokens
 after it would have to be trimmed as vLLM trims them), chat top logprobs (the completions endpoint
-keys them by text: tokens that decode alike collapse), a cut inside a character (the last token
-sent had no text: vLLM's detokenizer, primed with a prompt that ends mid-character, writes the
-whole prompt again), and a chat without a limit whose target's context is unknown (vLLM's
-completions endpoint turns a ``max_tokens`` of null into 16).
+keys them by text: tokens that decode alike collapse), and a chat without a limit whose target's
+context is unknown (vLLM's completions endpoint turns a ``max_tokens`` of null into 16).
+
+A cut inside a character (the last tokens sent came without text: pieces of a multi-byte
+character) is continued from before those tokens: vLLM's detokenizer, started on a prompt that ends
+mid-character, would write the whole prompt's text again.  The continuation generates them anew;
+they are not sent twice (checked to be the same tokens: a sampled answer that takes another turn
+there cannot be exact, and ends with the error event), and a client that was sent their logprobs
+is not resumed.
 
 Pure: no I/O, no clock.
 """
@@ -162,7 +167,7 @@ class Transcript:
     """What the client has been sent of a single-choice answer: the prompt and output token IDs,
     the text (its tail, for stop strings across the cut), the metadata to continue under."""
 
-    __slots__ = ("route", "prompt_ids", "output_ids", "text_len", "finish_reason", "reasoning", "meta", "mid_char")
+    __slots__ = ("route", "prompt_ids", "output_ids", "text_len", "finish_reason", "reasoning", "meta", "silent")
 
     def __init__(self, req: ParsedRequest) -> None:
         self.route = req.route
@@ -171,7 +176,7 @@ class Transcript:
         self.text_len = 0  # characters of output text sent
         self.finish_reason: str | None = None
         self.reasoning = False  # the engine's reasoning parser split some output off (or swallowed a token)
-        self.mid_char = False  # the last token sent came without text: the answer is cut inside a character
+        self.silent = 0  # the last tokens sent that came without text (a character's first bytes)
         self.meta: dict[str, Any] = {}
 
     def observe(self, chunk: dict[str, Any]) -> None:
@@ -197,7 +202,7 @@ class Transcript:
                 if out and "content" not in delta:  # a token the engine's parser kept back (a reasoning model's <think>)
                     self.reasoning = True
             if out:
-                self.mid_char = not (isinstance(text, str) and text)
+                self.silent = 0 if isinstance(text, str) and text else self.silent + len(out)
             if isinstance(text, str) and text:
                 self.text_len += len(text)
             if ch.get("finish_reason") is not None:
@@ -210,8 +215,9 @@ class Reshaper:
     """Continuation chunks (completions shape) as the client's route expects them.  Returns the
     chunk, or None to drop it."""
 
-    def __init__(self, req: ParsedRequest, t: Transcript, sent_prompt: list[int]) -> None:
+    def __init__(self, req: ParsedRequest, t: Transcript, sent_prompt: list[int], redo: Sequence[int] = ()) -> None:
         self.route = req.route
+        self.redo = list(redo)  # tokens sent before the cut, without text, that the continuation generates again
         self.t = t
         self.lp_k = logprobs_wanted(req)
         self.sent_prompt = sent_prompt
@@ -230,6 +236,15 @@ class Reshaper:
                 raise BadEngineResponse("the continuation engine did not run on the prompt it was sent",
                                         param="choices.0.prompt_token_ids")
 
+    def _redone(self, ids: list[int]) -> list[int]:
+        """``ids`` less the tokens that were sent before the cut (generated again: the same ones)."""
+        n = min(len(self.redo), len(ids))
+        if ids[:n] != self.redo[:n]:
+            raise BadEngineResponse("the continuation took another turn inside the character cut by the failure: "
+                                    "the answer cannot go on exactly", param="choices.0.token_ids")
+        del self.redo[:n]
+        return ids[n:]
+
     def reshape(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         self.prompt_checked(chunk)
         meta = self.t.meta
@@ -242,6 +257,10 @@ class Reshaper:
             text = raw if isinstance(raw, str) else ""
             ids = ch.get("token_ids")
             finish, stop_reason = ch.get("finish_reason"), ch.get("stop_reason")
+            if self.redo and isinstance(ids, list) and ids:
+                ids = self._redone(ids)
+                if not ids and not text and finish is None:
+                    continue
             if isinstance(ids, list):
                 self.new_tokens += len(ids)
             lp = ch.get("logprobs")
@@ -283,7 +302,8 @@ def resume_refusal(req: ParsedRequest, t: Transcript, engine: EngineConfig, resu
     if now >= deadline:
         return "deadline"
     dialect = dialect_of(engine)
-    if (not dialect.supports_token_ids or t.prompt_ids is None or t.reasoning or t.mid_char
+    if (not dialect.supports_token_ids or t.prompt_ids is None or t.reasoning
+            or (t.silent and logprobs_wanted(req) is not None)  # (their logprobs were sent)
             or not_resumable(req, holds_back_stops=dialect.name == "vllm") is not None):
         return "not_exact"
     return None

@@ -129,7 +129,9 @@ class ResumingReads:
             at.notes.append((reason, why or "no_engine"))
             raise failure
         assert t.prompt_ids is not None
-        body = continuation_body(req, t.prompt_ids, t.output_ids, self._context(target))
+        # (a cut inside a character: continued from before its first bytes, generated again)
+        kept = len(t.output_ids) - t.silent
+        body = continuation_body(req, t.prompt_ids, t.output_ids[:kept], self._context(target))
         if body is None:  # every token the client allowed was generated: only the end was lost
             at.notes.append((reason, "finished"))
             yield [length_end(req, t)]
@@ -137,7 +139,7 @@ class ResumingReads:
         at.resumes += 1
         at.health.extend(faults_of(failure, at.route))
         at.resumed_from.append(failed_on)
-        shaper = Reshaper(req, t, body["prompt"])
+        shaper = Reshaper(req, t, body["prompt"], redo=t.output_ids[kept:])
         at.route, at.cursor.engine = RouteChoice("single", target), target.name
         at.first_limit, at.wait_from = self.resume_first_token_s, self.clock()
         opened, last_token = at.wait_from, at.meter.last or at.wait_from

@@ -382,10 +382,29 @@ async def test_a_cut_inside_a_multi_byte_character_does_not_repeat_the_prompt_te
         return [cmpl("", [134]), cmpl("é", [109]), cmpl(" ok", [5], "length")][len(prompt) - len(PROMPT) - 1:]
 
     eng = Engines(first, cont)
-    msgs = await run(eng, completion(max_tokens=4))
-    if refused(eng, msgs):
-        return
+    msgs = await run(eng, completion(max_tokens=4, return_token_ids=True))
+    assert eng.hosts == ["e1", "e2"] and eng.bodies[-1][1]["prompt"] == [*PROMPT, 1]  # from before the character
+    assert eng.bodies[-1][1]["max_tokens"] == 3
     assert text_of(msgs) == "aé ok", text_of(msgs)
+    assert ids_of(msgs) == [1, 134, 109, 5]  # the character's first byte not sent twice
+    assert [r for m in msgs for r in m.resumes] == [("reset", "resumed")]
+
+
+async def test_a_continuation_that_takes_another_turn_inside_the_cut_character_is_not_passed_on() -> None:
+    """A sampled answer may generate another token where the cut character's first byte was: the
+    client already has that byte's token, so the answer cannot go on exactly: the error event."""
+    first = sse(cmpl("a", [1], first=True), cmpl("", [134]), done=False)
+    eng = Engines(first, lambda body: [cmpl("x", [120]), cmpl(" ok", [5], "length")])
+    msgs = await run(eng, completion(max_tokens=4, return_token_ids=True))
+    assert eng.hosts == ["e1", "e2"] and msgs[-1].error is not None
+    assert text_of(msgs) == "a" and ids_of(msgs) == [1, 134]
+
+
+async def test_a_cut_inside_a_character_whose_logprobs_were_sent_is_not_resumed() -> None:
+    first = sse(cmpl("a", [1], first=True), cmpl("", [134]), done=False)
+    eng = Engines(first, lambda body: [cmpl("é", [109], "length")])
+    msgs = await run(eng, completion(max_tokens=4, logprobs=0))
+    assert refused(eng, msgs)
 
 
 # ---------------------------------------------------------------- 6. chat logprobs through a completions continuation
