@@ -101,6 +101,10 @@ class KVEventIndex:
         ("batches", "stored", "removed", "cleared", "orphans", "malformed", "duplicates", "gaps", "restarts",
          "resyncs", "incompatible", "other_medium"), 0))
     _nodes: "OrderedDict[Any, _Node]" = field(default_factory=OrderedDict)
+    # engine hashes the engine holds more than one copy of (vLLM does not de-duplicate cached
+    # blocks: two requests caching the same new prefix at once store it twice, each copy announced,
+    # each evicted on its own; the block stays a hit until its last copy goes)
+    _copies: dict[Any, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -138,6 +142,7 @@ class KVEventIndex:
 
     def clear(self) -> None:
         self._nodes.clear()
+        self._copies.clear()
         self.target.clear()
 
     # ------------------------------------------------------------------ events
@@ -178,14 +183,15 @@ class KVEventIndex:
         nodes = self._nodes
         parent = nodes.get(ev.parent_block_hash) if ev.parent_block_hash is not None else None
         if ev.parent_block_hash is not None and parent is None:
-            self.stats["orphans"] += len(ev.block_hashes)  # its prefix was missed: the next reuse re-sends it
+            self.stats["orphans"] += len(ev.block_hashes)  # its prefix was missed: learned again once re-cached
             return
         parent_h = ev.parent_block_hash
         per = max(1, r // b)
         fresh = 0  # the depth of the last block this event stored anew
         for i, h in enumerate(ev.block_hashes):
             node = nodes.get(h)
-            if node is not None:  # a reused block announced again
+            if node is not None:  # another copy of a block (vLLM announces a block when it is cached)
+                self._copies[h] = self._copies.get(h, 1) + 1
                 nodes.move_to_end(h)
                 d = node[_DEPTH]
                 if b <= r and d % per == 0 and d - per < fresh and node[_TOKENS] == b"":
@@ -210,7 +216,8 @@ class KVEventIndex:
                     node = self._complete(h, node, per)
             parent, parent_h = node, h
         while len(nodes) > self.capacity:
-            _, old = nodes.popitem(last=False)
+            old_h, old = nodes.popitem(last=False)
+            self._copies.pop(old_h, None)
             if old[_COVERED]:
                 self.target.remove(old[_COVERED])
 
@@ -279,6 +286,13 @@ class KVEventIndex:
 
     def _removed(self, hashes: list[Any]) -> None:
         for h in hashes:
+            copies = self._copies.get(h)
+            if copies is not None:  # one copy of several evicted: the block is still held
+                if copies > 2:
+                    self._copies[h] = copies - 1
+                else:
+                    del self._copies[h]
+                continue
             node = self._nodes.pop(h, None)
             if node is None:
                 continue

@@ -27,7 +27,9 @@ class BlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
-    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
+    # 0: vLLM's CPU-offload connector announces its tier's stores with no tokens (a placeholder in
+    # the device's batches, offloading/events.py _placeholder_stored; the index skips other media)
+    block_size: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_SIZE)]
     lora_id: int | None
     medium: str | None
     lora_name: str | None

@@ -129,7 +129,11 @@ def prompt_text(route: str, body: dict[str, Any]) -> str | None:
 
 def request_prefix(route: str, body: dict[str, Any], ids: Sequence[int] | None, block_chars: int,
                    block_tokens: int, max_blocks: int) -> tuple[tuple[int, ...], float]:
-    """A request's block hashes and the prompt tokens one block stands for."""
+    """A request's block hashes and the prompt tokens one block stands for.  None for a request
+    with a ``cache_salt``: vLLM mixes the salt into its blocks' hashes, so it shares no cache with
+    an unsalted request (nor is it one to learn from)."""
+    if body.get("cache_salt") is not None:
+        return (), 0.0
     if ids is not None:
         return id_block_hashes(ids, block_tokens, max_blocks), float(block_tokens)
     text = prompt_text(route, body)
