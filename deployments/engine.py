@@ -160,8 +160,8 @@ class ManagedEngine:
             t.cancel()
         if not hasattr(self, "report"):  # the constructor failed: it stopped its engine itself
             return
-        was_alive = self.proc.alive()
-        await self.proc.stop(self.spec.stop_grace_s)
-        if was_alive:
+        # the scheduler first: it stops placing requests here before the engine, signalled, aborts them
+        if self.proc.alive():
             with contextlib.suppress(Exception):
                 await self._tell_down("stopped with its replica")
+        await self.proc.stop(self.spec.stop_grace_s)

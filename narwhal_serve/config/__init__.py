@@ -13,7 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from narwhal_serve.config.base import Strict as _Strict
 from narwhal_serve.config.deployment import DeploymentKnobs as DeploymentKnobs
 from narwhal_serve.config.launch import LaunchSpec as LaunchSpec
-from narwhal_serve.config.launch import slot_names
+from narwhal_serve.config.launch import flag_names, slot_names
 from narwhal_serve.config.sim import SimEngineConfig as SimEngineConfig
 from narwhal_serve.config.tenants import TenantSpec as TenantSpec
 from narwhal_serve.config.tenants import TenantsConfig as TenantsConfig
@@ -167,12 +167,34 @@ class EngineConfig(_Strict):
     # --enable-priority-scheduling): each request's class rank is sent as its `priority` (0 first)
     priority_scheduling: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _dialect_of_kind(cls, data: Any) -> Any:
+        """A managed SGLang engine speaks SGLang's dialect unless told otherwise (Narwhal starts it)."""
+        if isinstance(data, dict) and "dialect" not in data:
+            launch = data.get("launch")
+            kind = launch.kind if isinstance(launch, LaunchSpec) else launch.get("kind") if isinstance(launch, dict) else None
+            if kind == "sglang":
+                data = {**data, "dialect": "sglang"}
+        return data
+
     @model_validator(mode="after")
     def _url_or_launch(self) -> "EngineConfig":
         if bool(self.url) == (self.launch is not None):
             raise ValueError(f"engine {self.name!r}: give exactly one of `url` (an engine you run) or "
                              f"`launch` (Narwhal starts it as a Ray deployment), not "
                              f"{'both' if self.url else 'neither'}")
+        kind = self.launch.kind if self.launch is not None else None
+        if kind in ("vllm", "sglang") and self.dialect in ("vllm", "sglang") and self.dialect != kind:
+            raise ValueError(f"engine {self.name!r}: launch.kind {kind} with dialect {self.dialect}: a managed "
+                             f"{kind} engine speaks the {kind} dialect")
+        if kind in ("vllm", "sglang") and self.role != "unified":
+            need = "--kv-transfer-config" if kind == "vllm" else "--disaggregation-mode"
+            assert self.launch is not None
+            if need not in flag_names(self.launch.args, dashes=kind == "vllm"):
+                raise ValueError(f"engine {self.name!r}: a managed {kind} {self.role} engine needs its P/D flags in "
+                                 f"launch.args ({need} …, and the connector's ports per replica): started without "
+                                 "them it computes every prompt itself")
         return self
 
     @property

@@ -81,6 +81,12 @@ class LaunchSpec(_Strict):
             raise ValueError("launch.python and launch.venv: give at most one")
         for a in self.command or ():
             _check_placeholders(a)
+        owned = owned_flags(self.kind, self.args)
+        if owned:
+            raise ValueError(f"launch.args: {', '.join(owned)} set by Narwhal itself for a {self.kind} engine "
+                             "(the port, host and names it reaches and follows the engine by, its tensor "
+                             "parallelism from launch.tensor_parallel_size, its KV events from launch.kv_events), "
+                             "or not supported (data parallelism: one engine per replica; give replicas instead)")
         bad_env = sorted(k for k in self.env if not k or "=" in k)
         if bad_env:
             raise ValueError(f"launch.env: invalid variable names {bad_env}")
@@ -127,6 +133,36 @@ class LaunchSpec(_Strict):
         if self.model is not None and not os.path.isabs(self.model) and (base / self.model).exists():
             update["model"] = absolute(self.model)
         return self.model_copy(update=update)
+
+
+# Flags of an engine's command line that Narwhal sets itself (the engine's parser takes the last
+# one: a repeat in launch.args would win), or cannot follow (data parallelism: one KV-event socket
+# and one port per engine), by kind; spelled as the engines' parsers take them (vLLM also reads
+# --a_b as --a-b)
+_OWNED_FLAGS = {
+    "vllm": frozenset({"--host", "--port", "--model", "--served-model-name", "--kv-events-config",
+                       "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp", "--data-parallel-size-local",
+                       "-dpl"}),
+    "sglang": frozenset({"--host", "--port", "--model-path", "--model", "--served-model-name", "--tp-size",
+                         "--tensor-parallel-size", "--tp", "--dp-size", "--data-parallel-size", "--dp"}),
+}
+
+
+def flag_names(args: "tuple[str, ...] | list[str]", dashes: bool) -> list[str]:
+    """The option names in ``args`` (``--a=b`` read as ``--a``; with ``dashes``, ``--a_b`` as ``--a-b``)."""
+    out = []
+    for a in args:
+        if not a.startswith("-") or a == "-" or (len(a) > 1 and (a[1].isdigit() or a[1] == ".")):
+            continue  # a value (a negative number is one)
+        name = a.split("=", 1)[0]
+        out.append(name.replace("_", "-") if dashes and name.startswith("--") else name)
+    return out
+
+
+def owned_flags(kind: str, args: "tuple[str, ...] | list[str]") -> list[str]:
+    """The flags of ``args`` Narwhal sets itself for a ``kind`` engine, or cannot follow."""
+    owned = _OWNED_FLAGS.get(kind, frozenset())
+    return sorted({f for f in flag_names(args, dashes=kind == "vllm") if f in owned})
 
 
 def _check_placeholders(arg: str) -> None:

@@ -109,8 +109,11 @@ def engine_env(
     * another interpreter: no PYTHONPATH / PYTHONHOME of the router's; a venv also gets VIRTUAL_ENV
       and its bin/ first on PATH;
     * OMP_NUM_THREADS = the reserved CPUs (at least 1) — a process started from a Ray worker would
-      otherwise inherit the worker's value (1 for a zero-CPU actor);
-    * CUDA_VISIBLE_DEVICES = the GPUs Ray gave the replica (all bundles' with tensor parallelism).
+      otherwise inherit the worker's value (1 for a zero-CPU actor); none for vLLM on GPUs, which
+      sizes its threads itself only then;
+    * CUDA_VISIBLE_DEVICES = the GPUs Ray gave the replica (all bundles' with tensor parallelism);
+      none (empty) for a vLLM or SGLang engine given no GPU;
+    * SGLang: its /health without a generation (``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0``).
     """
     env = dict(base)
     if spec.interpreter(current_python) != current_python:
@@ -120,9 +123,23 @@ def engine_env(
     if spec.venv is not None:
         env["VIRTUAL_ENV"] = spec.venv
         env["PATH"] = f"{spec.venv}/bin:{env.get('PATH', '/usr/bin:/bin')}"
-    env["OMP_NUM_THREADS"] = str(max(1, int(spec.resources.num_cpus)))
-    if spec.resources.num_gpus > 0 and gpu_ids:
+    gpus = spec.resources.num_gpus > 0 and bool(gpu_ids)
+    if spec.kind == "vllm" and gpus:
+        # vLLM on GPUs sizes its threads itself only where OMP_NUM_THREADS is unset (one torch thread
+        # a worker while serving: v1/executor/multiproc_executor.py, utils/torch_utils.py)
+        env.pop("OMP_NUM_THREADS", None)
+    else:
+        env["OMP_NUM_THREADS"] = str(max(1, int(spec.resources.num_cpus)))
+    if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+    elif spec.kind in ("vllm", "sglang"):
+        # no GPU reserved, none seen: Ray 2.60 leaves a zero-GPU actor's CUDA_VISIBLE_DEVICES as the
+        # node has it (every GPU), and the engine would take GPU 0 unreserved
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if spec.kind == "sglang":
+        # SGLang's /health runs a one-token generation by default (up to 20 s under load, past the
+        # replica's 5 s check): the plain answer (still 503 while it starts)
+        env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
     env.update(spec.env)
     return env
 
