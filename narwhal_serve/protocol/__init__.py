@@ -6,6 +6,9 @@
   values are the metric names' stems.
 * :mod:`.placement` — What the scheduler hands the assembler: a placed request and its ordered
   candidate routes.
+* :mod:`.promtext` — Prometheus text exposition: a label value as the format writes it (backslash,
+  double quote and newline escaped, as prometheus_client writes them), for every page Narwhal
+  renders.
 * :mod:`.requests` — Validation and sizing of client requests (the contract's validation rows,
   docs/contract.md, "Errors").
 * :mod:`.stats` — What the router did for one finished request, as the relay measured it: read by
@@ -36,7 +39,9 @@ _EXPORTS = {
     "check_model": "requests",
     "decode_json": "strictjson",
     "error_events": "sse",
+    "escape_label": "promtext",
     "estimate_tokens": "estimate",
+    "has_media": "requests",
     "model_not_found": "requests",
     "parse_request": "requests",
     "part_text_key": "requests",
@@ -47,7 +52,7 @@ _EXPORTS = {
 __all__ = [
     "CHARS_PER_TOKEN", "DONE_EVENT", "KNOWN_REASONS", "Outcome", "ParsedRequest", "PlacedRequest",
     "RelayStats", "Route", "RouteChoice", "TERMINAL", "TEXT_PART_TYPES", "check_messages", "check_model", "decode_json", "error_events",
-    "estimate_tokens", "model_not_found", "parse_request", "part_text_key", "sse_event", "truncated_to",
+    "escape_label", "estimate_tokens", "has_media", "model_not_found", "parse_request", "part_text_key", "sse_event", "truncated_to",
     "whole_ids",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
@@ -68,7 +73,9 @@ if TYPE_CHECKING:
     from narwhal_serve.protocol.requests import check_model as check_model
     from narwhal_serve.protocol.strictjson import decode_json as decode_json
     from narwhal_serve.protocol.sse import error_events as error_events
+    from narwhal_serve.protocol.promtext import escape_label as escape_label
     from narwhal_serve.protocol.estimate import estimate_tokens as estimate_tokens
+    from narwhal_serve.protocol.requests import has_media as has_media
     from narwhal_serve.protocol.requests import model_not_found as model_not_found
     from narwhal_serve.protocol.requests import parse_request as parse_request
     from narwhal_serve.protocol.requests import part_text_key as part_text_key
