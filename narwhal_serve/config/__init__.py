@@ -191,7 +191,7 @@ class EngineConfig(_Strict):
         if kind in ("vllm", "sglang") and self.role != "unified":
             need = "--kv-transfer-config" if kind == "vllm" else "--disaggregation-mode"
             assert self.launch is not None
-            if need not in flag_names(self.launch.args, dashes=kind == "vllm"):
+            if need not in flag_names(self.launch.args, dashes=kind == "vllm"):  # (``--a.b`` read as ``--a``)
                 raise ValueError(f"engine {self.name!r}: a managed {kind} {self.role} engine needs its P/D flags in "
                                  f"launch.args ({need} …, and the connector's ports per replica): started without "
                                  "them it computes every prompt itself")
@@ -273,7 +273,7 @@ class LeaseConfig(_Strict):
         if self.backend == "redis" and not (self.url or "").startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"ha.lease.url {self.url!r}: a redis://, rediss:// or unix:// URL (for example "
                              "redis://127.0.0.1:6379/0)")
-        if self.renew_s > 0.4 * self.ttl_s:
+        if self.backend == "redis" and self.renew_s > 0.4 * self.ttl_s:
             # a lost renewal is survived: the next comes at 2 × renew_s, before the holder stops at
             # ttl_s minus its 10 % margin
             raise ValueError("ha.lease.renew_s must be at most 0.4 × ha.lease.ttl_s (one lost renewal survived)")

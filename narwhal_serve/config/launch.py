@@ -142,27 +142,35 @@ class LaunchSpec(_Strict):
 _OWNED_FLAGS = {
     "vllm": frozenset({"--host", "--port", "--model", "--served-model-name", "--kv-events-config",
                        "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp", "--data-parallel-size-local",
-                       "-dpl"}),
+                       "-dpl", "--pipeline-parallel-size", "-pp"}),
     "sglang": frozenset({"--host", "--port", "--model-path", "--model", "--served-model-name", "--tp-size",
-                         "--tensor-parallel-size", "--tp", "--dp-size", "--data-parallel-size", "--dp"}),
+                         "--tensor-parallel-size", "--tp", "--dp-size", "--data-parallel-size", "--dp",
+                         "--pp-size", "--pipeline-parallel-size"}),
 }
 
 
 def flag_names(args: "tuple[str, ...] | list[str]", dashes: bool) -> list[str]:
-    """The option names in ``args`` (``--a=b`` read as ``--a``; with ``dashes``, ``--a_b`` as ``--a-b``)."""
+    """The option names in ``args`` (``--a=b`` read as ``--a``, vLLM's ``--a.b c`` — one field of a
+    JSON option — as ``--a``; with ``dashes``, ``--a_b`` as ``--a-b``)."""
     out = []
     for a in args:
         if not a.startswith("-") or a == "-" or (len(a) > 1 and (a[1].isdigit() or a[1] == ".")):
             continue  # a value (a negative number is one)
         name = a.split("=", 1)[0]
-        out.append(name.replace("_", "-") if dashes and name.startswith("--") else name)
+        if name.startswith("--"):
+            name = name.split(".", 1)[0]
+            if dashes:
+                name = name.replace("_", "-")
+        out.append(name)
     return out
 
 
 def owned_flags(kind: str, args: "tuple[str, ...] | list[str]") -> list[str]:
-    """The flags of ``args`` Narwhal sets itself for a ``kind`` engine, or cannot follow."""
+    """The flags of ``args`` Narwhal sets itself for a ``kind`` engine, or cannot follow (an
+    abbreviation of one too: the engines' parsers take a long option's unique prefix)."""
     owned = _OWNED_FLAGS.get(kind, frozenset())
-    return sorted({f for f in flag_names(args, dashes=kind == "vllm") if f in owned})
+    return sorted({f for f in flag_names(args, dashes=kind == "vllm")
+                   if f in owned or (f.startswith("--") and len(f) > 3 and any(o.startswith(f) for o in owned))})
 
 
 def _check_placeholders(arg: str) -> None:

@@ -140,7 +140,7 @@ class RedisLease:
 
     async def acquire_or_renew(self, holder_id: str, ttl_s: float, seen_epoch: int, held_epoch: int = 0) -> LeaseAnswer:
         """``held_epoch``: the epoch the caller holds now by its own clock (0: none)."""
-        from redis.exceptions import ResponseError
+        from redis.exceptions import ReadOnlyError, ResponseError
 
         try:
             await self._check_eviction()
@@ -148,7 +148,9 @@ class RedisLease:
                 keys=[self.key, self.key + ":epoch"], args=[holder_id, int(ttl_s * 1000), seen_epoch, held_epoch, LOST_DATA]
             )
         except ResponseError as exc:
-            if "READONLY" in str(exc):
+            # (redis-py parses a bare READONLY reply into ReadOnlyError, its code stripped; Redis 6.2
+            # wraps it in the script's error)
+            if isinstance(exc, ReadOnlyError) or "READONLY" in str(exc):
                 # a master demoted to a replica (a failover behind the same address): its pooled
                 # connections would get READONLY for ever; new ones reach the new master
                 await self.client.connection_pool.disconnect()

@@ -132,7 +132,7 @@ def engine_env(
         env["OMP_NUM_THREADS"] = str(max(1, int(spec.resources.num_cpus)))
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
-    elif spec.kind in ("vllm", "sglang"):
+    elif spec.kind in ("vllm", "sglang") and spec.resources.num_gpus == 0:
         # no GPU reserved, none seen: Ray 2.60 leaves a zero-GPU actor's CUDA_VISIBLE_DEVICES as the
         # node has it (every GPU), and the engine would take GPU 0 unreserved
         env["CUDA_VISIBLE_DEVICES"] = ""

@@ -21,7 +21,7 @@ from narwhal_serve.protocol.requests import ParsedRequest, Route
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.engines.errors import FaultKind
 from narwhal_serve.relay.messages import EngineFault, HealthEvent
-from narwhal_serve.relay.resume import Transcript
+from narwhal_serve.relay.resume import DivergedResume, Transcript
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -39,6 +39,8 @@ class BreakerCut(EngineFailure):
 def faults_of(exc: EngineFailure | BadEngineResponse, route: RouteChoice) -> tuple[EngineFault, ...]:
     """What a failed attempt says about its engine's health (nothing, for a :class:`BreakerCut`:
     the breaker is open already)."""
+    if isinstance(exc, DivergedResume):  # (a sampled continuation's other turn: no engine's fault)
+        return ()
     if isinstance(exc, BadEngineResponse):  # bad token IDs and other unusable answers
         return (EngineFault(route.decode.name, "error", str(exc)),)
     if isinstance(exc, BreakerCut):

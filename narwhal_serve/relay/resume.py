@@ -163,6 +163,11 @@ def chat_logprobs(lp: Any, k: int) -> dict[str, Any] | None:
     return {"content": content}
 
 
+class DivergedResume(BadEngineResponse):
+    """A continuation, sampling, generated another token where the cut character's first bytes were
+    (the client has those): it cannot go on exactly, and no engine is at fault."""
+
+
 class Transcript:
     """What the client has been sent of a single-choice answer: the prompt and output token IDs,
     the text (its tail, for stop strings across the cut), the metadata to continue under."""
@@ -240,8 +245,8 @@ class Reshaper:
         """``ids`` less the tokens that were sent before the cut (generated again: the same ones)."""
         n = min(len(self.redo), len(ids))
         if ids[:n] != self.redo[:n]:
-            raise BadEngineResponse("the continuation took another turn inside the character cut by the failure: "
-                                    "the answer cannot go on exactly", param="choices.0.token_ids")
+            raise DivergedResume("the continuation took another turn inside the character cut by the failure: "
+                                 "the answer cannot go on exactly", param="choices.0.token_ids")
         del self.redo[:n]
         return ids[n:]
 
@@ -270,7 +275,7 @@ class Reshaper:
                                        "finish_reason": finish, "stop_reason": stop_reason, "token_ids": ids}
             else:
                 out = {**ch, "index": 0, "text": text, "finish_reason": finish, "stop_reason": stop_reason,
-                       "prompt_token_ids": None}
+                       "prompt_token_ids": None, "token_ids": ids}
                 if isinstance(lp, dict) and isinstance(lp.get("text_offset"), list):
                     out["logprobs"] = {**lp, "text_offset": [o + self.offset for o in lp["text_offset"]]}
             choices.append(out)

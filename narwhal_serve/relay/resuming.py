@@ -24,7 +24,7 @@ from narwhal_serve.relay.attempt import Attempt, BreakerCut, DeadlinePassed, cut
 from narwhal_serve.relay.coalesce import coalesce
 from narwhal_serve.relay.messages import EngineWorked
 from narwhal_serve.relay.resume import (
-    Reshaper, continuation_body, length_end, resume_refusal, resume_target, unbounded,
+    DivergedResume, Reshaper, continuation_body, length_end, resume_refusal, resume_target, unbounded,
 )
 
 
@@ -170,7 +170,7 @@ class ResumingReads:
             return
         except (EngineFailure, BadEngineResponse) as exc:
             if at.wait_from is not None:  # the continuation failed before its first token
-                at.notes.append((reason, "failed"))
+                at.notes.append((reason, "not_exact" if isinstance(exc, DivergedResume) else "failed"))
                 raise exc from None
             yield exc
         finally:

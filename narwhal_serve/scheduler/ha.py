@@ -83,12 +83,16 @@ class RouterHA:
         lc = self.cfg.ha.lease
         if self.cfg.ha.role == "standby":
             await asyncio.sleep(lc.renew_s)
+        loop = asyncio.get_running_loop()
         try:
             while not self._giving_up:
+                # every renew_s from the last one's start: a renewal that timed out (renew_s) is
+                # followed by the next at once, 2 × renew_s after the last good one, within the lease
+                started = loop.time()
                 if self._connect():
                     await self.renew_once()
                 on_change()
-                await asyncio.sleep(lc.renew_s)
+                await asyncio.sleep(max(0.0, lc.renew_s - (loop.time() - started)))
         finally:
             await self.release()
 

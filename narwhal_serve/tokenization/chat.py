@@ -343,6 +343,11 @@ def tool_dicts(tools: Any) -> list[dict[str, Any]] | None:
     return out
 
 
+def _set(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` less the values vLLM's merge leaves out (renderers/params.py merge_kwargs)."""
+    return {k: v for k, v in kwargs.items() if v is not None and not (isinstance(v, str) and v == "auto")}
+
+
 def template_kwargs(body: dict[str, Any], template: str, base_params: frozenset[str]) -> dict[str, Any]:
     """The keyword arguments vLLM renders the template with, besides conversation and tools."""
     user = body.get("chat_template_kwargs") or {}
@@ -358,6 +363,6 @@ def template_kwargs(body: dict[str, Any], template: str, base_params: frozenset[
         extra["enable_thinking"] = effort != "none"
     # vLLM merges these over its defaults leaving out every value that is None or "auto", the
     # request's own kwargs' too (renderers/params.py merge_kwargs): the template sees them undefined
-    merged = {k: v for k, v in (dict(user) | extra).items() if v is not None and not (isinstance(v, str) and v == "auto")}
+    merged = _set(dict(user) | _set(extra))
     accept = template_variables(template) | base_params
     return {k: v for k, v in merged.items() if k in accept and k not in ("tools", "tokenize", "chat_template")}
