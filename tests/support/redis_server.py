@@ -9,9 +9,14 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tests.support.net import free_port
+
+if TYPE_CHECKING:
+    from narwhal_serve.scheduler.ha import RouterHA
 
 
 def redis_binary() -> str:
@@ -24,8 +29,9 @@ def redis_binary() -> str:
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, extra: Sequence[str] = ()) -> None:
         self.port = port or free_port()
+        self.extra = list(extra)  # more redis-server arguments (an eviction policy, a renamed command)
         self.dir = tempfile.mkdtemp(prefix="narwhal-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -37,7 +43,7 @@ class RedisServer:
         log = open(os.path.join(self.dir, "redis.log"), "ab")
         self.proc = subprocess.Popen(
             [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, "--protected-mode", "no"],
+             "--dir", self.dir, "--protected-mode", "no", *self.extra],
             stdout=log, stderr=subprocess.STDOUT,
         )
         log.close()
@@ -61,3 +67,18 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(10)
         self.proc = None
+
+
+def lease_router(url: str, *, key: str, ttl: float, renew: float,
+                 mono: Callable[[], float] = time.monotonic) -> "RouterHA":
+    """A router's lease side on ``url`` (its Redis backend made, no loop running: tests call
+    ``renew_once`` themselves)."""
+    from narwhal_serve.config import NarwhalConfig
+    from narwhal_serve.ha.redis_lease import RedisLease
+    from narwhal_serve.scheduler.ha import RouterHA
+
+    cfg = NarwhalConfig.model_validate(
+        {"ha": {"lease": {"backend": "redis", "url": url, "key": key, "ttl_s": ttl, "renew_s": renew}}})
+    ha = RouterHA(cfg, mono=mono)
+    ha.backend = RedisLease(url, key, timeout_s=renew)
+    return ha

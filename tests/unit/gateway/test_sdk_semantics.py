@@ -37,6 +37,7 @@ from narwhal_serve.protocol.sse import DONE_EVENT, sse_event
 from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
 from tests.support.local_router import LocalRouter, start_local_router
+from tests.unit.gateway.test_vllm_route_shapes import _NoFleet
 
 CHAT = "/v1/chat/completions"
 MODEL = "narwhal-sim"
@@ -44,10 +45,8 @@ MODEL = "narwhal-sim"
 
 # ------------------------------------------------------------------------------ scripted backend
 
-class _Scripted:
+class _Scripted(_NoFleet):
     """A backend that admits everything onto one engine and relays what ``script`` yields."""
-
-    local_relay = None
 
     def __init__(self, script: Any) -> None:
         self.script = script
@@ -57,18 +56,6 @@ class _Scripted:
 
     async def cancel(self, ticket_id: str) -> None:
         return None
-
-    async def report(self, rep: Any) -> None:
-        return None
-
-    async def watch(self, lease_id: str) -> bool:
-        return False
-
-    async def snapshot(self) -> dict[str, Any]:
-        return {"ready": True, "state": "active"}
-
-    async def metrics_text(self) -> str:
-        return ""
 
     async def admin(self, op: str, arg: Any) -> Any:
         return None

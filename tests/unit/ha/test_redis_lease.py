@@ -3,35 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
-import pytest
-
-from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.scheduler.ha import RouterHA
-from tests.support.redis_server import RedisServer
+from tests.support.redis_server import RedisServer, lease_router
 
 TTL, RENEW = 1.0, 0.2
 
 
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def router(url: str, key: str = "narwhal:test") -> RouterHA:
-    cfg = NarwhalConfig.model_validate(
-        {"ha": {"lease": {"backend": "redis", "url": url, "key": key, "ttl_s": TTL, "renew_s": RENEW}}}
-    )
-    ha = RouterHA(cfg)
-    from narwhal_serve.ha.redis_lease import RedisLease
-
-    ha.backend = RedisLease(url, key, timeout_s=RENEW)
-    return ha
+    return lease_router(url, key=key, ttl=TTL, renew=RENEW)
 
 
 async def renew_until(ha: RouterHA, mode: str, timeout_s: float) -> float:

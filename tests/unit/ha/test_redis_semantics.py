@@ -9,58 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import pytest
 import redis
 
 from narwhal_serve.config import NarwhalConfig
-from narwhal_serve.ha.redis_lease import RedisLease
 from narwhal_serve.scheduler.ha import RouterHA
-from tests.support.redis_server import RedisServer, redis_binary
+from tests.support.redis_server import RedisServer, lease_router
 
 TTL, RENEW = 1.0, 0.2
 KEY = "narwhal:review"
-
-
-class ExtraArgsRedis(RedisServer):
-    """A RedisServer started with extra ``redis-server`` arguments (same lifecycle, by PID)."""
-
-    def __init__(self, *extra: str) -> None:
-        super().__init__()
-        self.extra = list(extra)
-
-    def start(self, timeout_s: float = 10.0) -> "ExtraArgsRedis":
-        log = open(os.path.join(self.dir, "redis.log"), "ab")
-        self.proc = subprocess.Popen(
-            [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, "--protected-mode", "no", *self.extra],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-        log.close()
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited: see {self.dir}/redis.log")
-            try:
-                if redis.Redis(port=self.port, socket_timeout=0.5, protocol=2).ping():
-                    return self
-            except redis.RedisError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"redis-server not answering on {self.port}")
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def admin(server: RedisServer) -> "redis.Redis[bytes]":
@@ -69,12 +28,7 @@ def admin(server: RedisServer) -> "redis.Redis[bytes]":
 
 def router(url: str, *, ttl: float = TTL, renew: float = RENEW, mono: Callable[[], float] = time.monotonic,
            key: str = KEY) -> RouterHA:
-    cfg = NarwhalConfig.model_validate(
-        {"ha": {"lease": {"backend": "redis", "url": url, "key": key, "ttl_s": ttl, "renew_s": renew}}}
-    )
-    ha = RouterHA(cfg, mono=mono)
-    ha.backend = RedisLease(url, key, timeout_s=renew)
-    return ha
+    return lease_router(url, key=key, ttl=ttl, renew=renew, mono=mono)
 
 
 async def renew_until(ha: RouterHA, mode: str, timeout_s: float) -> None:
@@ -239,7 +193,7 @@ async def test_a_redis_without_hello_as_before_6_0_is_usable() -> None:
     on every connect (asyncio/connection.py on_connect_check_health), with no fallback; Redis
     before 6.0 has no HELLO ("unknown command"), so no router ever gets the lease.  Emulated here
     on 6.2 by renaming HELLO away."""
-    server = ExtraArgsRedis("--rename-command", "HELLO", "").start()
+    server = RedisServer(extra=["--rename-command", "HELLO", ""]).start()
     a = router(server.url)
     try:
         await acquire(a)
@@ -341,7 +295,7 @@ async def test_an_evicting_redis_gives_no_second_active() -> None:
     policy (volatile-*, allkeys-*; redis.io "Key eviction") evicts keys before their TTL; the
     lease key is a volatile key with the shortest TTL, the first one volatile-ttl takes.  The
     lease never checks the policy: the standby takes a lease its holder still believes it has."""
-    server = ExtraArgsRedis("--maxmemory-policy", "volatile-ttl", "--maxmemory-samples", "64").start()
+    server = RedisServer(extra=["--maxmemory-policy", "volatile-ttl", "--maxmemory-samples", "64"]).start()
     a, b = router(server.url), router(server.url)
     try:
         with contextlib.suppress(AssertionError):
