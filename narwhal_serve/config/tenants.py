@@ -13,9 +13,10 @@ class TenantSpec(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     # SHA-256 hex digests of its keys (`printf %s "$KEY" | sha256sum`): keys are never configured in clear
     key_sha256: tuple[str, ...] = ()
-    requests_per_minute: float | None = Field(None, gt=0)
-    input_tokens_per_minute: float | None = Field(None, gt=0)  # prompt tokens, as the router counts them
-    output_tokens_per_minute: float | None = Field(None, gt=0)  # validated output token IDs
+    # (at least 1: a bucket that never holds a whole request, or token, admits nothing)
+    requests_per_minute: float | None = Field(None, ge=1)
+    input_tokens_per_minute: float | None = Field(None, ge=1)  # prompt tokens, as the router counts them
+    output_tokens_per_minute: float | None = Field(None, ge=1)  # validated output token IDs
     max_concurrent: int | None = Field(None, gt=0)
     # its weight in the fair share of the fleet under overload (docs/contract.md, "Tenants")
     weight: float = Field(1.0, gt=0)

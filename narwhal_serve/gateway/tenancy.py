@@ -13,7 +13,7 @@ from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.errors import InvalidApiKey, InvalidRequest
 from narwhal_serve.tenants.amounts import Amounts
 from narwhal_serve.tenants.keys import KeyRing
-from narwhal_serve.tenants.rules import ratelimit_headers
+from narwhal_serve.tenants.rules import ratelimit_headers, refilled
 from narwhal_serve.tenants.tally import TenantTally
 
 
@@ -28,6 +28,10 @@ class Tenancy:
         self.keys = KeyRing(cfg.tenants, cfg.serving.api_keys, mono=mono)
         self.specs = cfg.tenants.by_name() if cfg.tenants is not None else {}
         self.labels = TenantTally(tuple(self.specs), tuple(c.name for c in cfg.admission.classes))
+        self.mono = mono
+        # each tenant's remaining budget as the scheduler last said it, and when (without admission
+        # leases, what an answer that got no word of it shows)
+        self.heard: dict[str, tuple[Amounts, float]] = {}
 
     def identify(self, request: Request) -> str:
         """The request's tenant; 401 ``invalid_api_key`` for a missing or unknown key where keys are
@@ -70,9 +74,14 @@ class Tenancy:
         return fingerprint(tenant, raw) if retries is not None and spec is not None and spec.budgeted() else ""
 
     def limits(self, tenant: str, remaining: Amounts | None) -> dict[str, str]:
-        """OpenAI's rate-limit headers for an admitted request of a budgeted tenant (the router's
-        remaining budget as this replica last heard it)."""
-        spec = self.specs.get(tenant) if remaining is not None else None
-        if spec is None or remaining is None:
+        """OpenAI's rate-limit headers for an answer to a budgeted tenant: the router's remaining
+        budget as this replica heard it now, else as it last heard it, refilled since."""
+        spec = self.specs.get(tenant)
+        if spec is None or not spec.budgeted():
             return {}
-        return dict(ratelimit_headers(spec, remaining))
+        now = self.mono()
+        if remaining is not None:
+            self.heard[tenant] = (remaining, now)
+        elif (last := self.heard.get(tenant)) is not None:
+            remaining = refilled(spec, last[0], now - last[1])
+        return dict(ratelimit_headers(spec, remaining)) if remaining is not None else {}

@@ -60,30 +60,45 @@ def wait_s(have: Amounts, cost: Amounts, kinds: Iterable[str], spec: TenantSpec,
 
 
 def _duration(seconds: float) -> str:
-    """OpenAI's reset format: ``6m0s``, ``1.5s``, ``20ms``."""
-    if seconds < 1.0:
-        return f"{max(0, int(math.ceil(seconds * 1000)))}ms"
-    if seconds < 60.0:
-        return f"{seconds:.3g}s"
-    m, s = divmod(int(math.ceil(seconds)), 60)
+    """OpenAI's reset format (a Go duration): ``6m0s``, ``1.5s``, ``20ms`` — rounded up to the
+    millisecond (never earlier than it says; a float's 60.000000000001 s is a minute)."""
+    ms = max(0, math.ceil(round(seconds * 1000.0, 6)))
+    if ms < 1000:
+        return f"{ms}ms"
+    if ms < 60_000:
+        return f"{ms / 1000:g}s"
+    m, rest = divmod(ms, 60_000)
+    s = math.ceil(rest / 1000)
+    if s == 60:
+        m, s = m + 1, 0
     return f"{m}m{s}s"
 
 
-_HEADER_KINDS = (("requests", "requests"), ("tokens", "input_tokens"), ("output-tokens", "output_tokens"))
+def _kind_headers(name: str, cap: float, level: float) -> list[tuple[str, str]]:
+    """One kind's three headers: ``level`` may be below 0 (output tokens spent past the budget: a
+    debt), which the reset counts and the remaining does not show."""
+    left = min(cap, level)
+    return [(f"x-ratelimit-limit-{name}", str(int(cap))), (f"x-ratelimit-remaining-{name}", str(int(max(0.0, left)))),
+            (f"x-ratelimit-reset-{name}", _duration((cap - left) * 60.0 / cap))]
 
 
 def ratelimit_headers(spec: TenantSpec, remaining: Amounts) -> tuple[tuple[str, str], ...]:
     """OpenAI's ``x-ratelimit-limit-*``, ``-remaining-*`` and ``-reset-*`` (when the bucket is full
-    again) for the tenant's budgeted kinds; ``tokens`` are input tokens, as OpenAI counts them up
-    front, and ``output-tokens`` the output budget."""
+    again) for the tenant's budgeted kinds: ``requests``; ``tokens``, the tighter of its input and
+    output budgets (the less left of its limit), the one clients read (LiteLLM keeps only these
+    two); and each token budget under its own name, ``input-tokens`` and ``output-tokens``."""
     out: list[tuple[str, str]] = []
-    for name, kind in _HEADER_KINDS:
-        cap = spec.limit(kind)
-        if cap is None:
-            continue
-        left = max(0.0, min(cap, remaining.get(kind)))
-        out += [(f"x-ratelimit-limit-{name}", str(int(cap))), (f"x-ratelimit-remaining-{name}", str(int(left))),
-                (f"x-ratelimit-reset-{name}", _duration((cap - left) / (cap / 60.0)))]
+    if (cap := spec.limit("requests")) is not None:
+        out += _kind_headers("requests", cap, remaining.get("requests"))
+    tokens: list[tuple[float, float, str]] = []
+    for kind in ("input_tokens", "output_tokens"):
+        if (cap := spec.limit(kind)) is not None:
+            tokens.append((cap, remaining.get(kind), kind))
+    if tokens:
+        cap, level, _ = min(tokens, key=lambda t: (min(t[0], t[1]) / t[0], -(t[0] - min(t[0], t[1])) / t[0]))
+        out += _kind_headers("tokens", cap, level)
+        for cap, level, kind in tokens:
+            out += _kind_headers(kind.replace("_", "-"), cap, level)
     return tuple(out)
 
 

@@ -112,12 +112,13 @@ class LeaseShares:
         self.tickets[ticket] = _Local(tenant)
 
     def remaining(self, tenant: str, now: float) -> Amounts | None:
-        """The router's remaining budget for ``tenant`` as this lease last heard it (headers)."""
+        """The router's remaining budget for ``tenant`` as this lease last heard it, less what this
+        lease spent since that it has not reported yet (headers)."""
         spec = self.budgeted(tenant)
         f = self.facts.get(tenant)
         if spec is None or f is None:
             return None
-        return refilled(spec, f.level, now - f.at)
+        return refilled(spec, f.level, now - f.at) - self._spent.get(tenant, NOTHING)
 
     def progress(self, ticket: str, tokens: float) -> None:
         t = self.tickets.get(ticket)
