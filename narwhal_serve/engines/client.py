@@ -143,7 +143,8 @@ async def stream_chunks(
     after the chunks that came before it in the same read, so that a resume continues after
     every token the engine produced, and a first token is not lost with the read it came in.
     """
-    req = client.build_request("POST", url, json=body, headers=headers)
+    # the body is read raw (aiter_raw: no decoding on the hot path), so nothing may compress it
+    req = client.build_request("POST", url, json=body, headers={**headers, "accept-encoding": "identity"})
     resp: httpx.Response | None
     try:
         resp = await client.send(req, stream=True)
@@ -233,11 +234,14 @@ def _parse(engine: str, data: bytes) -> dict[str, Any]:
     choices = obj.get("choices")
     if choices is not None and not (type(choices) is list and all(type(c) is dict for c in choices)):
         raise EngineFailure(engine, "SSE payload's choices is not a list of objects")
-    if "error" in obj and "choices" not in obj:
+    if obj.get("error") or ("error" in obj and "choices" not in obj):
+        # (an error beside choices too: OpenRouter's mid-stream failure; the openai SDK raises on any)
         err = obj["error"]
         if isinstance(err, dict):
             code = err.get("code")
             status = code if isinstance(code, int) and not isinstance(code, bool) else None
+            if isinstance(code, str) and len(code) == 3 and code.isdigit():
+                status = int(code)  # (LiteLLM's proxy sends its status as a string: "429")
             msg = err.get("message") if isinstance(err.get("message"), str) else None
             param = err.get("param") if isinstance(err.get("param"), str) else None
             raise EngineFailure(engine, f"engine error event: {msg}", status=status, upstream_message=msg, param=param)
