@@ -22,13 +22,14 @@ _EXPORTS = {
     "TenantTally": "tally",
     "budget_error": "rules",
     "ratelimit_headers": "rules",
+    "refilled": "rules",
     "render_classes": "tally",
     "render_tenants": "tally",
     "request_cost": "amounts",
 }
 __all__ = [
     "Amounts", "FairShare", "KeyRing", "LeaseShares", "OVER_SHARE_HEADROOM", "Promise", "TenantBook",
-    "TenantFacts", "TenantPart", "TenantTally", "budget_error", "ratelimit_headers", "render_classes",
+    "TenantFacts", "TenantPart", "TenantTally", "budget_error", "ratelimit_headers", "refilled", "render_classes",
     "render_tenants", "request_cost",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from narwhal_serve.tenants.tally import TenantTally as TenantTally
     from narwhal_serve.tenants.rules import budget_error as budget_error
     from narwhal_serve.tenants.rules import ratelimit_headers as ratelimit_headers
+    from narwhal_serve.tenants.rules import refilled as refilled
     from narwhal_serve.tenants.tally import render_classes as render_classes
     from narwhal_serve.tenants.tally import render_tenants as render_tenants
     from narwhal_serve.tenants.amounts import request_cost as request_cost
