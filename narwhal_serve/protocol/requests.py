@@ -43,6 +43,12 @@ _MEDIA_PART_TYPES = frozenset({"image_url", "input_image", "input_audio", "video
 _UNTYPED_MEDIA_KEYS = ("image_url", "image_embeds", "audio_embeds", "video_embeds", "audio_url", "input_audio", "video_url")
 
 
+def _is_media_part(part: dict[str, Any]) -> bool:
+    """A media part: of a media type, or without a type and holding a media key."""
+    ptype = part.get("type")
+    return ptype in _MEDIA_PART_TYPES or (ptype is None and any(k in part for k in _UNTYPED_MEDIA_KEYS))
+
+
 @dataclass(frozen=True)
 class ParsedRequest:
     """A validated, sized request: what crosses the Ray hop instead of a Starlette request."""
@@ -204,7 +210,7 @@ def _text_len_of_content(content: Any, path: str) -> int:
         if isinstance(part, str):  # (a plain string in the list is text, as vLLM renders it; LangChain sends them)
             n += len(part)
             continue
-        if isinstance(part, dict) and part.get("type") is None and any(k in part for k in _UNTYPED_MEDIA_KEYS):
+        if isinstance(part, dict) and part.get("type") is None and _is_media_part(part):
             n += 256  # a media part told by its key (as below)
             continue
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
@@ -233,8 +239,7 @@ def has_media(route: str, body: dict[str, Any]) -> bool:
     for msg in body["messages"]:
         content = msg.get("content") if isinstance(msg, dict) else None
         for part in content if isinstance(content, list) else ():
-            if isinstance(part, dict) and (part.get("type") in _MEDIA_PART_TYPES or (
-                    part.get("type") is None and any(k in part for k in _UNTYPED_MEDIA_KEYS))):
+            if isinstance(part, dict) and _is_media_part(part):
                 return True
     return False
 

@@ -95,7 +95,7 @@ def ratelimit_headers(spec: TenantSpec, remaining: Amounts) -> tuple[tuple[str, 
         if (cap := spec.limit(kind)) is not None:
             tokens.append((cap, remaining.get(kind), kind))
     if tokens:
-        cap, level, _ = min(tokens, key=lambda t: (min(t[0], t[1]) / t[0], -(t[0] - min(t[0], t[1])) / t[0]))
+        cap, level, _ = min(tokens, key=lambda t: min(t[0], t[1]) / t[0])  # (a tie: the input budget)
         out += _kind_headers("tokens", cap, level)
         for cap, level, kind in tokens:
             out += _kind_headers(kind.replace("_", "-"), cap, level)
