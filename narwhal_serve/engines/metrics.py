@@ -3,6 +3,7 @@ their older spellings) and SGLang's."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -51,7 +52,8 @@ def _labels(line: str, at: int) -> tuple[dict[str, str], int] | None:
         m = _LABEL.match(line, pos)
         if m is None:
             break
-        labels[m.group(1)] = _ESCAPE.sub(lambda e: _UNESCAPED.get(e.group(1), e.group(0)), m.group(2))
+        value = m.group(2)
+        labels[m.group(1)] = _ESCAPE.sub(_unescape, value) if "\\" in value else value
         pos = m.end()
         if not m.group(3):
             break
@@ -60,27 +62,49 @@ def _labels(line: str, at: int) -> tuple[dict[str, str], int] | None:
     return (labels, pos + 1) if line.startswith("}", pos) else None
 
 
-def parse_sample(line: str) -> tuple[str, dict[str, str], float] | None:
-    """One sample line, ``name[{labels}] value [timestamp]``: its name, labels and value (None:
-    malformed, or a value that is not a finite number — NaN and ±Inf say nothing a router can add)."""
+def _unescape(e: re.Match[str]) -> str:
+    return _UNESCAPED.get(e.group(1), e.group(0))
+
+
+@functools.lru_cache(maxsize=4096)
+def _label_block(block: str) -> tuple[dict[str, str], frozenset[tuple[str, str]]] | None:
+    """A whole label set, ``{...}`` (an engine sends the same few every scrape: read once): its
+    labels (not to be changed: shared) and them without SGLang's rank labels; None: malformed."""
+    parsed = _labels(block, 0)
+    if parsed is None or parsed[1] != len(block):
+        return None
+    labels = parsed[0]
+    return labels, frozenset((k, v) for k, v in labels.items() if k not in _COPY_LABELS)
+
+
+def _sample(line: str) -> tuple[str, dict[str, str], frozenset[tuple[str, str]], float] | None:
+    """:func:`parse_sample`, with the labels less SGLang's rank labels."""
     brace, space = line.find("{"), line.find(" ")
     if brace >= 0 and (space < 0 or not line[space:brace].strip()):
-        parsed = _labels(line, brace)
-        if parsed is None:
+        close = line.rfind("}")  # (a value or timestamp has none: the label set ends at the last one)
+        block = _label_block(line[brace:close + 1])
+        if block is None:
             return None
-        name, (labels, end) = line[:brace].rstrip(), parsed
+        name, (labels, group), end = line[:brace].rstrip(), block, close + 1
     elif space < 0:
         return None
     else:
-        name, labels, end = line[:space], {}, space
+        name, labels, group, end = line[:space], {}, frozenset(), space
     fields = line[end:].split()
-    if not fields:
+    if not fields or len(fields) > 2:
         return None
     try:
         value = float(fields[0])
     except ValueError:
         return None
-    return (name, labels, value) if math.isfinite(value) else None
+    return (name, labels, group, value) if math.isfinite(value) else None
+
+
+def parse_sample(line: str) -> tuple[str, dict[str, str], float] | None:
+    """One sample line, ``name[{labels}] value [timestamp]``: its name, labels and value (None:
+    malformed, or a value that is not a finite number — NaN and ±Inf say nothing a router can add)."""
+    s = _sample(line)
+    return None if s is None else (s[0], dict(s[1]), s[3])
 
 
 def _kv_tokens(labels: dict[str, str]) -> float:
@@ -91,7 +115,16 @@ def _kv_tokens(labels: dict[str, str]) -> float:
         return 0.0
 
 
-_READ = (*_NAMES, _CACHE_INFO)  # a line is read only if it starts with one of these (most of a page is histograms)
+def _alternatives(prefix: str) -> str:
+    return "|".join(re.escape(n[len(prefix):]) for n in sorted(_READ, key=len, reverse=True) if n.startswith(prefix))
+
+
+# the lines read: those starting with a name read, then a space, a tab or a label set (most of a page
+# is histograms; the names grouped by their prefix, so the search is one pass in C: 3-4x fewer µs on
+# a vLLM-sized page than a Python loop over its lines)
+_READ = (*_NAMES, _CACHE_INFO)
+assert all(n.startswith(("vllm:", "sglang:")) for n in _READ)
+_READ_LINE = re.compile(f"\n(?:vllm:(?:{_alternatives('vllm:')})|sglang:(?:{_alternatives('sglang:')}))(?=[ \t{{])[^\n]*")
 
 
 def parse_engine_metrics(text: str) -> EngineLoad:
@@ -99,19 +132,16 @@ def parse_engine_metrics(text: str) -> EngineLoad:
     engine cores and data-parallel groups add up (KV usage: the fullest one); unknown lines, and
     values that are not finite numbers, are ignored."""
     seen: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
-    for line in text.split("\n"):
-        if not line.startswith(_READ):
-            continue
-        sample = parse_sample(line.rstrip("\r"))
+    for m in _READ_LINE.finditer("\n" + text):
+        sample = _sample(m.group()[1:].rstrip("\r"))
         if sample is None:
             continue
-        name, labels, value = sample
+        name, labels, group, value = sample
         if name == _CACHE_INFO:
             value = _kv_tokens(labels)
         elif name not in _NAMES:
             continue
-        group = (name, frozenset((k, v) for k, v in labels.items() if k not in _COPY_LABELS))
-        seen[group] = max(seen.get(group, value), value)
+        seen[name, group] = max(seen.get((name, group), value), value)
     acc = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "kv_tokens": 0.0}
     for (name, _), value in seen.items():
         key = "kv_tokens" if name == _CACHE_INFO else _NAMES[name]

@@ -79,3 +79,24 @@ def test_random_text_reads_as_the_definition() -> None:
                 lines.append(f"{rng.choice(names)}{rng.choice(labels)}{sep}{rng.choice(values)}")
         text = rng.choice(["\n", "\n\n"]).join(lines) + rng.choice(["", "\n"])
         assert repr(parse_engine_metrics(text)) == repr(_by_lines(text)), text  # (nan equal to nan)
+
+
+def test_a_vllm_sized_page_reads_as_the_definition() -> None:
+    """A page of vLLM's size (the read lines among ~1,400 histogram lines, the same label sets read
+    again from the cache of label sets), and a sample's labels are the caller's own to change."""
+    from narwhal_serve.engines.metrics import parse_sample
+
+    sim = render_metrics(Engine(SimEngineConfig()))
+    extra = []
+    for h in range(40):
+        n = f"vllm:hist_{h}_seconds"
+        extra += [f"# HELP {n} x", f"# TYPE {n} histogram"]
+        extra += [f'{n}_bucket{{engine="0",le="{b / 10}",model_name="m"}} {b * 3}.0' for b in range(30)]
+    page = FIXTURE.read_text() + "\n".join(extra) + "\n" + sim
+    for _ in range(2):
+        assert parse_engine_metrics(page) == _by_lines(page)
+    line = 'vllm:num_requests_running{engine="0",model_name="m"} 3'
+    first = parse_sample(line)
+    assert first is not None
+    first[1]["engine"] = "changed"
+    assert parse_sample(line) == ("vllm:num_requests_running", {"engine": "0", "model_name": "m"}, 3.0)
