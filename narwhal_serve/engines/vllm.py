@@ -18,6 +18,27 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 }
 
 
+# What a client's body may not carry to a vLLM engine: the KV and encoder-cache connectors' own
+# parameters (a client's top-level kv_transfer_params is replaced or dropped below). vLLM also reads
+# them from ``vllm_xargs`` (its SamplingParams.extra_args) when the request's own are unset, and a
+# value there is never the dict the connector expects: one such request ended the engine core
+# (AttributeError in its scheduler) for every user.
+_CONNECTOR_KEYS = ("kv_transfer_params", "ec_transfer_params")
+
+
+def _client_body(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` without what a client may not send an engine: the connectors' parameters (above),
+    and ``prompt_logprobs`` (only null or 0 pass the parse): vLLM streams none back (a completion's
+    only with ``echo``, which is refused), and any value makes it skip its prefix cache — and, on a
+    P/D decode engine, the KV the prefill engine sent, prefilling the prompt a second time."""
+    body.pop("ec_transfer_params", None)
+    body.pop("prompt_logprobs", None)
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and any(k in xargs for k in _CONNECTOR_KEYS):
+        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k not in _CONNECTOR_KEYS}
+    return body
+
+
 class VLLMDialect:
     name = "vllm"
     supports_token_ids = True
@@ -25,7 +46,7 @@ class VLLMDialect:
     takes_prompt_ids = True
 
     def decode_body(self, req: ParsedRequest, kv_transfer_params: Any = None) -> dict[str, Any]:
-        body = streaming_body(req, counts_from_ids=True)
+        body = _client_body(streaming_body(req, counts_from_ids=True))
         body["return_token_ids"] = True
         body["stream_interval"] = 1
         if kv_transfer_params is not None:
@@ -35,7 +56,7 @@ class VLLMDialect:
         return body
 
     def prefill_body(self, req: ParsedRequest) -> dict[str, Any]:
-        body = dict(req.body)
+        body = _client_body(dict(req.body))
         for key in ("stream_options", "min_tokens", "max_completion_tokens"):
             body.pop(key, None)
         body["stream"] = False
