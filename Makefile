@@ -54,7 +54,7 @@ test-proxy-actor: $(VENV)/.installed prometheus
 test-managed: $(VENV)/.installed
 	$(PY) -m pytest -q tests/managed
 
-# The fault suite (docs/testing.md, "Fault suite"): 84 fault scenarios through the real Ray graph, each
+# The fault suite (docs/testing.md, "Fault suite"): 86 fault scenarios through the real Ray graph, each
 # ending quiescent (no leaked permit, balanced counters, idle engines); its own Ray session.
 test-fault: $(VENV)/.installed
 	$(PY) -m pytest -q tests/fault

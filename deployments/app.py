@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,10 @@ def build_app(args: dict[str, Any]) -> Application:
     knobs = cfg.deployment
     free = {"num_cpus": 0}
     quiet = {"enable_access_log": False}  # internal hops: Serve's per-call access log costs CPU on each
+    # (Ray's default draining period when the run sets none: scripts/serve_run.py sets 5 s)
+    draining_s = float(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "30"))
+    ongoing, shutdown_s = knobs.relay_replica_options(cfg.serving.http_retention_limit, cfg.serving.request_timeout_s,
+                                                      draining_s)
     scheduler_dep = serve.deployment(
         Scheduler, name=SCHEDULER, num_replicas=1, max_ongoing_requests=100_000, ray_actor_options=free,
         logging_config=quiet,
@@ -42,7 +47,8 @@ def build_app(args: dict[str, Any]) -> Application:
     assembler_dep = None if knobs.relay == "ingress" else serve.deployment(
         Assembler,
         name="Assembler",
-        max_ongoing_requests=knobs.max_ongoing_requests,
+        max_ongoing_requests=ongoing,
+        graceful_shutdown_timeout_s=shutdown_s,
         autoscaling_config=knobs.autoscaling("assembler"),
         ray_actor_options=free,
         logging_config=quiet,
@@ -50,7 +56,8 @@ def build_app(args: dict[str, Any]) -> Application:
     ingress_dep = serve.deployment(
         serve.ingress()(Ingress),
         name="Ingress",
-        max_ongoing_requests=knobs.max_ongoing_requests,
+        max_ongoing_requests=ongoing,
+        graceful_shutdown_timeout_s=shutdown_s,
         autoscaling_config=knobs.autoscaling("ingress"),
         ray_actor_options=free,
     )

@@ -41,7 +41,10 @@ from narwhal_serve.config.launch import LaunchSpec
 from narwhal_serve.ports import free_port
 
 SCHEDULER = "Scheduler"  # the scheduler's deployment name (build_app)
-log = logging.getLogger("ray.serve")
+# through the replica's log handler (to_serve_log), not Serve's own logger: in throughput mode that
+# holds records in a buffer written when full, and this replica logs a few lines a day
+log = logging.getLogger("narwhal.managed")
+log.setLevel(logging.INFO)  # (its "ready" line too; the rest of narwhal.* logs warnings and above)
 
 
 def _bundle_probe() -> tuple[str, list[str]]:

@@ -13,7 +13,11 @@
     │   ├── ModelNotFound             404     invalid_request_error       model_not_found
     │   ├── RequestTooLarge           413     invalid_request_error       request_too_large
     │   └── BodyTimeout               408     invalid_request_error       request_timeout
+    │                                                                      (HAProxy's rule, runenv.py:
+    │                                                                      431 request_headers_too_large)
     ├── InvalidApiKey                 401     authentication_error        invalid_api_key
+    ├── TokenizerUnavailable          404     invalid_request_error       tokenizer_unavailable
+    │   (gateway/tokenize.py: /tokenize, /detokenize without a tokenizer)
     ├── RateLimited                   429     rate_limit_error            (retention_full, queue_full,
     │                                                                      ttft_budget_exceeded,
     │                                                                      prompt_exceeds_ttft_budget,
@@ -23,7 +27,8 @@
     ├── TerminalExpiry                504     timeout_error               (admission_wait_expired,
     │                                                                      deadline_expired)
     ├── Unavailable                   503     service_unavailable_error   (backend_unavailable,
-    │                                                                      router_unavailable; after
+    │                                                                      router_unavailable,
+    │                                                                      router_draining; after
     │                                                                      headers: router_draining)
     └── BadEngineResponse             502     upstream_error              bad_engine_response
 

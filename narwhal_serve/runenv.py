@@ -164,6 +164,14 @@ class ServingLimits(Protocol):
     def slow_reader_timeout_s(self) -> float: ...
     @property
     def request_timeout_s(self) -> float: ...
+    @property
+    def http_retention_limit(self) -> int: ...
+
+
+# HAProxy's connection limit (its global maxconn; Ray's default 4096) is the router's retention limits
+# plus this many for idle keep-alive connections (they count against it): past it new clients wait
+# unanswered in the kernel's backlog, so the router's own 429 retention_full must come first
+KEEPALIVE_HEADROOM = 4096
 
 
 @dataclass(frozen=True)
@@ -174,6 +182,7 @@ class IngressLimits:
     max_request_bytes: int  # an Expect over it: 413 before 100 Continue
     body_timeout_s: float  # an Expect with no body byte this long: 408
     client_idle_s: int  # HAProxy's client timeout (waiting on the client): past every limit of the router, plus 1 s
+    connections: int = 2 * KEEPALIVE_HEADROOM  # HAProxy's maxconn: every application's retention limit and KEEPALIVE_HEADROOM
 
     @staticmethod
     def of(servings: Iterable[ServingLimits]) -> IngressLimits:
@@ -185,7 +194,8 @@ class IngressLimits:
         # HAProxy never cuts what the router still handles (a slow reader's stall is seen by the
         # router only once the buffers between them are full, which can take minutes of tokens)
         idle = max(max(s.body_timeout_s, s.slow_reader_timeout_s, s.request_timeout_s) for s in servings)
-        return IngressLimits(max(s.max_request_bytes for s in servings), body, math.ceil(idle) + 1)
+        return IngressLimits(max(s.max_request_bytes for s in servings), body, math.ceil(idle) + 1,
+                             sum(s.http_retention_limit for s in servings) + KEEPALIVE_HEADROOM)
 
 
 def haproxy_wrapper(limits: IngressLimits, folder: str | None = None) -> str | None:
@@ -239,11 +249,30 @@ def haproxy_wrapper(limits: IngressLimits, folder: str | None = None) -> str | N
     return str(path)
 
 
+def haproxy_maxconn(wanted: int) -> int:
+    """``wanted``, or less where this process's file limit could not hold twice as many (a root
+    HAProxy raises its own limit), never under Ray's default (4096)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if os.geteuid() == 0 or hard == resource.RLIM_INFINITY:
+        return wanted
+    return max(4096, min(wanted, (hard - 256) // 2))
+
+
 def direct_ingress_env(env: dict[str, str], limits: IngressLimits, folder: str | None = None) -> dict[str, str]:
     """``env`` plus the HAProxy wrapper, unless the caller chose an HAProxy binary already, and
-    HAProxy's client timeout from ``limits`` unless the caller set one."""
+    from ``limits`` (each unless the caller set it): HAProxy's client timeout; how long an HAProxy
+    that Serve reloaded out (a new one takes over whenever the ingress replicas change: a scale
+    step, a replacement) keeps the connections it holds before it kills them (``hard-stop-after``,
+    Ray's default 120 s: a longer stream was cut with no error event) — the client timeout, past a
+    request's longest life; and HAProxy's connection limit (:data:`KEEPALIVE_HEADROOM`), within
+    what this process may open (HAProxy 2.6+ fails to start when it cannot raise its file limit
+    to twice its maxconn)."""
     out = dict(env)
     out.setdefault("RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S", str(limits.client_idle_s))
+    out.setdefault("RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S", str(limits.client_idle_s))
+    out.setdefault("RAY_SERVE_HAPROXY_MAXCONN", str(haproxy_maxconn(limits.connections)))
     if not out.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
         wrapper = haproxy_wrapper(limits, folder)
         if wrapper is not None:

@@ -9,6 +9,13 @@ from pydantic import Field, model_validator
 from narwhal_serve.config.base import Strict as _Strict
 
 
+# requests a relay replica takes past the router's retention limit: /ready, /metrics, /status and
+# the refusals of what the limit turns away (each answered in about a millisecond)
+REPLICA_HEADROOM = 256
+# seconds past a request's longest life that Serve waits for a stopping relay replica before it kills it
+SHUTDOWN_MARGIN_S = 10.0
+
+
 class DeploymentKnobs(_Strict):
     """Ray Serve sizing of the three deployments."""
 
@@ -16,7 +23,10 @@ class DeploymentKnobs(_Strict):
     ingress_max_replicas: int = Field(2, ge=1)
     assembler_min_replicas: int = Field(1, ge=1)
     assembler_max_replicas: int = Field(2, ge=1)
-    max_ongoing_requests: int = Field(1000, gt=0)
+    # requests one Ingress or Assembler replica takes at once; past it Serve holds them, unanswered
+    # and unseen by admission, so the default (None) is serving.http_retention_limit plus
+    # REPLICA_HEADROOM: one replica takes all that Narwhal itself holds before its own 429
+    max_ongoing_requests: int | None = Field(None, gt=0)
     # the HTTP stack to engines: httpx's API over aiohttp's transport, or plain httpx
     engine_http: Literal["aiohttp", "httpx"] = "aiohttp"
     # where engine streams are opened and relayed: in each ingress replica (no Ray hop per stream:
@@ -56,3 +66,14 @@ class DeploymentKnobs(_Strict):
         return {"min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": target,
                 "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
                 "look_back_period_s": self.look_back_period_s, "metrics_interval_s": self.metrics_interval_s}
+
+    def relay_replica_options(self, retention_limit: int, request_timeout_s: float,
+                              draining_s: float) -> tuple[int, float]:
+        """Serve's per-replica options for Ingress and Assembler: ``max_ongoing_requests`` (above)
+        and ``graceful_shutdown_timeout_s``: a replica Serve stops (scaling down, a redeploy, a
+        replacement) drains its requests in flight, but Serve kills it this long after the stop
+        (its default, 20 s, cut streams mid-answer), so it covers the direct-ingress draining
+        period (``draining_s``: the replica still takes requests), then a request's longest life
+        (``serving.request_timeout_s``), and a margin."""
+        limit = self.max_ongoing_requests or retention_limit + REPLICA_HEADROOM
+        return limit, draining_s + request_timeout_s + SHUTDOWN_MARGIN_S

@@ -125,6 +125,10 @@ def build_api(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         reporter.start()  # the lease's first grant, before the first request
         yield
+        # Serve's only hook at a replica's stop (after its requests drained): what ended is told
+        # (bounded: an unreachable scheduler does not hold the stop), then the parked watch ends
+        await reporter.flush()
+        await reporter.stop()
 
     # redirect_slashes off: Starlette answers `/v1/chat/completions/` with a 307 whose Location is
     # built from the client's Host header; here it is a 404 in the envelope like any unknown route

@@ -187,8 +187,9 @@ async def test_a_client_that_leaves_its_body_unfinished_after_a_408_is_disconnec
 def test_limits_are_the_most_permissive_application_s() -> None:
     tight = ServingConfig(max_request_bytes=4096, body_timeout_s=1.0, slow_reader_timeout_s=2.0, request_timeout_s=1.5)
     loose = ServingConfig(max_request_bytes=2 << 20, body_timeout_s=12.5, slow_reader_timeout_s=40.0)
-    assert IngressLimits.of([tight, loose]) == IngressLimits(2 << 20, 12.5, 601)  # loose's deadline cap, 600 s
-    assert IngressLimits.of([tight]) == IngressLimits(4096, 1.0, 3)
+    # loose's deadline cap, 600 s; HAProxy's connections: both retention limits and the keep-alives'
+    assert IngressLimits.of([tight, loose]) == IngressLimits(2 << 20, 12.5, 601, 3 * 4096)
+    assert IngressLimits.of([tight]) == IngressLimits(4096, 1.0, 3, 2 * 4096)
     with pytest.raises(ValueError):
         IngressLimits.of([])
 
@@ -213,7 +214,7 @@ def test_the_run_reads_its_limits_from_its_config(tmp_path: Path) -> None:
     assert [t.grace_s for t in targets] == [7.0, ServingConfig().drain_grace_s]
     default = ServingConfig()
     assert ingress_limits(targets) == IngressLimits(default.max_request_bytes, default.body_timeout_s,
-                                                    int(default.request_timeout_s) + 1)
+                                                    int(default.request_timeout_s) + 1, 3 * 4096)
     assert ingress_limits([]) == IngressLimits.of([default])
     # an application whose serving section is bad is left out; the others still count
     bad = tmp_path / "bad.yaml"
