@@ -278,7 +278,27 @@ def _rank(view: FleetView, ask: Ask, now: float, rotation: int
     else:
         ordered = tuple(routes[:MAX_CANDIDATES])
         best = next((s for s in scored if s.route is ordered[0]), scored[0])
-    return _placement(ordered, best, facts, ask, expected_out), best, scored
+    return _placement(_spare_prefill(view, ordered, now), best, facts, ask, expected_out), best, scored
+
+
+def _spare_prefill(view: FleetView, ordered: tuple[RouteChoice, ...], now: float) -> tuple[RouteChoice, ...]:
+    """``ordered`` with a way past its prefill engine: P/D routes pair every decode engine with the
+    least loaded prefill engine of their dialect, so when each of them goes through one prefill
+    engine, a failure or a refusal of it (a 5xx, a reset, a busy 429/503: the relay leaves that
+    engine out of the later routes) would end the request while another prefill engine is
+    eligible. The last route then goes over the next least loaded prefill engine (with the first
+    route's decode engine), as vLLM's own proxy picks a prefill engine apart from the decode one.
+    The first route, and so the prediction and the charges, stay as they are."""
+    pd = [r for r in ordered if r.prefill is not None]
+    if not pd or len({r.prefill.name for r in pd if r.prefill is not None}) > 1:
+        return ordered
+    first = pd[0]
+    assert first.prefill is not None
+    other = view.order(now).other_prefill(first.decode.dialect, first.prefill.name, view.changed)
+    if other is None:
+        return ordered
+    spare = RouteChoice(kind="pd", decode=first.decode, prefill=other)
+    return (*ordered, spare) if len(ordered) < MAX_CANDIDATES else (*ordered[:-1], spare)
 
 
 def rank(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[Placement | None, Projection | None]:

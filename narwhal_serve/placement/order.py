@@ -229,6 +229,19 @@ class RouteOrder(Generic[E]):
                 out.append(self._route(n, s.prefill))
         return out
 
+    def other_prefill(self, dialect: str, but: str, changed: Mapping[str, E] | None = None) -> EngineConfig | None:
+        """The least loaded eligible prefill engine of ``dialect`` other than ``but`` (by load
+        score, then place; the engines in ``changed`` scored as they are there), or None."""
+        moved = changed or {}
+        out = next(((s, i, name) for s, i, name in self._prefills.get(dialect, ())
+                    if name != but and name not in moved), None)
+        for name, f in moved.items():
+            e = self._engine.get(name)
+            if e is not None and name != but and e.cfg.role == "prefill" and e.cfg.dialect == dialect:
+                mine = (load_score(f), self._place[name], name)
+                out = mine if out is None or mine < out else out
+        return None if out is None else moved.get(out[2], self._engine[out[2]]).cfg
+
     def _route(self, n: int, prefill: EngineConfig | None) -> RouteChoice:
         """Route ``n`` (over ``prefill`` for a P/D route), one object per order (a decision takes
         about 16: made anew, a tenth of a lease's decision at 16 engines)."""
