@@ -283,16 +283,16 @@ def _rank(view: FleetView, ask: Ask, now: float, rotation: int
 
 def _spare_prefill(view: FleetView, ordered: tuple[RouteChoice, ...], now: float) -> tuple[RouteChoice, ...]:
     """``ordered`` with a way past its prefill engine: P/D routes pair every decode engine with the
-    least loaded prefill engine of their dialect, so when each of them goes through one prefill
+    least loaded prefill engine of their dialect, so when each route goes through one prefill
     engine, a failure or a refusal of it (a 5xx, a reset, a busy 429/503: the relay leaves that
     engine out of the later routes) would end the request while another prefill engine is
     eligible. The last route then goes over the next least loaded prefill engine (with the first
     route's decode engine), as vLLM's own proxy picks a prefill engine apart from the decode one.
     The first route, and so the prediction and the charges, stay as they are."""
-    pd = [r for r in ordered if r.prefill is not None]
-    if not pd or len({r.prefill.name for r in pd if r.prefill is not None}) > 1:
+    prefills = {r.prefill.name if r.prefill is not None else None for r in ordered}
+    if len(prefills) != 1 or None in prefills:  # (a unified route, or a second prefill engine: a way past it)
         return ordered
-    first = pd[0]
+    first = ordered[0]
     assert first.prefill is not None
     other = view.order(now).other_prefill(first.decode.dialect, first.prefill.name, view.changed)
     if other is None:

@@ -50,6 +50,14 @@ def test_one_prefill_engine_or_another_dialect_adds_nothing() -> None:
     assert [r.engines for r in other.routes] == [("p1", "d1")]
 
 
+def test_a_unified_route_among_the_candidates_is_the_way_past_already() -> None:
+    out = _placed(_leg("u1", "unified", inflight=1), _leg("p1", "prefill"), _leg("p2", "prefill", inflight=2),
+                  _leg("d1", "decode"), _leg("d2", "decode"))
+    before = [r.engines for r in out.routes]
+    assert any(r.prefill is None for r in out.routes), before
+    assert {r.prefill.name for r in out.routes if r.prefill is not None} <= {"p1"}, before
+
+
 def test_the_spare_is_the_least_loaded_other_prefill_engine() -> None:
     out = _placed(_leg("p1", "prefill"), _leg("p2", "prefill", inflight=6), _leg("p3", "prefill", inflight=2),
                   _leg("d1", "decode"))
