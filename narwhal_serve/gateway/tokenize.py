@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from narwhal_serve.errors import InvalidRequest, NarwhalError
-from narwhal_serve.protocol.requests import check_messages, check_model, whole_ids
+from narwhal_serve.protocol.requests import check_messages, check_model, check_rendering, whole_ids
 from narwhal_serve.protocol.strictjson import decode_json
 from narwhal_serve.tokenization.chat import NotExact
 from narwhal_serve.tokenization.sizer import PromptSizer, Tokenizer, outside_vocabulary
@@ -54,6 +54,7 @@ async def tokenize(sizer: PromptSizer, model: str, raw: bytes) -> dict[str, Any]
     body = _as_vllm_reads(body)
     if "messages" in body:
         check_messages(body)
+        check_rendering(body)
         route, size = "chat", len(raw)
     else:
         p = body.get("prompt")

@@ -293,6 +293,26 @@ def _check_nonstream_options(body: dict[str, Any]) -> None:
                 )
 
 
+# vLLM 0.32's reasoning_effort values (ChatCompletionRequest)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def check_rendering(body: dict[str, Any]) -> None:
+    """The fields a chat is rendered with (the router renders it to size it and to send its token
+    IDs), typed as vLLM 0.32's request model types them (found by a hostile probe: a wrong type was
+    admitted, placed and then refused by the engine, and ``/tokenize`` answered it)."""
+    for key in ("add_generation_prompt", "continue_final_message"):
+        if key in body and not isinstance(body[key], bool):  # (vLLM: a bool, null refused)
+            raise _bad(key, "must be a boolean")
+    _opt(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "must be an object")
+    _opt(body, "documents", lambda v: isinstance(v, list) and all(
+        isinstance(d, dict) and all(isinstance(x, str) for x in d.values()) for d in v),
+        "must be a list of objects whose values are strings")
+    _opt(body, "reasoning_effort", lambda v: v in REASONING_EFFORTS, f"must be one of {', '.join(REASONING_EFFORTS)}")
+    _opt(body, "tools", lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v),
+         "must be a list of objects")
+
+
 def check_messages(body: dict[str, Any]) -> int:
     """Chat ``messages`` as the router reads them (also ``/tokenize``'s); their characters."""
     msgs = body.get("messages")
@@ -356,6 +376,7 @@ def parse_request(route: Route, raw: bytes, *, model: str, max_logprobs: int = M
     ids: tuple[int, ...] | None = None
     if route == "chat":
         chars = check_messages(body)
+        check_rendering(body)
         _opt(body, "logprobs", lambda v: isinstance(v, bool), "must be a boolean")
         _opt(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= max_logprobs, f"must be {cap}")
         _opt(body, "max_completion_tokens", lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")

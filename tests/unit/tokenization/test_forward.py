@@ -225,15 +225,16 @@ async def test_a_rendering_field_sent_as_null_or_a_number_is_a_shape_of_its_own(
 
 async def test_the_shape_table_is_bounded_by_recency_and_keeps_disagreements() -> None:
     """Found by a hostile probe: 4,100 chats with made-up ``reasoning_effort`` values filled the
-    table for good (later shapes were neither forwarded nor checked)."""
+    table for good (later shapes were neither forwarded nor checked). (``reasoning_effort`` is now
+    refused past vLLM's values: the shapes here come from ``tool_choice`` strings.)"""
     fwd = PromptIdForwarding("all", random.Random(1), max_shapes=4)
     plain = await sized("chat", chat())
-    bad = await sized("chat", chat(reasoning_effort="odd"))
+    bad = await sized("chat", chat(tool_choice="odd"))
     for _ in range(VERIFY_FIRST):
         fwd.observed("e1", "r", plain, list(plain.own_ids or ()), now=1.0)
     fwd.observed("e1", "bad-1", bad, [1, 2, 3], now=1.0)  # a disagreement
     for i in range(10):  # a client sending ever new shapes
-        junk = await sized("chat", chat(reasoning_effort=f"x{i}"))
+        junk = await sized("chat", chat(tool_choice=f"x{i}"))
         fwd.choose("e1", True, junk, now=1.0)
         if i == 1:
             assert any(fwd.choose("e1", True, plain, now=1.0) is not None for _ in range(5))  # still trusted
