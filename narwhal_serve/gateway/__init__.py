@@ -3,7 +3,7 @@
 * :mod:`.app` — The HTTP surface (docs/contract.md, "Routes"): completion routes, models, health,
   readiness, status, metrics, admin.
 * :mod:`.backend` — What the HTTP gateway needs from the rest of the router, as one small interface.
-* :mod:`.body` — Reading a request body without ever buffering past ``serving.max_request_bytes``.
+* :mod:`.body` — Reading a request body without ever buffering past ``serving.max_request_bytes``, and the router's own headers.
 * :mod:`.completion` — One completion request, arrival to last byte: validate, admit, relay,
   account, release.
 * :mod:`.reporter` — Batches an ingress replica's reports to the scheduler ("gated": send now if no

@@ -1,4 +1,4 @@
-"""Reading a request body without ever buffering past ``serving.max_request_bytes``."""
+"""Reading a request body without ever buffering past ``serving.max_request_bytes``, and the router's own headers."""
 
 from __future__ import annotations
 
@@ -7,6 +7,16 @@ import asyncio
 from starlette.requests import ClientDisconnect, Request
 
 from narwhal_serve.errors import BodyTimeout, InvalidRequest, RequestTooLarge
+
+
+def header(request: Request, name: str) -> str | None:
+    """The value of one of the router's own request headers (None: absent). Sent more than once
+    with different values it is a 400 naming it: read as the first value, an intermediary's copy
+    appended after a client's was silently overridden by the client's (found by a hostile probe)."""
+    values = request.headers.getlist(name)
+    if len(values) > 1 and any(v != values[0] for v in values[1:]):
+        raise InvalidRequest(f"header {name} was sent more than once with different values", param=name)
+    return values[0] if values else None
 
 
 class BodyIncomplete(Exception):

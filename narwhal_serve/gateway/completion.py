@@ -29,7 +29,7 @@ from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.errors import BodyTimeout, ErrorInfo, InvalidRequest, NarwhalError, TerminalExpiry, bad_request_id
 from narwhal_serve.gateway.admit import Refused, admit
 from narwhal_serve.gateway.backend import Backend
-from narwhal_serve.gateway.body import BodyIncomplete, read_body
+from narwhal_serve.gateway.body import BodyIncomplete, header, read_body
 from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.gateway.responses import error_response
 from narwhal_serve.gateway.streaming import (
@@ -57,7 +57,7 @@ _SECONDS = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")  # a plain d
 
 def _seconds_header(request: Request, name: str, zero_is_none: bool = False) -> float | None:
     """A time header's seconds (None: absent; with ``zero_is_none``, also 0); malformed → 400."""
-    v = request.headers.get(name)
+    v = header(request, name)
     if v is None:
         return None
     if not _SECONDS.fullmatch(v.strip()):  # (float() would take "1_0", "inf", "nan", " 0x" forms)
@@ -188,7 +188,7 @@ class CompletionHandler:
     async def handle(self, request: Request, route: Route) -> Response:
         arrived = self.clock()
         self.reporter.start_once()
-        given = request.headers.get("x-request-id")
+        given = request.headers.get("x-request-id")  # (a second value is refused below, with the id kept)
         rid = given if given and _REQUEST_ID.fullmatch(given) else f"nw-{secrets.token_hex(12)}"
         echo = rid if self.echo_request_id else None
         self.reporter.offered()
@@ -197,6 +197,7 @@ class CompletionHandler:
         try:
             if given is not None and given != rid:  # it goes to every engine leg as a header: keep it plain
                 raise bad_request_id()
+            header(request, "x-request-id")  # (sent twice with different values: 400)
             tenant = self.tenancy.identify(request)
             trail.tenant = self.tenancy.label(tenant)
             priority = self.tenancy.priority(request, tenant)
@@ -215,7 +216,7 @@ class CompletionHandler:
             parsed = sized.parsed
             deadline = self._deadline(request, arrived)
             budget = self._ttft_budget(request)
-            ask = self._ask(sized, budget, self._tpot_budget(request), retry_count(request.headers.get("x-stainless-retry-count")),
+            ask = self._ask(sized, budget, self._tpot_budget(request), retry_count(header(request, "x-stainless-retry-count")),
                             tenant, raw, priority)
         except BodyIncomplete as short:
             self._left_unsized(trail, "body_incomplete", 499 if short.left else 400)

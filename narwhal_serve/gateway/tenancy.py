@@ -11,6 +11,7 @@ from fastapi import Request
 
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.errors import InvalidApiKey, InvalidRequest
+from narwhal_serve.gateway.body import header
 from narwhal_serve.tenants.amounts import Amounts
 from narwhal_serve.tenants.keys import KeyRing
 from narwhal_serve.tenants.rules import ratelimit_headers, refilled
@@ -36,7 +37,7 @@ class Tenancy:
     def identify(self, request: Request) -> str:
         """The request's tenant; 401 ``invalid_api_key`` for a missing or unknown key where keys are
         required.  The key itself is never logged."""
-        tenant = self.keys.identify(request.headers.get("authorization"))
+        tenant = self.keys.identify(header(request, "authorization"))
         if tenant is None:
             raise InvalidApiKey("Incorrect or missing API key: send 'Authorization: Bearer <key>'.")
         return tenant
@@ -50,7 +51,7 @@ class Tenancy:
         absent, lowered to the tenant's ceiling."""
         adm = self.admission
         spec = self.specs.get(tenant)
-        given = request.headers.get("x-priority")
+        given = header(request, "x-priority")
         if given is None:
             rank = adm.class_rank((spec.default_class if spec is not None else None) or adm.default_class)
         else:
