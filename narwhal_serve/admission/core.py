@@ -198,6 +198,13 @@ def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[
     return routes, scored, expected_out
 
 
+def _room_needed(ask: Ask) -> int:
+    """The prompt length an engine's context must hold for ``ask`` (0: nothing known to check).
+    (A context fits a prompt of p tokens when longer, an output limit or a truncation of m tokens
+    when as long: each as p = m - 1.)"""
+    return max(ask.prompt_tokens if ask.exact else 0, (ask.max_output_tokens or 0) - 1, ask.truncate_to - 1)
+
+
 def _roomy(view: FleetView, order: RouteOrder[EngineFacts], routes: list[RouteChoice], ask: Ask,
            rotation: int) -> list[RouteChoice]:
     """``routes`` without those the request does not fit (an engine of the route said a context an
@@ -205,9 +212,7 @@ def _roomy(view: FleetView, order: RouteOrder[EngineFacts], routes: list[RouteCh
     is left, the least loaded of the routes it fits; when there are none such either (a P/D order
     pairs each decode engine with one prefill engine), ``routes`` as they are: the engine answers.
     Free unless the prompt is as long as the shortest context said, or the limit longer."""
-    # (a context fits a prompt of p tokens when longer, an output limit or a truncation of m tokens when
-    # as long: each as p = m - 1)
-    n = max(ask.prompt_tokens if ask.exact else 0, (ask.max_output_tokens or 0) - 1, ask.truncate_to - 1)
+    n = _room_needed(ask)
     context = view.context()
     if not n or not context.shortest or n < context.shortest:
         return routes
@@ -278,26 +283,29 @@ def _rank(view: FleetView, ask: Ask, now: float, rotation: int
     else:
         ordered = tuple(routes[:MAX_CANDIDATES])
         best = next((s for s in scored if s.route is ordered[0]), scored[0])
-    return _placement(_spare_prefill(view, ordered, now), best, facts, ask, expected_out), best, scored
+    return _placement(_spare_prefill(view, ordered, ask, now), best, facts, ask, expected_out), best, scored
 
 
-def _spare_prefill(view: FleetView, ordered: tuple[RouteChoice, ...], now: float) -> tuple[RouteChoice, ...]:
+def _spare_prefill(view: FleetView, ordered: tuple[RouteChoice, ...], ask: Ask, now: float) -> tuple[RouteChoice, ...]:
     """``ordered`` with a way past its prefill engine: P/D routes pair every decode engine with the
     least loaded prefill engine of their dialect, so when each route goes through one prefill
     engine, a failure or a refusal of it (a 5xx, a reset, a busy 429/503: the relay leaves that
     engine out of the later routes) would end the request while another prefill engine is
-    eligible. The last route then goes over the next least loaded prefill engine (with the first
-    route's decode engine), as vLLM's own proxy picks a prefill engine apart from the decode one.
-    The first route, and so the prediction and the charges, stay as they are."""
+    eligible. The last route then goes over the next least loaded prefill engine whose context
+    holds the request (with the last route's decode engine: the decode engines tried stay the
+    same), as vLLM's own proxy picks a prefill engine apart from the decode one. The first route,
+    and so the prediction and the charges, stay as they are."""
     prefills = {r.prefill.name if r.prefill is not None else None for r in ordered}
     if len(prefills) != 1 or None in prefills:  # (a unified route, or a second prefill engine: a way past it)
         return ordered
-    first = ordered[0]
+    first, last = ordered[0], ordered[-1]
     assert first.prefill is not None
-    other = view.order(now).other_prefill(first.decode.dialect, first.prefill.name, view.changed)
+    n, facts = _room_needed(ask), view.facts()
+    other = view.order(now).other_prefill(first.decode.dialect, first.prefill.name, view.changed,
+                                          fits=lambda name: facts[name].holds(n))
     if other is None:
         return ordered
-    spare = RouteChoice(kind="pd", decode=first.decode, prefill=other)
+    spare = RouteChoice(kind="pd", decode=last.decode, prefill=other)
     return (*ordered, spare) if len(ordered) < MAX_CANDIDATES else (*ordered[:-1], spare)
 
 

@@ -31,6 +31,7 @@ _EXPORTS = {
     "PATHS": "dialect",
     "SSEDecoder": "sse",
     "TRANSPORT_ERRORS": "client",
+    "client_body": "vllm",
     "dialect_of": "legs",
     "engine_client": "client",
     "open_route": "legs",
@@ -41,7 +42,7 @@ _EXPORTS = {
 }
 __all__ = [
     "EngineFailure", "EngineLoad", "FaultKind", "LegCursor", "PATHS", "SSEDecoder", "TRANSPORT_ERRORS",
-    "dialect_of", "engine_client", "open_route", "parse_engine_metrics", "post_json", "prioritized",
+    "client_body", "dialect_of", "engine_client", "open_route", "parse_engine_metrics", "post_json", "prioritized",
     "stream_chunks",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from narwhal_serve.engines.dialect import PATHS as PATHS
     from narwhal_serve.engines.sse import SSEDecoder as SSEDecoder
     from narwhal_serve.engines.client import TRANSPORT_ERRORS as TRANSPORT_ERRORS
+    from narwhal_serve.engines.vllm import client_body as client_body
     from narwhal_serve.engines.legs import dialect_of as dialect_of
     from narwhal_serve.engines.client import engine_client as engine_client
     from narwhal_serve.engines.legs import open_route as open_route

@@ -77,27 +77,46 @@ def _label_block(block: str) -> tuple[dict[str, str], frozenset[tuple[str, str]]
     return labels, frozenset((k, v) for k, v in labels.items() if k not in _COPY_LABELS)
 
 
+def _number(text: str) -> float | None:
+    """A value or timestamp field as prometheus_client reads one (no ``_``; None: not a number)."""
+    if "_" in text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _value(rest: str) -> float | None:
+    """The value of what follows a sample's name and labels, ``value [timestamp]``, read as
+    prometheus_client reads it: fields split at spaces (at tabs when there is no space), the first
+    the value, the last, when there are more, a timestamp that must be a number too."""
+    rest = rest.lstrip()
+    fields = [f for f in rest.split(" " if " " in rest else "\t") if f.strip()]
+    if not fields:
+        return None
+    value = _number(fields[0].strip())
+    if value is None or (len(fields) > 1 and _number(fields[-1].strip()) is None):
+        return None
+    return value if math.isfinite(value) else None
+
+
 def _sample(line: str) -> tuple[str, dict[str, str], frozenset[tuple[str, str]], float] | None:
     """:func:`parse_sample`, with the labels less SGLang's rank labels."""
-    brace, space = line.find("{"), line.find(" ")
-    if brace >= 0 and (space < 0 or not line[space:brace].strip()):
+    brace = line.find("{")
+    gap = min((i for i in (line.find(" "), line.find("\t")) if i >= 0), default=-1)
+    if brace >= 0 and (gap < 0 or not line[gap:brace].strip()):
         close = line.rfind("}")  # (a value or timestamp has none: the label set ends at the last one)
         block = _label_block(line[brace:close + 1])
         if block is None:
             return None
         name, (labels, group), end = line[:brace].rstrip(), block, close + 1
-    elif space < 0:
+    elif gap < 0:
         return None
     else:
-        name, labels, group, end = line[:space], {}, frozenset(), space
-    fields = line[end:].split()
-    if not fields or len(fields) > 2:
-        return None
-    try:
-        value = float(fields[0])
-    except ValueError:
-        return None
-    return (name, labels, group, value) if math.isfinite(value) else None
+        name, labels, group, end = line[:gap], {}, frozenset(), gap
+    value = _value(line[end:])
+    return None if value is None else (name, labels, group, value)
 
 
 def parse_sample(line: str) -> tuple[str, dict[str, str], float] | None:

@@ -26,11 +26,12 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 _CONNECTOR_KEYS = ("kv_transfer_params", "ec_transfer_params")
 
 
-def _client_body(body: dict[str, Any]) -> dict[str, Any]:
+def client_body(body: dict[str, Any]) -> dict[str, Any]:
     """``body`` without what a client may not send an engine: the connectors' parameters (above),
     and ``prompt_logprobs`` (only null or 0 pass the parse): vLLM streams none back (a completion's
     only with ``echo``, which is refused), and any value makes it skip its prefix cache — and, on a
-    P/D decode engine, the KV the prefill engine sent, prefilling the prompt a second time."""
+    P/D decode engine, the KV the prefill engine sent, prefilling the prompt a second time. Every
+    request Narwhal sends a vLLM engine passes here: the legs, and a resume's continuation."""
     body.pop("ec_transfer_params", None)
     body.pop("prompt_logprobs", None)
     xargs = body.get("vllm_xargs")
@@ -46,7 +47,7 @@ class VLLMDialect:
     takes_prompt_ids = True
 
     def decode_body(self, req: ParsedRequest, kv_transfer_params: Any = None) -> dict[str, Any]:
-        body = _client_body(streaming_body(req, counts_from_ids=True))
+        body = client_body(streaming_body(req, counts_from_ids=True))
         body["return_token_ids"] = True
         body["stream_interval"] = 1
         if kv_transfer_params is not None:
@@ -56,7 +57,7 @@ class VLLMDialect:
         return body
 
     def prefill_body(self, req: ParsedRequest) -> dict[str, Any]:
-        body = _client_body(dict(req.body))
+        body = client_body(dict(req.body))
         for key in ("stream_options", "min_tokens", "max_completion_tokens"):
             body.pop(key, None)
         body["stream"] = False

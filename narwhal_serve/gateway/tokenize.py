@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from narwhal_serve.errors import InvalidRequest, NarwhalError
-from narwhal_serve.protocol.requests import check_messages, check_model, check_rendering, whole_ids
+from narwhal_serve.protocol.requests import check_messages, check_model, check_rendering, lax_bools, whole_ids
 from narwhal_serve.protocol.strictjson import decode_json
 from narwhal_serve.tokenization.chat import NotExact
 from narwhal_serve.tokenization.sizer import PromptSizer, Tokenizer, outside_vocabulary
@@ -61,9 +61,7 @@ async def tokenize(sizer: PromptSizer, model: str, raw: bytes) -> dict[str, Any]
         if not isinstance(p, str):
             raise InvalidRequest("'prompt' (a string) or 'messages' is required", param="prompt")
         route, size = "completion", len(p)
-    for key in ("add_special_tokens", "add_generation_prompt", "continue_final_message", "return_token_strs"):
-        if key in body and not isinstance(body[key], bool) and not (key == "return_token_strs" and body[key] is None):
-            raise InvalidRequest(f"'{key}' must be a boolean", param=key)  # (vLLM: return_token_strs may be null)
+    lax_bools(body, ("add_special_tokens", "return_token_strs"), nullable=("return_token_strs",))  # (chats: above too)
     try:
         enc = await sizer.encode(route, body, size)
     except NotExact as exc:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right, insort
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Generic
@@ -229,15 +229,16 @@ class RouteOrder(Generic[E]):
                 out.append(self._route(n, s.prefill))
         return out
 
-    def other_prefill(self, dialect: str, but: str, changed: Mapping[str, E] | None = None) -> EngineConfig | None:
-        """The least loaded eligible prefill engine of ``dialect`` other than ``but`` (by load
-        score, then place; the engines in ``changed`` scored as they are there), or None."""
+    def other_prefill(self, dialect: str, but: str, changed: Mapping[str, E] | None = None,
+                      fits: Callable[[str], bool] = lambda _: True) -> EngineConfig | None:
+        """The least loaded eligible prefill engine of ``dialect`` other than ``but`` that ``fits``
+        (by load score, then place; the engines in ``changed`` scored as they are there), or None."""
         moved = changed or {}
         out = next(((s, i, name) for s, i, name in self._prefills.get(dialect, ())
-                    if name != but and name not in moved), None)
+                    if name != but and name not in moved and fits(name)), None)
         for name, f in moved.items():
             e = self._engine.get(name)
-            if e is not None and name != but and e.cfg.role == "prefill" and e.cfg.dialect == dialect:
+            if e is not None and name != but and e.cfg.role == "prefill" and e.cfg.dialect == dialect and fits(name):
                 mine = (load_score(f), self._place[name], name)
                 out = mine if out is None or mine < out else out
         return None if out is None else moved.get(out[2], self._engine[out[2]]).cfg

@@ -37,6 +37,7 @@ _EXPORTS = {
     "TEXT_PART_TYPES": "requests",
     "check_messages": "requests",
     "check_rendering": "requests",
+    "lax_bools": "requests",
     "check_model": "requests",
     "decode_json": "strictjson",
     "error_events": "sse",
@@ -52,7 +53,7 @@ _EXPORTS = {
 }
 __all__ = [
     "CHARS_PER_TOKEN", "DONE_EVENT", "KNOWN_REASONS", "Outcome", "ParsedRequest", "PlacedRequest",
-    "RelayStats", "Route", "RouteChoice", "TERMINAL", "TEXT_PART_TYPES", "check_messages", "check_model", "check_rendering", "decode_json", "error_events",
+    "RelayStats", "Route", "RouteChoice", "TERMINAL", "TEXT_PART_TYPES", "check_messages", "check_model", "check_rendering", "decode_json", "lax_bools", "error_events",
     "escape_label", "estimate_tokens", "has_media", "model_not_found", "parse_request", "part_text_key", "sse_event", "truncated_to",
     "whole_ids",
 ]
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
     from narwhal_serve.protocol.requests import TEXT_PART_TYPES as TEXT_PART_TYPES
     from narwhal_serve.protocol.requests import check_messages as check_messages
     from narwhal_serve.protocol.requests import check_rendering as check_rendering
+    from narwhal_serve.protocol.requests import lax_bools as lax_bools
     from narwhal_serve.protocol.requests import check_model as check_model
     from narwhal_serve.protocol.strictjson import decode_json as decode_json
     from narwhal_serve.protocol.sse import error_events as error_events

@@ -297,13 +297,34 @@ def _check_nonstream_options(body: dict[str, Any]) -> None:
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
+_LAX_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_LAX_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def lax_bools(body: dict[str, Any], keys: tuple[str, ...], nullable: tuple[str, ...] = ()) -> None:
+    """Each of ``keys`` present in ``body`` read as vLLM's request models read a ``bool`` (pydantic's
+    lax mode: true/false, 0/1 and 0.0/1.0, and the strings 1/0, true/false, yes/no, on/off, t/f, y/n
+    in any case) and written back as a JSON boolean (a template sees the string "false" as true);
+    anything else is a 400 naming it (null too, unless ``nullable``)."""
+    for key in keys:
+        if key not in body or (body[key] is None and key in nullable):
+            continue
+        v = body[key]
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, (int, float)) and v in (0, 1):
+            body[key] = bool(v)
+        elif isinstance(v, str) and v.lower() in _LAX_TRUE | _LAX_FALSE:
+            body[key] = v.lower() in _LAX_TRUE
+        else:
+            raise _bad(key, "must be a boolean")
+
+
 def check_rendering(body: dict[str, Any]) -> None:
     """The fields a chat is rendered with (the router renders it to size it and to send its token
     IDs), typed as vLLM 0.32's request model types them (found by a hostile probe: a wrong type was
     admitted, placed and then refused by the engine, and ``/tokenize`` answered it)."""
-    for key in ("add_generation_prompt", "continue_final_message"):
-        if key in body and not isinstance(body[key], bool):  # (vLLM: a bool, null refused)
-            raise _bad(key, "must be a boolean")
+    lax_bools(body, ("add_generation_prompt", "continue_final_message"))
     _opt(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "must be an object")
     _opt(body, "documents", lambda v: isinstance(v, list) and all(
         isinstance(d, dict) and all(isinstance(x, str) for x in d.values()) for d in v),

@@ -34,6 +34,7 @@ from typing import Any
 
 from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.legs import dialect_of
+from narwhal_serve.engines.vllm import client_body
 from narwhal_serve.errors import BadEngineResponse
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.protocol.requests import ParsedRequest, has_media
@@ -142,7 +143,7 @@ def continuation_body(req: ParsedRequest, prompt_ids: list[int], output_ids: lis
                                   if isinstance(so, dict) and so.get("continuous_usage_stats") else {"include_usage": True})
     body["return_token_ids"] = True
     body["stream_interval"] = 1
-    return body
+    return client_body(body)
 
 
 def chat_logprobs(lp: Any, k: int) -> dict[str, Any] | None:

@@ -21,12 +21,15 @@ from tests.support.tokenizer import build_tiny_tokenizer
 
 BAD: list[tuple[str, Any]] = [
     ("continue_final_message", "x"), ("continue_final_message", None), ("add_generation_prompt", None),
-    ("add_generation_prompt", 1), ("chat_template_kwargs", 1), ("chat_template_kwargs", [1]),
+    ("add_generation_prompt", 2), ("add_generation_prompt", " true"), ("add_generation_prompt", 0.5),
+    ("chat_template_kwargs", 1), ("chat_template_kwargs", [1]),
     ("chat_template_kwargs", "x"), ("documents", 1), ("documents", [{"title": 1}]), ("documents", ["x"]),
     ("reasoning_effort", 1), ("reasoning_effort", "extreme"), ("tools", "x"), ("tools", ["x"]),
 ]
 GOOD: list[tuple[str, Any]] = [
     ("continue_final_message", False), ("add_generation_prompt", True), ("chat_template_kwargs", None),
+    ("add_generation_prompt", 1), ("add_generation_prompt", "false"), ("continue_final_message", "No"),
+    ("continue_final_message", 0.0),
     ("chat_template_kwargs", {"enable_thinking": False}), ("documents", [{"title": "t", "text": "x"}]),
     ("documents", None), ("reasoning_effort", "minimal"), ("reasoning_effort", None), ("tools", []),
 ]
@@ -45,7 +48,11 @@ def test_a_wrong_type_is_a_400_naming_the_field(key: str, value: Any) -> None:
 
 @pytest.mark.parametrize("key,value", GOOD)
 def test_what_vllm_takes_is_taken(key: str, value: Any) -> None:
-    parse_request("chat", json.dumps(_chat(**{key: value})).encode(), model="m")
+    """(vLLM reads a bool in pydantic's lax mode: 0/1, "false", "No"... are booleans, and reach the
+    template, and the engine, as JSON booleans — the string "false" would be true to a template)"""
+    req = parse_request("chat", json.dumps(_chat(**{key: value})).encode(), model="m")
+    if key in ("add_generation_prompt", "continue_final_message"):
+        assert req.body[key] is {1: True, 0: False, "false": False, "No": False}.get(value, value), req.body[key]
 
 
 @pytest.fixture(scope="module")
