@@ -24,6 +24,7 @@ from narwhal_serve.config import EngineConfig
 from narwhal_serve.engines.legs import open_route
 from narwhal_serve.protocol.placement import RouteChoice
 from narwhal_serve.protocol.requests import parse_request
+from tests.support.sse import sse_response
 
 # What vLLM 0.32's NixlConnector (pull mode) puts in a prefill answer
 # (vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py, request_finished)
@@ -39,14 +40,6 @@ def _vllm(name: str, role: str) -> EngineConfig:
     return EngineConfig(name=name, url=f"http://{name}", role=role, dialect="vllm")
 
 
-class _Body(httpx.AsyncByteStream):
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    async def __aiter__(self):  # type: ignore[no-untyped-def]
-        yield self.data
-
-
 def _decode_stream(route: str) -> httpx.Response:
     """A vLLM 0.32 decode answer (``return_token_ids``): one token, then ``[DONE]``."""
     if route == "chat":
@@ -59,7 +52,7 @@ def _decode_stream(route: str) -> httpx.Response:
                  "choices": [{"index": 0, "text": "hi", "finish_reason": "stop", "token_ids": [42],
                               "prompt_token_ids": [1, 2]}]}
     data = b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n"
-    return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Body(data))
+    return sse_response(data)
 
 
 def _prefill_answer(kvp: dict[str, Any] | None = None) -> httpx.Response:

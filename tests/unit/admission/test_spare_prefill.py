@@ -18,6 +18,7 @@ from narwhal_serve.config import EngineConfig
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.protocol.requests import parse_request
 from narwhal_serve.relay.pipeline import Relay
+from tests.support.sse import sse_response
 from tests.unit.admission.test_overload_decisions import NOW, engine, view
 
 
@@ -64,21 +65,13 @@ def test_the_spare_is_the_least_loaded_other_prefill_engine() -> None:
     assert [r.engines for r in out.routes] == [("p1", "d1"), ("p3", "d1")]
 
 
-class _Body(httpx.AsyncByteStream):
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    async def __aiter__(self):  # type: ignore[no-untyped-def]
-        yield self.data
-
-
 def _sse(route: str) -> httpx.Response:
     chunk = {"id": "chatcmpl-rid-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
              "prompt_token_ids": [1, 2],
              "choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"},
                           "finish_reason": "stop", "token_ids": [42]}]}
     data = b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n"
-    return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Body(data))
+    return sse_response(data)
 
 
 @pytest.mark.parametrize("status", [500, 503])
