@@ -202,7 +202,7 @@ async def test_tokenize_and_detokenize_routes(routers: tuple[LocalRouter, LocalR
         for path, bad, param in [("/tokenize", {"prompt": 3}, "prompt"), ("/tokenize", {"messages": [1]}, "messages.0"),
                                  ("/detokenize", {"tokens": [10**9]}, "tokens.0"), ("/detokenize", {"tokens": "x"}, "tokens"),
                                  ("/detokenize", {"tokens": [1.5]}, "tokens"), ("/tokenize", {"model": 5, "prompt": "x"}, "model"),
-                                 ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens")]:
+                                 ("/tokenize", {"prompt": "x", "add_special_tokens": "maybe"}, "add_special_tokens")]:
             r = await c.post(path, json=bad)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, bad, r.text)
         r = await c.post("/tokenize", json={"model": "other", "prompt": "x"})
