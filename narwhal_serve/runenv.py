@@ -172,6 +172,7 @@ class ServingLimits(Protocol):
 # plus this many for idle keep-alive connections (they count against it): past it new clients wait
 # unanswered in the kernel's backlog, so the router's own 429 retention_full must come first
 KEEPALIVE_HEADROOM = 4096
+RAY_HAPROXY_MAXCONN = 4096  # Ray 2.60's default (RAY_SERVE_HAPROXY_MAXCONN): never set under it
 
 
 @dataclass(frozen=True)
@@ -254,10 +255,10 @@ def haproxy_maxconn(wanted: int) -> int:
     HAProxy raises its own limit), never under Ray's default (4096)."""
     import resource
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if os.geteuid() == 0 or hard == resource.RLIM_INFINITY:
         return wanted
-    return max(4096, min(wanted, (hard - 256) // 2))
+    return max(RAY_HAPROXY_MAXCONN, min(wanted, (hard - 256) // 2))
 
 
 def direct_ingress_env(env: dict[str, str], limits: IngressLimits, folder: str | None = None) -> dict[str, str]:

@@ -283,10 +283,11 @@ def _rank(view: FleetView, ask: Ask, now: float, rotation: int
     else:
         ordered = tuple(routes[:MAX_CANDIDATES])
         best = next((s for s in scored if s.route is ordered[0]), scored[0])
-    return _placement(_spare_prefill(view, ordered, ask, now), best, facts, ask, expected_out), best, scored
+    return _placement(_spare_prefill(view, ordered, ask, facts, now), best, facts, ask, expected_out), best, scored
 
 
-def _spare_prefill(view: FleetView, ordered: tuple[RouteChoice, ...], ask: Ask, now: float) -> tuple[RouteChoice, ...]:
+def _spare_prefill(view: FleetView, ordered: tuple[RouteChoice, ...], ask: Ask, facts: Mapping[str, EngineFacts],
+                   now: float) -> tuple[RouteChoice, ...]:
     """``ordered`` with a way past its prefill engine: P/D routes pair every decode engine with the
     least loaded prefill engine of their dialect, so when each route goes through one prefill
     engine, a failure or a refusal of it (a 5xx, a reset, a busy 429/503: the relay leaves that
@@ -300,7 +301,7 @@ def _spare_prefill(view: FleetView, ordered: tuple[RouteChoice, ...], ask: Ask, 
         return ordered
     first, last = ordered[0], ordered[-1]
     assert first.prefill is not None
-    n, facts = _room_needed(ask), view.facts()
+    n = _room_needed(ask)
     other = view.order(now).other_prefill(first.decode.dialect, first.prefill.name, view.changed,
                                           fits=lambda name: facts[name].holds(n))
     if other is None:

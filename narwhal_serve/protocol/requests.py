@@ -298,7 +298,7 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 _LAX_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
-_LAX_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+_LAX = _LAX_TRUE | {"0", "off", "f", "false", "n", "no"}  # (and these false)
 
 
 def lax_bools(body: dict[str, Any], keys: tuple[str, ...], nullable: tuple[str, ...] = ()) -> None:
@@ -314,8 +314,8 @@ def lax_bools(body: dict[str, Any], keys: tuple[str, ...], nullable: tuple[str, 
             continue
         if isinstance(v, (int, float)) and v in (0, 1):
             body[key] = bool(v)
-        elif isinstance(v, str) and v.lower() in _LAX_TRUE | _LAX_FALSE:
-            body[key] = v.lower() in _LAX_TRUE
+        elif isinstance(v, str) and (low := v.lower()) in _LAX:
+            body[key] = low in _LAX_TRUE
         else:
             raise _bad(key, "must be a boolean")
 
