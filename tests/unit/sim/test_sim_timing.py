@@ -83,8 +83,12 @@ async def test_tokens_stream_as_produced_and_control_changes_timing(server: SimS
             async for line in resp.aiter_lines():
                 if line.startswith("data: "):
                     arrivals.append(time.perf_counter())
-        # role chunk, 5 token chunks (one per 0.02 s decode step, sent as produced), [DONE]
-        assert len(arrivals) == 7 and arrivals[5] - arrivals[1] >= 4 * 0.02 * 0.9
+        # role chunk, 5 token chunks (one per 0.02 s decode step, sent as produced), [DONE].  Client
+        # and server share this event loop: a stall of it delays one arrival and shortens the gap
+        # after it (the next deadline is anchored on the last one), so at most one gap is short.
+        assert len(arrivals) == 7
+        gaps = sorted(b - a for a, b in zip(arrivals[1:5], arrivals[2:6], strict=True))
+        assert gaps[1] >= 0.02 * 0.5 and arrivals[5] - arrivals[1] >= 2 * 0.02, gaps
         r = await c.post("/sim/control", json={"tpot_base_s": 0.0})
         assert r.json()["tpot_base_s"] == 0.0
         t0 = time.perf_counter()
