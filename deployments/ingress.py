@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from narwhal_serve.gateway.app import build_api
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.relay.pipeline import Relay, relay_of
+from narwhal_serve.runenv import stamps_receipts
 from narwhal_serve.admission.wire import LeaseGrant
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult, Report
 
@@ -95,5 +97,7 @@ class Ingress:
         self.backend = HandleBackend(scheduler, relay)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        # Serve's proxy echoes X-Request-Id; this replica's node: placement prefers engines there
-        return build_api(self.cfg, self.backend, echo_request_id=False, node=ray.get_runtime_context().get_node_id())
+        # Serve's proxy echoes X-Request-Id; this replica's node: placement prefers engines there;
+        # in direct ingress Narwhal's HAProxy wrapper stamps each request's receipt (Serve's proxy actor does not)
+        return build_api(self.cfg, self.backend, echo_request_id=False, node=ray.get_runtime_context().get_node_id(),
+                         stamp_key=stamps_receipts(os.environ))

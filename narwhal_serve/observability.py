@@ -9,11 +9,16 @@ OpenTelemetry spans that follow it from the ingress into the engines.
   ``admission_wait_s``, ``predicted_ttft_s``, ``duration_s``, ``trace_id``.  Never prompt or output
   text unless ``observability.log_prompt_text`` is set.
 * **Spans** (``observability.tracing``; the ``opentelemetry`` packages are an optional dependency):
-  ``narwhal.request`` (ingress, SERVER; continues a client's W3C ``traceparent``) with a child
-  ``narwhal.admission`` (decision, wait, placement); in the assembler ``narwhal.attempt`` per
-  candidate route tried and, below it, ``narwhal.prefill`` / ``narwhal.decode`` per engine leg.
-  Each leg sends the engine a ``traceparent`` of its own span (vLLM continues it when it traces).
-  The request's span context crosses the Ray hop as a ``traceparent`` string in the placed request.
+  ``narwhal.request`` (ingress, SERVER; continues a client's W3C ``traceparent`` and
+  ``tracestate``: a request with more than one ``traceparent`` field starts a new trace, as the
+  spec's test suite wants) with a child ``narwhal.admission`` (decision, wait, placement); in the
+  relay ``narwhal.attempt`` per candidate route tried and, below it, ``narwhal.prefill`` /
+  ``narwhal.decode`` per engine leg and ``narwhal.resume`` per mid-stream continuation (CLIENT
+  spans: an outgoing request each, so service graphs draw the router → engine edge).  Each leg
+  sends the engine a ``traceparent`` (and the client's ``tracestate``) of its own span (vLLM
+  continues it when it traces).  The request's span context crosses the Ray hop as those two
+  strings in the placed request.  The request span is failed (Error) for a 5xx and for an answer
+  that failed or expired after its 200 (an error event in the stream).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.config import ObservabilityConfig
@@ -57,8 +62,8 @@ def _install_exporter(cfg: ObservabilityConfig) -> None:
     ``OTEL_EXPORTER_OTLP_ENDPOINT``); otherwise whatever provider the process already set up
     (a test's in-memory exporter, an operator's own SDK configuration)."""
     global _PROVIDER_SET
-    endpoint = cfg.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    if _PROVIDER_SET or not endpoint:
+    from_env = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if _PROVIDER_SET or not (cfg.otlp_endpoint or from_env):
         return
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -68,7 +73,10 @@ def _install_exporter(cfg: ObservabilityConfig) -> None:
     except ImportError:
         log.warning("observability.tracing: the OTLP exporter is not installed (pip install narwhal-serve[tracing])")
         return
-    traces = endpoint if cfg.otlp_endpoint is None or endpoint.endswith("/v1/traces") else endpoint.rstrip("/") + "/v1/traces"
+    # the config's is a base URL or the traces URL; the environment's the exporter reads itself, as
+    # OpenTelemetry defines them (OTEL_EXPORTER_OTLP_ENDPOINT a base URL it adds /v1/traces to)
+    endpoint = cfg.otlp_endpoint
+    traces = None if endpoint is None else endpoint if endpoint.endswith("/v1/traces") else endpoint.rstrip("/") + "/v1/traces"
     provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=traces)))
     _otel.set_tracer_provider(provider)
@@ -87,22 +95,28 @@ class Tracing:
             _install_exporter(cfg)
             self._tracer = _otel.get_tracer("narwhal")
 
-    def _parent(self, traceparent: str | None) -> "Context | None":
+    def _parent(self, traceparent: str | None, tracestate: str | None) -> "Context | None":
         if traceparent is None or _PROPAGATOR is None:
             return None
-        return _PROPAGATOR.extract({"traceparent": traceparent})
+        carrier = {"traceparent": traceparent} if tracestate is None else {"traceparent": traceparent, "tracestate": tracestate}
+        return _PROPAGATOR.extract(carrier)
 
     def start(
-        self, name: str, *, parent: "Span | str | None" = None, server: bool = False, attributes: Mapping[str, Any] | None = None
+        self, name: str, *, parent: "Span | str | None" = None, tracestate: str | None = None, server: bool = False,
+        client: bool = False, attributes: Mapping[str, Any] | None = None, start_time: float | None = None
     ) -> "Span | None":
+        """A span below ``parent`` (a span, or a ``traceparent`` with its ``tracestate``; None: a
+        new trace); ``server``/``client``: its kind (an incoming / outgoing request), else internal;
+        ``start_time``: when it began (wall-clock seconds; None: now)."""
         if self._tracer is None:
             return None
         if isinstance(parent, str) or parent is None:
-            ctx = self._parent(parent)
+            ctx = self._parent(parent, tracestate)
         else:
             ctx = _otel.set_span_in_context(parent)
-        kind = SpanKind.SERVER if server else SpanKind.INTERNAL
-        return self._tracer.start_span(name, context=ctx, kind=kind, attributes=_attrs(attributes or {}))
+        kind = SpanKind.SERVER if server else SpanKind.CLIENT if client else SpanKind.INTERNAL
+        return self._tracer.start_span(name, context=ctx, kind=kind, attributes=_attrs(attributes or {}),
+                                       start_time=None if start_time is None else int(start_time * 1e9))
 
     def headers_of(self, span: "Span | None") -> dict[str, str]:
         """``traceparent`` (and ``tracestate``) naming ``span``, for an engine leg's request."""
@@ -141,7 +155,7 @@ def leg_span(
     if tracing is None or not tracing.on:
         yield headers
         return
-    span = tracing.start(name, parent=parent, attributes={"narwhal.engine": engine})
+    span = tracing.start(name, parent=parent, client=True, attributes={"narwhal.engine": engine})
     error = None
     try:
         yield {**headers, **tracing.headers_of(span)}
@@ -180,8 +194,10 @@ class RequestTrail:
     ended: bool = False
     _admission_span: "Span | None" = field(default=None, repr=False)
 
-    def traceparent(self) -> str | None:
-        return self.obs.tracing.headers_of(self.span).get("traceparent")
+    def trace_context(self) -> tuple[str | None, str | None]:
+        """``traceparent`` and ``tracestate`` of the request's span (None each: no span, no state)."""
+        out = self.obs.tracing.headers_of(self.span)
+        return out.get("traceparent"), out.get("tracestate")
 
     def parsed(self, stream: bool, prompt_tokens: int, prompt_text: Callable[[], str | None],
                sizing: str | None = None) -> None:
@@ -219,7 +235,7 @@ class RequestTrail:
             "status": status,
             "engines": list(stats.engines) if stats else [],
             "resumed_from": list(stats.resumed_from) if stats else [],
-            "ttft_s": _round(stats.ttft_s) if stats else None,
+            "ttft_s": _round(stats.client_ttft_s) if stats else None,
             "output_tokens": stats.output_tokens if stats else 0,
             "attempts": stats.attempts if stats else 0,
             "prompt_tokens": self.prompt_tokens,
@@ -234,11 +250,15 @@ class RequestTrail:
         }
         if self.prompt_text is not None:
             fields["prompt"] = self.prompt_text
-        end_span(
-            self.span,
-            reason if outcome is not Outcome.COMPLETED and status >= 500 else None,
-            **{f"narwhal.{k}": v for k, v in fields.items() if k not in ("event", "request_id", "trace_id", "prompt")},
-        )
+        if self.span is not None:  # (the attributes only where there is a span: tracing on)
+            # failed for a 5xx and for an answer that failed after its 200 (OpenTelemetry's HTTP
+            # server spans: a 2xx stays unset unless there was another error)
+            failed = outcome is not Outcome.COMPLETED and (status >= 500 or outcome in (Outcome.FAILED, Outcome.EXPIRED))
+            end_span(
+                self.span,
+                reason if failed else None,
+                **{f"narwhal.{k}": v for k, v in fields.items() if k not in ("event", "request_id", "trace_id", "prompt")},
+            )
         if self.obs.cfg.request_log and REQUEST_LOG.isEnabledFor(logging.INFO):
             REQUEST_LOG.info(json.dumps(fields, separators=(",", ":")))
 
@@ -263,6 +283,12 @@ def _request_log_handler() -> None:
     REQUEST_LOG.propagate = False
 
 
+class HeaderFields(Protocol):
+    """A request's header fields, each name's values in order (Starlette's ``Headers``)."""
+
+    def getlist(self, key: str) -> list[str]: ...
+
+
 class Observability:
     def __init__(self, cfg: ObservabilityConfig, clock: Any = time.time) -> None:
         self.cfg = cfg
@@ -271,11 +297,16 @@ class Observability:
         if cfg.request_log:
             _request_log_handler()
 
-    def trail(self, request_id: str, route: str, arrived: float, headers: Mapping[str, str]) -> RequestTrail:
+    def trail(self, request_id: str, route: str, arrived: float, headers: HeaderFields) -> RequestTrail:
         span = None
         if self.tracing.on:
+            # W3C Trace Context: traceparent is one field (more than one: invalid, a new trace);
+            # tracestate is a list, its fields joined
+            parents, states = headers.getlist("traceparent"), headers.getlist("tracestate")
             span = self.tracing.start(
-                "narwhal.request", parent=headers.get("traceparent"), server=True,
+                "narwhal.request", parent=parents[0] if len(parents) == 1 else None,
+                tracestate=",".join(states) if states else None, server=True,
                 attributes={"narwhal.request_id": request_id, "http.route": route},
+                start_time=arrived,  # (its receipt: HAProxy's stamp, else now)
             )
         return RequestTrail(self, request_id, route, arrived, span=span)

@@ -12,7 +12,10 @@ Ray manages the same process).  The same wrapper drops two request headers that 
 *client* controls — ``x-request-timeout-seconds`` (Serve's own per-request timeout: a plain-text
 408 or a stream cut without an error event) and ``x-request-disconnect-disabled`` (stops Serve
 from cancelling a request whose client left) — so that only Narwhal's documented deadline headers
-apply.  And it bounds the time a client may take to send its request headers (slowloris):
+apply; and it stamps each request with the wall-clock microsecond its head was read and the run's
+key (:data:`RECEIVED_HEADER`, set over any copy a client sent; :data:`STAMPS_ENV`), from which the router counts the
+request's TTFT and judges its budget (the wait in HAProxy's and the replica's queues included).
+And it bounds the time a client may take to send its request headers (slowloris):
 ``timeout http-request`` (``NARWHAL_HTTP_HEADER_TIMEOUT_S``, default 10 s), answered by HAProxy with
 a 408 and a closed connection (HAProxy 2.8 sends its own HTML page there: its H1 layer answers
 before any ``errorfile`` or ``http-error`` applies — tried both).  An ``X-Request-Id`` with bytes
@@ -30,10 +33,13 @@ handles.  HAProxy does not apply it while a request waits for its answer or a
 stream is written (measured: a 4 s wait and a 4.5 s silent stream under a 2 s client timeout both
 complete).  Ray reads the variable in its HAProxy manager actor, which inherits
 the environment of the process that starts Ray: ``scripts/serve_run.py`` (``make run``), the tests
-and the benchmark set it.  Two more answers in the envelope from HAProxy itself: a header value with
+and the benchmark set it.  More answers in the envelope from HAProxy itself: a header value with
 a control character (0x01–0x1f but tab, or 0x7f; uvicorn would answer a plain-text 400) gets a 400
-``invalid_request``, and ``OPTIONS *`` (Ray's plain-text 404) a 404 ``not_found``; neither is counted
-(they never reach the router).  So do a header name that is not a token, a NUL in a header
+``invalid_request``; ``OPTIONS *`` (Ray's plain-text 404) a 404 ``not_found``, and a method other
+than GET, HEAD, POST, PUT, DELETE, OPTIONS and PATCH (uvicorn's parser answers one it does not know, a
+lower-case ``get`` among them, with a plain-text 400) a 501 ``method_not_implemented``; and a request
+target (path and query, as uvicorn gets it) over :data:`MAX_TARGET_BYTES` (uvicorn's plain-text 400 past 64 KiB) a 414
+``request_target_too_long``; none is counted (they never reach the router).  So do a header name that is not a token, a NUL in a header
 value and a request target with a character RFC 3986 forbids: HAProxy's parser is relaxed
 (``option accept-invalid-http-request``) so that the rules, not the parser's HTML 400, refuse them.
 So does a head over ``MAX_HEADER_BYTES`` or ``MAX_HEADERS`` (431
@@ -60,9 +66,11 @@ import importlib.util
 import json
 import math
 import os
+import re
+import secrets
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -93,9 +101,12 @@ for a in "$@"; do
     http-request return status 400 content-type application/json file {bad_name} if {{ req.hdr_names(:) -m reg "[^]A-Za-z0-9!#\\\\x24%&\\\\x27*+.^_`|~:-]" }}\\
     http-request return status 400 content-type application/json file {bad_header} if {{ req.hdrs -m reg "[^\\\\x01-\\\\xff]" }} || {{ req.hdrs -m reg "[\\\\x01-\\\\x08\\\\x0b\\\\x0c\\\\x0e-\\\\x1f\\\\x7f]" }}\\
     http-request return status 404 content-type application/json file {not_found} if {{ method OPTIONS }} {{ url * }}\\
+    http-request return status 501 content-type application/json file {unknown_method} unless {{ method GET HEAD POST PUT DELETE OPTIONS PATCH }}\\
+    http-request return status 414 content-type application/json file {long_target} if {{ pathq,length gt {max_target_bytes} }}\\
     http-request return status 413 content-type application/json file {too_large} if {{ req.hdr(expect) -m found }} {{ req.hdr_val(content-length) gt {max_request_bytes} }}\\
     errorfile 408 {body_timeout}\\
     errorfile 400 {client_left}\\
+    http-request set-header {received} "%[date(0,us)] {stamp_key}"\\
     http-request wait-for-body time {body_timeout_ms}ms at-least 1 if {{ req.hdr(expect) -m found }}\\
     http-request del-header expect' "$a" > "$a.narwhal"
     a="$a.narwhal"
@@ -130,13 +141,31 @@ RUN_ENV: dict[str, str] = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
+    # Serve's own request metrics leave each replica (and each handle's router) for Ray's metric API
+    # every second instead of every 100 ms (Ray exports them every 10 s anyway); the dashboard records
+    # its own CPU and memory each minute, not every 5 s.  Idle CPU (docs/performance.md, "Cost per request").
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    "METRICS_RECORD_INTERVAL_S": "60",
 }
 
+# HAProxy stamps each request it forwards with the wall-clock microsecond its frontend read the request's
+# head (set over any copy a client sent): the router counts the request's TTFT from there, its wait in
+# HAProxy's and the replica's queues included (docs/contract.md, "Admission").
+# (set after the rules that refuse a head, so that it never counts against a client's header limits, and
+# before the wait for an Expect's body). Its value is the microseconds and the run's key; the wrapper
+# installed, the run's environment carries that key (:data:`STAMPS_ENV`) and an ingress replica believes
+# only a stamp with it (one a client sent straight to a port that bypasses HAProxy has none).
+RECEIVED_HEADER = "x-narwhal-received-us"
+STAMPS_ENV = "NARWHAL_HAPROXY_STAMPS"
+STAMP_KEY_PATTERN = "[0-9a-f]{32}"  # new_stamp_key's form (gateway/body.py reads stamps with it)
 HEADER_TIMEOUT_ENV = "NARWHAL_HTTP_HEADER_TIMEOUT_S"  # default 10 (docs/operations.md, "Run modes")
 # Request headers past these get a 431 in the envelope from HAProxy (docs/contract.md, "Errors"): what HAProxy's
 # default 16 KB buffer let through before (the whole head up to 16 KB less its 1 KB rewrite reserve).
 MAX_HEADER_BYTES = 15360
 MAX_HEADERS = 100
+# A request target longer than this gets a 414 in the envelope from HAProxy (uvicorn's httptools parser
+# answered one past about 64 KiB with a plain-text 400; found by a hostile probe).
+MAX_TARGET_BYTES = 65000
 # HAProxy's buffer, raised from Ray's 16 KB so that a larger head is parsed and answered by the rule
 # above instead of HAProxy's own HTML 400 (2.8's H1 layer answers a head that does not fit before
 # any errorfile applies).  Beyond it, that HTML 400 remains.
@@ -199,8 +228,9 @@ class IngressLimits:
                              sum(s.http_retention_limit for s in servings) + KEEPALIVE_HEADROOM)
 
 
-def haproxy_wrapper(limits: IngressLimits, folder: str | None = None) -> str | None:
-    """Write the no-splice wrapper (mode 755) and return its path; None without an HAProxy."""
+def haproxy_wrapper(limits: IngressLimits, folder: str | None = None, stamp_key: str | None = None) -> str | None:
+    """Write the no-splice wrapper (mode 755) and return its path; None without an HAProxy.
+    ``stamp_key``: the run's key in each receipt stamp (None: a fresh one nobody is told of)."""
     real = real_haproxy()
     if real is None:
         return None
@@ -208,44 +238,55 @@ def haproxy_wrapper(limits: IngressLimits, folder: str | None = None) -> str | N
     d.mkdir(parents=True, exist_ok=True)
     header_timeout = float(os.environ.get(HEADER_TIMEOUT_ENV, "10"))
     path = d / "haproxy"
-    bad_rid = d / "bad-request-id.json"
-    bad_rid.write_text(json.dumps(bad_request_id().info().body()))
-    bad_header = d / "bad-header.json"
-    bad_header.write_text(json.dumps(InvalidRequest(
-        "a request header holds a control character (bytes 0x00-0x1f other than tab, or 0x7f)").info().body()))
-    not_found = d / "not-found.json"
-    not_found.write_text(json.dumps(ErrorInfo(404, "invalid_request_error", "not_found",
-                                              "OPTIONS *: there is no such route").body()))
-    bad_target = d / "bad-target.json"
-    bad_target.write_text(json.dumps(InvalidRequest(
-        "the request target holds a character a URI may not (RFC 3986): percent-encode it").info().body()))
-    bad_name = d / "bad-header-name.json"
-    bad_name.write_text(json.dumps(InvalidRequest(
-        "a request header name holds a character a header name may not (RFC 9110 token)").info().body()))
-    big_headers = d / "headers-too-large.json"
-    big_headers.write_text(json.dumps(ErrorInfo(
-        431, "invalid_request_error", "request_headers_too_large",
-        f"request headers over {MAX_HEADER_BYTES} bytes or {MAX_HEADERS} fields").body()))
-    too_large = d / "request-too-large.json"
-    too_large.write_text(json.dumps(RequestTooLarge.over(limits.max_request_bytes).info().body()))
-    body_timeout = d / "body-timeout.http"  # an errorfile is a whole HTTP answer
-    payload = json.dumps(BodyTimeout.after(limits.body_timeout_s).info().body())
-    body_timeout.write_text(f"HTTP/1.1 408 Request Time-out\r\ncontent-type: application/json\r\n"
-                            f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n{payload}")
-    client_left = d / "client-left.http"  # HAProxy's own 400 for a request it dropped (docs/contract.md, "Errors")
-    payload = json.dumps(InvalidRequest(
-        "the request was dropped before its answer: the client closed its side of the connection (an "
-        "HTTP/1.1 half-close, an HTTP/2 stream reset), which reads as leaving").info().body())
-    client_left.write_text(f"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-                           f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n{payload}")
-    path.write_text(_WRAPPER.format(real=real.replace("'", "'\\''"), header_timeout_s=f"{header_timeout:g}",
-                                    bad_rid=str(bad_rid), bad_header=str(bad_header), not_found=str(not_found),
-                                    bad_target=str(bad_target), bad_name=str(bad_name),
-                                    big_headers=str(big_headers), max_header_bytes=MAX_HEADER_BYTES,
-                                    max_headers=MAX_HEADERS, too_large=str(too_large),
-                                    max_request_bytes=limits.max_request_bytes, body_timeout=str(body_timeout),
-                                    body_timeout_ms=math.ceil(limits.body_timeout_s * 1000),
-                                    client_left=str(client_left)))
+
+    def answer(name: str, info: ErrorInfo) -> str:
+        """A file for ``http-request return ... file``: the envelope's body."""
+        f = d / name
+        f.write_text(json.dumps(info.body()))
+        return str(f)
+
+    def errorfile(name: str, status_line: str, info: ErrorInfo) -> str:
+        """A file for ``errorfile``: a whole HTTP answer, the connection closed after it."""
+        payload = json.dumps(info.body())
+        f = d / name
+        f.write_text(f"HTTP/1.1 {status_line}\r\ncontent-type: application/json\r\n"
+                     f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n{payload}")
+        return str(f)
+
+    path.write_text(_WRAPPER.format(
+        real=real.replace("'", "'\\''"), received=RECEIVED_HEADER,
+        stamp_key=stamp_key if stamp_key is not None else new_stamp_key(), header_timeout_s=f"{header_timeout:g}",
+        bad_rid=answer("bad-request-id.json", bad_request_id().info()),
+        bad_header=answer("bad-header.json", InvalidRequest(
+            "a request header holds a control character (bytes 0x00-0x1f other than tab, or 0x7f)").info()),
+        not_found=answer("not-found.json", ErrorInfo(404, "invalid_request_error", "not_found",
+                                                     "OPTIONS *: there is no such route")),
+        # (uvicorn's parser answers a method it does not know, and a longer target, with a plain-text 400)
+        unknown_method=answer("unknown-method.json", ErrorInfo(
+            501, "invalid_request_error", "method_not_implemented",
+            "the request's method is not one this server implements (methods are case-sensitive: GET, POST, ...)")),
+        long_target=answer("target-too-long.json", ErrorInfo(
+            414, "invalid_request_error", "request_target_too_long",
+            f"the request target (path and query) is over {MAX_TARGET_BYTES} bytes")),
+        max_target_bytes=MAX_TARGET_BYTES,
+        bad_target=answer("bad-target.json", InvalidRequest(
+            "the request target holds a character a URI may not (RFC 3986): percent-encode it").info()),
+        bad_name=answer("bad-header-name.json", InvalidRequest(
+            "a request header name holds a character a header name may not (RFC 9110 token)").info()),
+        big_headers=answer("headers-too-large.json", ErrorInfo(
+            431, "invalid_request_error", "request_headers_too_large",
+            f"request headers over {MAX_HEADER_BYTES} bytes or {MAX_HEADERS} fields")),
+        max_header_bytes=MAX_HEADER_BYTES, max_headers=MAX_HEADERS,
+        too_large=answer("request-too-large.json", RequestTooLarge.over(limits.max_request_bytes).info()),
+        max_request_bytes=limits.max_request_bytes,
+        body_timeout=errorfile("body-timeout.http", "408 Request Time-out",
+                               BodyTimeout.after(limits.body_timeout_s).info()),
+        body_timeout_ms=math.ceil(limits.body_timeout_s * 1000),
+        # HAProxy's own 400 for a request it dropped (docs/contract.md, "Errors")
+        client_left=errorfile("client-left.http", "400 Bad Request", InvalidRequest(
+            "the request was dropped before its answer: the client closed its side of the connection (an "
+            "HTTP/1.1 half-close, an HTTP/2 stream reset), which reads as leaving").info()),
+    ))
     path.chmod(0o755)
     return str(path)
 
@@ -259,6 +300,18 @@ def haproxy_maxconn(wanted: int) -> int:
     if os.geteuid() == 0 or hard == resource.RLIM_INFINITY:
         return wanted
     return max(RAY_HAPROXY_MAXCONN, min(wanted, (hard - 256) // 2))
+
+
+def new_stamp_key() -> str:
+    return secrets.token_hex(16)
+
+
+def stamps_receipts(env: Mapping[str, str]) -> str | None:
+    """The key of the receipt stamps (:data:`RECEIVED_HEADER`) HAProxy sets in front of this
+    process's ingress replicas: direct ingress, through Narwhal's wrapper; None otherwise (an
+    operator's own HAProxy binary sets none, and a client's copy of the header is not believed)."""
+    key = env.get(STAMPS_ENV, "")
+    return key if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" and re.fullmatch(STAMP_KEY_PATTERN, key) else None
 
 
 def direct_ingress_env(env: dict[str, str], limits: IngressLimits, folder: str | None = None) -> dict[str, str]:
@@ -275,8 +328,10 @@ def direct_ingress_env(env: dict[str, str], limits: IngressLimits, folder: str |
     out.setdefault("RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S", str(limits.client_idle_s))
     out.setdefault("RAY_SERVE_HAPROXY_MAXCONN", str(haproxy_maxconn(limits.connections)))
     if not out.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
-        wrapper = haproxy_wrapper(limits, folder)
+        key = new_stamp_key()
+        wrapper = haproxy_wrapper(limits, folder, key)
         if wrapper is not None:
             out["RAY_SERVE_HAPROXY_BINARY_PATH"] = wrapper
+            out[STAMPS_ENV] = key
             out.setdefault("RAY_SERVE_HAPROXY_TUNE_BUFSIZE", str(HAPROXY_BUFSIZE))  # (the wrapper's 431 rule)
     return out

@@ -45,7 +45,7 @@ class Histogram:
 
 _LABELLED = {"rejected", "refused", "invalid_requests", "expired", "failed", "cancelled"}
 HISTOGRAM_HELP = {
-    "ttft": ("narwhal_ttft_seconds", "Time to first token measured by the assembler."),
+    "ttft": ("narwhal_ttft_seconds", "Time to first token, from the request's receipt (HAProxy's stamp, else the ingress handler's start)."),
     "tpot": ("narwhal_tpot_seconds", "Time per output token after the first."),
     "admission_wait": ("narwhal_admission_wait_seconds", "Time from arrival to admission."),
     "ttft_prediction_error": (

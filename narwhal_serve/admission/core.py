@@ -275,7 +275,7 @@ def _rank(view: FleetView, ask: Ask, now: float, rotation: int
         # the targets hold), then cost
         held = max(s.cached for s in scored)
         scored.sort(key=lambda s: (_guarded_spill(s, held, ask, facts), not _tpot_ok(s, ask.tpot_budget_s),
-                                   s.projection.projected_s > ask.ttft_budget_s, -s.matched,
+                                   s.projection.projected_s > ask.ttft_budget_s - ask.waited_s, -s.matched,
                                    *_near(s, ask.node, facts), s.index))
         best = scored[0]
         # a route over the TPOT target takes no new work (admitted streams keep their speed)
@@ -340,7 +340,7 @@ def decide(view: FleetView, ask: Ask, now: float, rotation: int) -> Placement | 
         limit = own
         if view.over_share and ask.tenant in view.over_share:  # the rest is for tenants within theirs (for a
             limit = min(limit, OVER_SHARE_HEADROOM * ask.ttft_budget_s)  # while: the prompt alone is judged on its own)
-        refusal = judge(best.projection, limit, own)
+        refusal = judge(best.projection, limit, own, ask.waited_s)
         if refusal is not None:
             retry_after = refusal.error.retry_after
             if ask.reserves and retry_after is not None:

@@ -25,11 +25,14 @@ def _s(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds >= 0.01 else f"{seconds:.2g} s"
 
 
-def judge(p: Projection, budget_s: float, alone_budget_s: float | None = None) -> Refusal | None:
+def judge(p: Projection, budget_s: float, alone_budget_s: float | None = None, waited_s: float = 0.0
+          ) -> Refusal | None:
     """None to admit; else the refusal with its honest Retry-After.  The prompt alone (on an idle
     engine, with the projection's error margin: the same judgement an idle engine gets, so no wait
     cures it) is judged against ``alone_budget_s`` (default ``budget_s``): the request's own budget
-    where ``budget_s`` is narrowed for a while (a tenant over its fair share)."""
+    where ``budget_s`` is narrowed for a while (a tenant over its fair share).  The projection is
+    judged against ``budget_s`` less ``waited_s``, the time since the request reached the router
+    (its first token is counted from there)."""
     alone_budget = budget_s if alone_budget_s is None else alone_budget_s
     judged = p.prompt_alone_s if p.judged_alone_s is None else p.judged_alone_s
     if judged > alone_budget:
@@ -37,10 +40,13 @@ def judge(p: Projection, budget_s: float, alone_budget_s: float | None = None) -
         return _refused(f"The prompt alone needs about {_s(p.prompt_alone_s)}{margin} to first token, over the "
                         f"{_s(alone_budget)} TTFT budget: shorten the prompt or raise the target (X-TTFT-Target).",
                         "prompt_exceeds_ttft_budget")
-    if p.projected_s > budget_s:
-        overrun = p.projected_s - budget_s
-        return _refused(f"Projected time to first token {_s(p.projected_s)} exceeds the {_s(budget_s)} budget "
-                        f"by {_s(overrun)}; retry after the Retry-After delay.", "ttft_budget_exceeded", overrun)
+    if p.projected_s > budget_s - waited_s:
+        overrun = p.projected_s + waited_s - budget_s
+        waited = f" less the {_s(waited_s)} it has waited since it reached the router" if waited_s >= 0.01 else ""
+        # (a retry is a new request, received anew: what it waits for is the projection's own overrun)
+        return _refused(f"Projected time to first token {_s(p.projected_s)} exceeds the {_s(budget_s)} budget"
+                        f"{waited} by {_s(overrun)}; retry after the Retry-After delay.", "ttft_budget_exceeded",
+                        max(0.0, p.projected_s - budget_s))
     return None
 
 

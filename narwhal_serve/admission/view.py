@@ -174,6 +174,9 @@ class Ask:
     exact: bool = False  # ``prompt_tokens`` is the engine's own count (the router's tokenizer, or token IDs)
     output_param: str = "max_tokens"  # the field ``max_output_tokens`` came from (its refusal names it)
     truncate_to: int = 0  # ``truncate_prompt_tokens`` N >= 1: the engine keeps at most N (a context shorter refuses it)
+    # how long ago it reached the router (HAProxy's stamp, else its handler's start) when asked: its
+    # projected TTFT is judged against the budget less this (the prompt alone against the whole budget)
+    waited_s: float = 0.0
 
 
 @dataclass(frozen=True)

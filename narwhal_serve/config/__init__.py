@@ -111,7 +111,7 @@ class AdmissionConfig(_Strict):
     # Each lease parks a call at the scheduler that is answered when another holder placed
     # requests its view lacks and it has been quiet 10 ms; its ingress then reports at once, and
     # the answer's view has those placements
-    # (docs/architecture.md, "Admission leases"). Off: a quiet lease's view is up to 250 ms old.
+    # (docs/architecture.md, "Admission leases"). Off: a quiet lease's view is up to 500 ms old.
     lease_watch: bool = True
     # Priority classes, highest first (docs/contract.md, "Priority classes"): queued requests leave in class
     # order, lower classes keep headroom for higher ones, and engines that schedule by priority get it

@@ -6,11 +6,12 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,6 +34,11 @@ from narwhal_serve.protocol.requests import model_not_found
 from narwhal_serve.tokenization.sizer import PromptSizer
 
 log = logging.getLogger(__name__)
+
+try:  # GET /version, as vLLM's names its own: this router's
+    VERSION = importlib.metadata.version("narwhal-serve")
+except importlib.metadata.PackageNotFoundError:  # run from a tree that was not installed
+    VERSION = "unknown"
 
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -109,9 +115,12 @@ def build_api(
     echo_request_id: bool = True,
     sizer: PromptSizer | None = None,
     node: str | None = None,
+    stamp_key: str | None = None,
 ) -> GatewayApp:
     """``echo_request_id=False`` where a proxy in front (Ray Serve's) already returns X-Request-Id;
-    ``node``: the Ray node this replica runs on (engines there win near-ties in placement)."""
+    ``node``: the Ray node this replica runs on (engines there win near-ties in placement);
+    ``stamp_key``: HAProxy is in front and stamps each request's receipt with this key
+    (runenv.RECEIVED_HEADER: only a stamp with it is believed)."""
     lease = AdmissionLease(f"ingress-{secrets.token_hex(6)}") if cfg.admission.ingress_leases else None
     if lease is not None and cfg.tenants is not None and any(t.budgeted() for t in cfg.tenants.list):
         lease.shares = LeaseShares(cfg.tenants.by_name())
@@ -156,7 +165,8 @@ def build_api(
         return error_response(internal_error(f"internal error: {type(exc).__name__}"), None)
 
     sizer = sizer if sizer is not None else PromptSizer.from_config(cfg)
-    handler = CompletionHandler(cfg, backend, reporter, clock, echo_request_id=echo_request_id, sizer=sizer, node=node)
+    handler = CompletionHandler(cfg, backend, reporter, clock, echo_request_id=echo_request_id, sizer=sizer, node=node,
+                                 stamp_key=stamp_key)
     reporter.on_view = handler.on_view
     app.state.reporter = reporter
     created = int(clock())
@@ -193,12 +203,18 @@ def build_api(
     app.add_api_route("/tokenize", token_route(tokenize), methods=["POST"])
     app.add_api_route("/detokenize", token_route(detokenize), methods=["POST"])
 
-    # `root` as vLLM sends it: `vllm bench serve` without --model reads data[0]["root"]
+    # `root` as vLLM sends it (where the model loads from: vLLM's is its --model): `vllm bench serve`
+    # without --model reads data[0]["root"] and, without --tokenizer, loads its tokenizer from it; so
+    # the tokenizer directory the router sizes prompts with (a managed engine's model directory), else
+    # the served name
     # owned_by as vLLM's card says it where every engine is one (clients tell a vLLM server by it before
     # they use its extras: /tokenize, token IDs), else Narwhal's
-    vllm_fleet = all(e.dialect == "vllm" for e in (cfg.engines or cfg.sim.engines))
-    card = {"id": cfg.model, "object": "model", "created": created, "owned_by": "vllm" if vllm_fleet else "narwhal",
-            "root": cfg.model}
+    def owned_by(dialects: Iterable[str]) -> str:
+        return "vllm" if all(d == "vllm" for d in dialects) else "narwhal"
+
+    card = {"id": cfg.model, "object": "model", "created": created,
+            "owned_by": owned_by(e.dialect for e in cfg.engines or cfg.sim.engines),
+            "root": sizer.source.removeprefix("hf:") if sizer.source.startswith("hf:") else cfg.model}
 
     def fleet_context() -> int:
         """The longest context of the fleet's engines, as this replica's lease last saw them (0: not known)."""
@@ -207,16 +223,34 @@ def build_api(
         return context.longest if context is not None and context.every else 0
 
     def card_now() -> dict[str, Any]:
-        """The model card, with ``max_model_len`` as vLLM's has it once the engines have said theirs."""
+        """The model card, with ``max_model_len`` as vLLM's has it once the engines have said theirs,
+        and ``owned_by`` from the engines this replica's lease last saw (engines registered at run
+        time included), else from the config."""
         context = fleet_context()
-        return {**card, "max_model_len": context} if context else card
+        view = lease.view if lease is not None else None
+        now = {**card, "max_model_len": context} if context else dict(card)
+        if view is not None and view.engines:
+            now["owned_by"] = owned_by(e.cfg.dialect for e in view.engines)
+        return now
+
+    def key_refused(request: Request) -> Response | None:
+        """The 401 for a missing or unknown API key where keys are required (None: let through):
+        the model routes ask for a key as vLLM's /v1/* and OpenAI's do (clients check a key by
+        listing the models)."""
+        try:
+            handler.tenancy.identify(request)
+        except NarwhalError as err:
+            return error_response(err.info(), None)
+        return None
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card_now()]}
+    async def models(request: Request) -> Response:
+        return key_refused(request) or JSONResponse({"object": "list", "data": [card_now()]})
 
     @app.get("/v1/models/{model:path}")  # OpenAI's "retrieve model" (`client.models.retrieve`); a name may hold "/"
-    async def model(model: str) -> Response:
+    async def model(model: str, request: Request) -> Response:
+        if (refused := key_refused(request)) is not None:
+            return refused
         if model != cfg.model:
             return error_response(model_not_found(model, cfg.model).info(), None)
         return JSONResponse(card_now())
@@ -224,6 +258,14 @@ def build_api(
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
+
+    # vLLM's SageMaker health check answers as its /health does: liveness (a router whose fleet is out
+    # for a while is still the one to keep; /ready says whether it admits)
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
 
     @app.get("/ready")
     async def ready() -> Response:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
-import math
+import logging
 import re
 import secrets
 import time
@@ -29,7 +29,7 @@ from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.errors import BodyTimeout, ErrorInfo, InvalidRequest, NarwhalError, TerminalExpiry, bad_request_id
 from narwhal_serve.gateway.admit import Refused, admit
 from narwhal_serve.gateway.backend import Backend
-from narwhal_serve.gateway.body import BodyIncomplete, header, read_body
+from narwhal_serve.gateway.body import BodyIncomplete, header, read_body, received_at, seconds_header
 from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.gateway.responses import error_response
 from narwhal_serve.gateway.streaming import (
@@ -52,24 +52,8 @@ from narwhal_serve.tokenization.sizer import PromptSizer, Sized
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")  # printable ASCII, no spaces
-_SECONDS = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")  # a plain decimal number
 
-
-def _seconds_header(request: Request, name: str, zero_is_none: bool = False) -> float | None:
-    """A time header's seconds (None: absent; with ``zero_is_none``, also 0); malformed → 400."""
-    v = header(request, name)
-    if v is None:
-        return None
-    if not _SECONDS.fullmatch(v.strip()):  # (float() would take "1_0", "inf", "nan", " 0x" forms)
-        raise InvalidRequest(f"header {name} must be a number of seconds", param=name)
-    f = float(v)
-    if not math.isfinite(f):
-        raise InvalidRequest(f"header {name} must be a finite number of seconds", param=name)
-    if f == 0 and zero_is_none:
-        return None
-    if not f > 0:
-        raise InvalidRequest(f"header {name} must be positive", param=name)
-    return f
+log = logging.getLogger(__name__)
 
 
 def _limited(err: ErrorInfo, limits: dict[str, str] | None) -> ErrorInfo:
@@ -96,8 +80,10 @@ class CompletionHandler:
         mono: Callable[[], float] = time.monotonic,
         sizer: PromptSizer | None = None,
         node: str | None = None,
+        stamp_key: str | None = None,
     ) -> None:
         self.cfg = cfg
+        self.stamp_key = stamp_key  # HAProxy stamps each request's receipt with it (runenv.RECEIVED_HEADER)
         self.node = node  # the Ray node this ingress replica runs on (placement prefers engines there)
         self.sizer = sizer if sizer is not None else PromptSizer(None)
         self.mono = mono
@@ -149,19 +135,19 @@ class CompletionHandler:
         limits = [self.cfg.serving.request_timeout_s]
         for name in ("x-request-timeout", "x-stainless-timeout"):
             # openai-node sends its timeout in whole seconds, rounded down: 0 is "under a second"
-            v = _seconds_header(request, name, zero_is_none=name == "x-stainless-timeout")
+            v = seconds_header(request, name, zero_is_none=name == "x-stainless-timeout")
             if v is not None:
                 limits.append(v)
         return now + min(limits)
 
     def _ttft_budget(self, request: Request) -> float:
-        v = _seconds_header(request, "x-ttft-target")
+        v = seconds_header(request, "x-ttft-target")
         if v is None:
             return self.cfg.admission.ttft_budget_s
         return min(v, self.cfg.admission.max_ttft_budget_s)
 
     def _tpot_budget(self, request: Request) -> float | None:
-        v = _seconds_header(request, "x-tpot-target")
+        v = seconds_header(request, "x-tpot-target")
         if v is None:
             return self.cfg.admission.tpot_budget_s
         return min(v, self.cfg.admission.max_tpot_budget_s)
@@ -187,12 +173,14 @@ class CompletionHandler:
 
     async def handle(self, request: Request, route: Route) -> Response:
         arrived = self.clock()
+        if self.stamp_key is not None:  # it reached the router at HAProxy (its wait in the queues before counts)
+            arrived = received_at(request, arrived, self.cfg.serving.request_timeout_s, self.stamp_key)
         self.reporter.start_once()
         given = request.headers.get("x-request-id")  # (a second value is refused below, with the id kept)
         rid = given if given and _REQUEST_ID.fullmatch(given) else f"nw-{secrets.token_hex(12)}"
         echo = rid if self.echo_request_id else None
         self.reporter.offered()
-        trail = self.obs.trail(rid, request.url.path, arrived, request.headers)
+        trail = self.obs.trail(rid, request.scope["path"], arrived, request.headers)  # (not request.url: it builds the whole URL)
         tenant: str | None = None
         try:
             if given is not None and given != rid:  # it goes to every engine leg as a header: keep it plain
@@ -224,13 +212,16 @@ class CompletionHandler:
             err = InvalidRequest("the request body ended before its Content-Length", code="body_incomplete")
             return error_response(err.info(), echo)
         except NarwhalError as err:
-            info = err.info() if tenant is None else self._with_limits(err.info(), tenant)
-            resp = self._refused(trail, Outcome.INVALID, info, echo)
+            resp = self._refused(trail, Outcome.INVALID, self._limited_for(err.info(), tenant), echo)
             if isinstance(err, BodyTimeout):
                 self.reporter.unsized()  # the body never ended: it was never sized
                 # the rest of that body may still come: the connection cannot carry another request
                 resp.headers["Connection"] = "close"
             return resp
+        except Exception as exc:  # a fault in the router's own code: answered, counted and logged as one
+            log.exception("request %s failed before admission", rid)
+            return self._refused(trail, Outcome.FAILED,
+                                 self._limited_for(internal_error(f"internal error: {type(exc).__name__}"), tenant), echo)
         trail.parsed(parsed.stream, parsed.prompt_tokens, lambda: _prompt_text(parsed), sized.method)
         task = asyncio.current_task()
         gone = asyncio.Event()
@@ -265,16 +256,32 @@ class CompletionHandler:
     ) -> Response:
         rid = trail.request_id
         ticket = f"{rid}/{secrets.token_hex(4)}"
-        got = await admit(self.reporter, ticket, ask, deadline, self.clock(), self.mono(), self._admit)
+        now = self.clock()
+        ask = replace(ask, waited_s=max(0.0, now - trail.arrived))  # (its TTFT is counted from its arrival)
+        got = await admit(self.reporter, ticket, ask, deadline, now, self.mono(), self._admit)
         if isinstance(got, Refused):
             return self._refused(trail, got.outcome, self._with_limits(got.error, ask.tenant), echo, counted=got.counted)
-        wait = self.clock() - trail.arrived
-        self.reporter.admission_wait(wait)
-        trail.admitted(got.by, wait, got.predicted_s, got.routes[0].engines if got.routes else ())
-        placed = PlacedRequest(rid, self.cfg.model, parsed, got.routes, deadline, trail.traceparent(),
-                               self._first_token_s(ask.ttft_budget_s, got.predicted_s), got.epoch, ask.rank)
-        return await self._respond(placed, ticket, parsed, echo, trail, got.predicted_s,
-                                   self.tenancy.limits(ask.tenant, got.remaining))
+        try:
+            wait = self.clock() - trail.arrived
+            self.reporter.admission_wait(wait)
+            # its predicted TTFT counted as its TTFT is, from its receipt: the wait so far and the projection
+            predicted = None if got.predicted_s is None else wait + got.predicted_s
+            trail.admitted(got.by, wait, predicted, got.routes[0].engines if got.routes else ())
+            traceparent, tracestate = trail.trace_context()
+            placed = PlacedRequest(rid, self.cfg.model, parsed, got.routes, deadline, traceparent,
+                                   self._first_token_s(ask.ttft_budget_s, got.predicted_s), got.epoch, ask.rank,
+                                   tracestate=tracestate, received=trail.arrived)
+            return await self._respond(placed, ticket, parsed, echo, trail, predicted,
+                                       self.tenancy.limits(ask.tenant, got.remaining))
+        except Exception:  # a fault in the router's own code (gateway/app.py answers it 500)
+            if not trail.ended:  # (else its flow ended, counted and released it)
+                self.reporter.ended(ticket, Outcome.FAILED, "internal_error", None, trail.tenant, trail.priority)
+                trail.end(Outcome.FAILED, "internal_error", 500)
+            raise
+
+    def _limited_for(self, err: ErrorInfo, tenant: str | None) -> ErrorInfo:
+        """``err`` with a budgeted tenant's rate-limit headers (none: no tenant identified yet)."""
+        return err if tenant is None else self._with_limits(err, tenant)
 
     def _with_limits(self, err: ErrorInfo, tenant: str) -> ErrorInfo:
         """A refusal to a budgeted tenant carries its rate-limit headers, as every answer to it does

@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 # docs/performance.md).  Releases go at once while requests wait in the scheduler's queue (a
 # freed permit admits the next one there).
 LINGER_S: float = AdmissionConfig.model_fields["report_linger_s"].default
+# how often a quiet replica reports anyway (each answer renews its lease, LEASE_TTL_S = 2 s): four
+# tries per lease.  Each idle report woke both replicas' Ray machinery: at 0.25 s they cost about
+# 1 % of a core in each (docs/performance.md, "Cost per request"); the news of others' placements
+# comes at once by the watch call, not by this period.
+RENEW_S = 0.5
 
 
 class Reporter:
@@ -41,7 +46,7 @@ class Reporter:
         linger_s: float = LINGER_S,
         lease: AdmissionLease | None = None,
         watch: Callable[[str], Awaitable[bool]] | None = None,
-        renew_s: float = 0.25,
+        renew_s: float = RENEW_S,
         clock: Callable[[], float] = time.time,
         mono: Callable[[], float] = time.monotonic,
     ) -> None:

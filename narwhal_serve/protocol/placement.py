@@ -34,3 +34,7 @@ class PlacedRequest:
     first_token_s: float | None = None
     epoch: int = 0  # the router lease's fencing token it was admitted under (0: no lease backend)
     priority: int | None = None  # its class rank, sent to engines that schedule by priority (0 first)
+    tracestate: str | None = None  # the request span's W3C tracestate (a client's, carried on)
+    # wall-clock seconds it reached the router (HAProxy's stamp, else the ingress handler's start): its
+    # TTFT as reported is counted from there
+    received: float | None = None

@@ -324,6 +324,8 @@ def check_rendering(body: dict[str, Any]) -> None:
     """The fields a chat is rendered with (the router renders it to size it and to send its token
     IDs), typed as vLLM 0.32's request model types them (found by a hostile probe: a wrong type was
     admitted, placed and then refused by the engine, and ``/tokenize`` answered it)."""
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):  # vLLM's check, on the values as sent
+        raise InvalidRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
     lax_bools(body, ("add_generation_prompt", "continue_final_message"))
     _opt(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "must be an object")
     _opt(body, "documents", lambda v: isinstance(v, list) and all(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 class RelayStats:
     route_kind: str
     engines: tuple[str, ...]
-    ttft_s: float | None
+    ttft_s: float | None  # the answering attempt's request to the engine → its first token (the models learn it)
     output_tokens: int
     decode_s: float  # time from the first to the last generated token
     attempts: int
@@ -24,6 +24,14 @@ class RelayStats:
     # not known); or the answer failed before response headers (:meth:`before_headers`).  Counted
     # (request log, tenants' and classes' output tokens), never learned from.
     partial: bool = False
+    # the request's receipt (HAProxy's stamp, else the ingress handler's start) → its first token: the
+    # TTFT its client got as far as the router can see, its waits and earlier attempts included
+    received_ttft_s: float | None = None
+
+    @property
+    def client_ttft_s(self) -> float | None:
+        """The TTFT reported and judged against the budget (log, histogram, goodput)."""
+        return self.ttft_s if self.received_ttft_s is None else self.received_ttft_s
 
     @classmethod
     def cut(cls, engines: tuple[str, ...], output_tokens: int) -> "RelayStats":

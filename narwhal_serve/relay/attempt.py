@@ -83,10 +83,11 @@ class UsageWatch:
 class Meter:
     """Counts validated output tokens and times them (TTFT, decode time)."""
 
-    __slots__ = ("start", "first", "last", "tokens", "check_ids", "route", "usage_tokens")
+    __slots__ = ("start", "first", "last", "tokens", "check_ids", "route", "usage_tokens", "received")
 
-    def __init__(self, start: float, check_ids: bool, route: Route) -> None:
+    def __init__(self, start: float, check_ids: bool, route: Route, received: float | None = None) -> None:
         self.start = start
+        self.received = received  # when the request reached the router (PlacedRequest.received)
         self.first: float | None = None
         self.last: float | None = None
         self.tokens = 0
@@ -169,12 +170,15 @@ class Attempt:
         """What this attempt did, for the scheduler's models and the request log."""
         meter = self.meter
         ttft = None if meter.first is None else meter.first - meter.start
+        # (never under the attempt's own: another node's clock may be a little behind)
+        since = None if meter.first is None or meter.received is None else max(ttft or 0.0, meter.first - meter.received)
         decode = 0.0 if meter.first is None or meter.last is None else meter.last - meter.first
         # output tokens: the IDs checked; else the engine's usage where it sent one (an event may
         # carry several tokens, and a reasoning model's hidden tokens are in no event), else events
         out = meter.tokens if meter.check_ids or meter.usage_tokens is None else meter.usage_tokens
         return RelayStats(self.route.kind, self.route.engines, ttft, out, decode, self.attempt,
-                          tuple(self.resumed_from), tuple(self.gaps), tuple(self.prefills), tuple(self.turnarounds))
+                          tuple(self.resumed_from), tuple(self.gaps), tuple(self.prefills), tuple(self.turnarounds),
+                          received_ttft_s=since)
 
     def checked(
         self, batch: list[dict[str, Any]], now: float,
@@ -212,7 +216,7 @@ def attempt_span(tracing: Tracing | None, placed: PlacedRequest, route: RouteCho
     """The trace span of one attempt at a placed request (None without tracing)."""
     if tracing is None:
         return None
-    return tracing.start("narwhal.attempt", parent=placed.traceparent, attributes={
+    return tracing.start("narwhal.attempt", parent=placed.traceparent, tracestate=placed.tracestate, attributes={
         "narwhal.request_id": placed.request_id, "narwhal.attempt": attempt,
         "narwhal.route_kind": route.kind, "narwhal.engines": route.engines,
     })

@@ -115,7 +115,8 @@ class Relay(ResumingReads):
             if excluded.intersection(route.engines):
                 continue  # an engine of this route failed this request already (a continuation's)
             at = Attempt(
-                route, attempt, Meter(self.clock(), dialect_of(route.decode).supports_token_ids, req.route),
+                route, attempt, Meter(self.clock(), dialect_of(route.decode).supports_token_ids, req.route,
+                                          placed.received),
                 placed.first_token_s if attempt < last else None,  # the last route waits to the deadline
                 req, excluded,
             )
@@ -219,7 +220,7 @@ class Relay(ResumingReads):
             await stream.aclose()
         while True:
             nxt: EngineFailure | BadEngineResponse | None = None
-            async with aclosing(self._resume(placed, at, headers, failure)) as cont:
+            async with aclosing(self._resume(placed, at, headers, failure, span)) as cont:
                 async for batch in cont:
                     if isinstance(batch, (EngineFailure, BadEngineResponse)):
                         nxt = batch  # the continuation failed after its first token: the next cut

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -19,6 +19,7 @@ from narwhal_serve.engines.dialect import PATHS
 from narwhal_serve.engines.errors import EngineFailure
 from narwhal_serve.engines.legs import prioritized
 from narwhal_serve.errors import BadEngineResponse
+from narwhal_serve.observability import Tracing, end_span
 from narwhal_serve.protocol.placement import PlacedRequest, RouteChoice
 from narwhal_serve.relay.attempt import Attempt, BreakerCut, DeadlinePassed, cut_reason, faults_of
 from narwhal_serve.relay.coalesce import coalesce
@@ -26,6 +27,9 @@ from narwhal_serve.relay.messages import EngineWorked
 from narwhal_serve.relay.resume import (
     DivergedResume, Reshaper, continuation_body, length_end, resume_refusal, resume_target, unbounded,
 )
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 
 class ResumingReads:
@@ -39,6 +43,7 @@ class ResumingReads:
     live_context: Callable[[str], int | None] | None  # an engine's context, as the lease's view says it
     resume_first_token_s: float
     coalesce_reads: bool
+    tracing: Tracing | None
     _active: dict[Attempt, PlacedRequest]
 
     def cut_engine(self, name: str, why: str) -> int:
@@ -113,10 +118,12 @@ class ResumingReads:
             yield batch
 
     async def _resume(
-        self, placed: PlacedRequest, at: Attempt, headers: dict[str, str], failure: EngineFailure | BadEngineResponse
+        self, placed: PlacedRequest, at: Attempt, headers: dict[str, str], failure: EngineFailure | BadEngineResponse,
+        span: "Span | None" = None,
     ) -> AsyncGenerator[Any, None]:
         """One cut: its continuation's batches; a failed continuation is yielded as its exception
-        (the next cut); a cut that cannot be resumed raises ``failure``."""
+        (the next cut); a cut that cannot be resumed raises ``failure``.  The continuation is a leg of
+        its own below the attempt's ``span`` (``narwhal.resume``: the engine gets its traceparent)."""
         req, t = placed.request, at.transcript
         reason = cut_reason(failure)
         failed_on = at.cursor.engine
@@ -144,8 +151,12 @@ class ResumingReads:
         at.first_limit, at.wait_from = self.resume_first_token_s, self.clock()
         opened, last_token = at.wait_from, at.meter.last or at.wait_from
         at.turnarounds.append(max(0.0, opened - (at.cut_at or opened)))
+        leg = self.tracing.start("narwhal.resume", parent=span, client=True,
+                                 attributes={"narwhal.engine": target.name}) if self.tracing is not None else None
+        leg_headers = headers if leg is None or self.tracing is None else {**headers, **self.tracing.headers_of(leg)}
+        leg_error: str | None = None
         stream = stream_chunks(self.client, target.name, target.base_url + PATHS["completion"],
-                               prioritized(target, body, placed.priority), headers)
+                               prioritized(target, body, placed.priority), leg_headers)
         if self.coalesce_reads:
             stream = coalesce(stream)
         try:
@@ -169,9 +180,16 @@ class ResumingReads:
                 at.moved = at.route.engines
             return
         except (EngineFailure, BadEngineResponse) as exc:
+            leg_error = f"{type(exc).__name__}: {exc}"
             if at.wait_from is not None:  # the continuation failed before its first token
                 at.notes.append((reason, "not_exact" if isinstance(exc, DivergedResume) else "failed"))
                 raise exc from None
             yield exc
+        except Exception as exc:  # (marked failed as leg_span marks the other legs)
+            leg_error = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
-            await stream.aclose()
+            try:
+                await stream.aclose()
+            finally:
+                end_span(leg, leg_error)

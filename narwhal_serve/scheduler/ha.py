@@ -47,6 +47,7 @@ class RouterHA:
         self.backend: RedisLease | None = None
         self.last_pass: float | None = None  # wall clock: the monitor loop's last completed pass
         self.degraded_why: str | None = None
+        self._degraded_kind: str | None = None
         self._last_mode: str | None = None
         self._giving_up = False  # draining: stop renewing (the lease is released)
         self._released = False
@@ -157,9 +158,10 @@ class RouterHA:
         mon = self.cfg.monitoring
         stalled_after = max(3 * mon.scrape_interval_s, mon.stale_after_s)
         why: str | None = None
+        kind: str | None = None  # what is logged: a change of kind, not of the numbers in `why`
         sure = math.inf
         if self.last_pass is not None and now - self.last_pass > stalled_after:
-            why = f"monitor loop stalled for {now - self.last_pass:.1f} s"
+            why, kind = f"monitor loop stalled for {now - self.last_pass:.1f} s", "stalled"
         elif self.last_pass is not None:
             sure = self.last_pass + stalled_after
             watched = [e for e in engines if e.cfg.wave not in maintenance]
@@ -167,7 +169,7 @@ class RouterHA:
                 n = len(watched)
                 seen = sum(1 for e in watched if e.answered(now, mon.stale_after_s))
                 if seen / n < mon.min_fresh_fraction:
-                    why = f"fresh data from {seen} of {n} engines"
+                    why, kind = f"fresh data from {seen} of {n} engines", "stale"
                 else:
                     # each engine answered (fresh data or a definite "down") until then; the m-th
                     # earliest, m the fewest engines whose data may age before too few are fresh,
@@ -180,12 +182,13 @@ class RouterHA:
                         m += 1
                     if m <= n:
                         sure = min(sure, until[m - 1])
-        if why != self.degraded_why:
+        if kind != self._degraded_kind:
             if why is not None:
                 log.warning("monitoring degraded: %s", why)
-            elif self.degraded_why is not None:
+            else:
                 log.warning("monitoring recovered")
-            self.degraded_why = why
+            self._degraded_kind = kind
+        self.degraded_why = why
         return why, (now if why is not None else sure)
 
     def view(self) -> dict[str, Any]:

@@ -42,8 +42,10 @@ def learn_from(
             for v in values:
                 histograms[name].observe(v)
     if stats.ttft_s is not None:
-        histograms["ttft"].observe(stats.ttft_s)
-        if tally is not None and completed and p.ttft_budget_s is not None and stats.ttft_s <= p.ttft_budget_s:
+        client_ttft = stats.client_ttft_s
+        assert client_ttft is not None
+        histograms["ttft"].observe(client_ttft)
+        if tally is not None and completed and p.ttft_budget_s is not None and client_ttft <= p.ttft_budget_s:
             tally.goodput += 1
         e = engines.get(p.first_engine or "")
         if e is not None and as_placed:

@@ -43,12 +43,13 @@ class AdmitRequest:
     exact: bool = False
     output_param: str = "max_tokens"
     truncate_to: int = 0
+    waited_s: float = 0.0
 
     def ask(self) -> Ask:
         return Ask(self.prompt_tokens, self.ttft_budget_s, self.tpot_budget_s, self.kind, self.max_output_tokens,
                    self.prefix, self.prefix_block_tokens, self.retry, self.reserves, self.tenant, self.fingerprint,
                    self.rank, self.admit_within_s, self.node, self.min_output_tokens, self.exact, self.output_param,
-                   self.truncate_to)
+                   self.truncate_to, self.waited_s)
 
     @classmethod
     def of(cls, ticket_id: str, request_deadline: float, ask: Ask, **lease: Any) -> "AdmitRequest":
@@ -57,7 +58,8 @@ class AdmitRequest:
                    prefix_block_tokens=ask.prefix_block_tokens, retry=ask.retry, reserves=ask.reserves,
                    tenant=ask.tenant, fingerprint=ask.fingerprint, rank=ask.rank,
                    admit_within_s=ask.admit_within_s, node=ask.node, min_output_tokens=ask.min_output_tokens,
-                   exact=ask.exact, output_param=ask.output_param, truncate_to=ask.truncate_to, **lease)
+                   exact=ask.exact, output_param=ask.output_param, truncate_to=ask.truncate_to,
+                   waited_s=ask.waited_s, **lease)
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ class TenantTally:
         return self.classes[rank] if 0 <= rank < len(self.classes) else None
 
     def ended(self, tenant: str, p: Placement, stats: RelayStats | None, completed: bool) -> None:
-        good = (stats is not None and completed and stats.ttft_s is not None and p.ttft_budget_s is not None
-                and stats.ttft_s <= p.ttft_budget_s)
+        ttft = None if stats is None else stats.client_ttft_s
+        good = completed and ttft is not None and p.ttft_budget_s is not None and ttft <= p.ttft_budget_s
         out = stats.output_tokens if stats is not None else 0
         if (k := self.class_label(p.rank)) is not None:
             self.by_class[(k, "admitted")] += 1

@@ -51,8 +51,8 @@ def bench_args(base_url: str, route: str, result_file: str, result_dir: Path) ->
     backend, endpoint = ROUTES[route]
     return [
         "--base-url", base_url, "--backend", backend, "--endpoint", endpoint,
-        # no --model: the benchmark asks /v1/models (id, root) like a first-time user's run
-        "--tokenizer", str(engine.MODEL_DIR),
+        # no --model, no --tokenizer: the benchmark asks /v1/models (id, root) and loads its tokenizer
+        # from the card's root, like a first-time user's run
         "--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
         "--num-prompts", str(NUM_PROMPTS), "--request-rate", str(REQUEST_RATE), "--seed", str(SEED),
         "--goodput", *(f"{k}:{v}" for k, v in SLO.items()),
@@ -150,15 +150,20 @@ def test_vllm_bench_through_narwhal_has_no_failures(bench: dict[str, dict[str, A
     assert direct["completed"] == NUM_PROMPTS, errors(direct)
     assert ours["total_input_tokens"] == direct["total_input_tokens"]
     assert ours["request_goodput"] is not None  # --goodput was honoured (the value is not asserted)
-    # without --model the benchmark took the model from Narwhal's /v1/models (`id`, and `root`)
-    assert ours["model_id"] == MODEL
+    # without --model the benchmark took the model from Narwhal's /v1/models (`id`, and `root`: the
+    # directory its tokenizer loaded from, the same as the engine's card says)
+    assert ours["model_id"] == direct["model_id"] == str(engine.MODEL_DIR)
 
 
 async def test_models_card_names_its_root(e2e: E2E) -> None:
-    """`vllm bench serve` without --model reads data[0]["root"] (a KeyError before Narwhal sent it)."""
+    """`vllm bench serve` without --model reads data[0]["root"] (a KeyError before Narwhal sent it) and,
+    without --tokenizer, loads its tokenizer from it: the engine's own card names the model's directory
+    there (vLLM's --model), and so does Narwhal's (its tokenizer directory; the served name before)."""
     async with httpx.AsyncClient(timeout=30) as c:
         card = (await c.get(e2e.narwhal + "/v1/models")).json()["data"][0]
-    assert card["id"] == MODEL and card["root"] == MODEL
+        own = (await c.get(e2e.vllm + "/v1/models")).json()["data"][0]
+    assert card["id"] == own["id"] == MODEL
+    assert card["root"] == own["root"] == str(engine.MODEL_DIR)
 
 
 if __name__ == "__main__":  # the table again: python -m tests.e2e.test_vllm_bench <results>/vllm-bench.json

@@ -164,6 +164,16 @@ def _length(out: bytes) -> int:
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Odd: a\x1fb\r\n\r\n", 400, "invalid_request"),
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Odd: a\x7fb\r\n\r\n", 400, "invalid_request"),
     (b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n", 404, "not_found"),
+    # a method uvicorn's parser does not know (its plain-text 400 before the rule), and one it knows
+    (b"get /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 501, "method_not_implemented"),
+    (b"BREW /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 501, "method_not_implemented"),
+    (b"PROPFIND /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 501, "method_not_implemented"),
+    (b"PUT /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 405, "method_not_allowed"),
+    # a long request target (uvicorn's plain-text 400 past about 64 KiB), and one just under the bound
+    (b"GET /v1/models?" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "request_target_too_long"),
+    (b"POST /v1/chat/completions?" + b"a" * 66_000 + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", 414,
+     "request_target_too_long"),
+    (b"GET /v1/nothing?" + b"a" * 64_900 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 404, "not_found"),
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Odd: a\x00b\r\n\r\n", 400, "invalid_request"),
     # header names and request targets HAProxy's strict parser answered with its own HTML 400
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX Odd: ab\r\n\r\n", 400, "invalid_request"),

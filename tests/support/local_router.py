@@ -20,6 +20,9 @@ from narwhal_serve.sim.server import SimServer, start_server
 from tests.support.net import free_port, free_port_run
 
 
+TEST_STAMP_KEY = "0123456789abcdef" * 2  # the key of the receipt stamps a stamped router believes
+
+
 @dataclass
 class LocalRouter:
     url: str
@@ -37,13 +40,17 @@ class LocalRouter:
     async def stop(self) -> None:
         self.server.should_exit = True
         await self.task
+        await self.app_reporter.stop()  # (its lease renewals went on reporting to the stopped scheduler)
         await self.svc.stop()
         await self.client.aclose()
         for s in self.sims:
             await s.stop()
 
 
-async def start_local_router(args: dict[str, Any], kv_shards: Sequence[ShardLink] = ()) -> LocalRouter:
+async def start_local_router(args: dict[str, Any], kv_shards: Sequence[ShardLink] = (), *,
+                             stamped: bool = False) -> LocalRouter:
+    """The router in this process over simulated engines; ``stamped``: as behind HAProxy, which stamps
+    each request's receipt (its ``x-narwhal-received-us`` header is believed, with TEST_STAMP_KEY)."""
     base = free_port_run(len(NarwhalConfig.model_validate(args).sim.engines))
     cfg = NarwhalConfig.model_validate({**args, "sim": {**args.get("sim", {}), "base_port": base}})
     sims = [await start_server(e, cfg.sim.host, cfg.sim.base_port + i) for i, e in enumerate(cfg.sim_engine_configs())]
@@ -51,7 +58,7 @@ async def start_local_router(args: dict[str, Any], kv_shards: Sequence[ShardLink
     await svc.scrape_once()
     svc.start()
     client = httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None))
-    app = build_api(cfg, LocalBackend(svc, client))
+    app = build_api(cfg, LocalBackend(svc, client), stamp_key=TEST_STAMP_KEY if stamped else None)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     task = asyncio.get_running_loop().create_task(server.serve())

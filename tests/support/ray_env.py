@@ -9,7 +9,9 @@ collide: each test process gets its own.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 from narwhal_serve.config import ServingConfig
@@ -33,9 +35,8 @@ RAY_TEST_ENV = {
 }
 
 
-def haproxy_env() -> dict[str, str]:
-    """Private HAProxy ports and files for one Serve session."""
-    d = tempfile.mkdtemp(prefix="narwhal-haproxy-")
+def haproxy_env(d: str) -> dict[str, str]:
+    """Private HAProxy ports and files (in ``d``) for one Serve session."""
     return {
         "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
@@ -48,8 +49,13 @@ def haproxy_env() -> dict[str, str]:
 
 
 def apply() -> None:
-    for k, v in {**RAY_TEST_ENV, **haproxy_env()}.items():
+    # HAProxy's files and Narwhal's wrapper, removed when the test process ends (after Ray's own
+    # exit handler: registered before Ray starts, it runs after it): each session left two folders
+    d = tempfile.mkdtemp(prefix="narwhal-haproxy-")
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    for k, v in {**RAY_TEST_ENV, **haproxy_env(d)}.items():
         os.environ.setdefault(k, v)
     if os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1":
         # the test applications' limits are no looser than the serving defaults
-        os.environ.update(direct_ingress_env(dict(os.environ), IngressLimits.of([ServingConfig()])))
+        os.environ.update(direct_ingress_env(dict(os.environ), IngressLimits.of([ServingConfig()]),
+                                             os.path.join(d, "bin")))

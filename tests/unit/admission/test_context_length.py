@@ -317,7 +317,7 @@ def test_every_field_of_an_ask_crosses_the_ray_hop() -> None:
                               "max_output_tokens": 9, "prefix": (1, 2), "prefix_block_tokens": 16.0, "retry": True,
                               "reserves": True, "tenant": "t", "fingerprint": "f", "rank": 2, "admit_within_s": 0.7,
                               "node": "n", "min_output_tokens": 3, "exact": True, "output_param": "max_completion_tokens",
-                              "truncate_to": 5}
+                              "truncate_to": 5, "waited_s": 0.25}
     assert set(odd) == {f.name for f in dataclasses.fields(Ask)}, "a new Ask field: add it here and to AdmitRequest"
     ask = Ask(**odd)  # type: ignore[arg-type]
     assert all(getattr(ask, f.name) != f.default for f in dataclasses.fields(Ask) if f.default is not dataclasses.MISSING)

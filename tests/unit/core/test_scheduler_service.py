@@ -296,3 +296,32 @@ async def test_an_engine_followed_by_its_kv_events_keeps_a_hit_prefix_in_the_lea
         held = svc.view(clock.t, frozen=True).facts()["u"].prefix
         assert set(shared) <= held and 50 + i not in held  # (used, not stored: the events never named it)
         svc.report(Report(released=[(f"t{i}", None, False)]))
+
+
+async def test_a_queued_request_that_waited_out_its_budget_is_refused_when_its_turn_comes() -> None:
+    """A request queued for a permit is decided again when it is granted, against its budget less
+    its whole wait since it reached the router (the ingress's part and the queue's): a hostile probe
+    saw 66 of a 200-stream burst granted from the queue after waiting over their 2 s budget."""
+    svc, clock = service("predictive")
+    a = await svc.admit(req("a"))
+    assert a.error is None
+    on_time = asyncio.ensure_future(svc.admit(AdmitRequest("b", 2000.0, 10, 16, 2.0, waited_s=0.2)))
+    late = asyncio.ensure_future(svc.admit(AdmitRequest("c", 2000.0, 10, 16, 2.0, waited_s=0.2)))
+    await asyncio.sleep(0)
+    assert svc.admission.gauges()["queued"] == 2
+    for e in svc.engines.values():
+        e.last_ok = clock.t + 1.0
+    clock.t += 1.0  # b: 1.2 s of its 2 s gone
+    svc.report(Report(decode_started=[("a", ())]))  # a's prefill permit frees: b is granted
+    b = await on_time
+    assert b.error is None, b.error
+    for e in svc.engines.values():
+        e.last_ok = clock.t + 1.0
+    clock.t += 1.0  # c: 2.2 s gone
+    svc.report(Report(decode_started=[("b", ())]))
+    c = await late
+    assert c.error is not None and c.error.code == "ttft_budget_exceeded", c
+    assert "less the 2.20 s it has waited" in c.error.message and c.error.retry_after == 1
+    svc.report(Report(released=[("a", None, False), ("b", None, False)]))
+    assert svc.admission.gauges() == {"retained": 0, "queued": 0, "prefill_inflight": 0, "decode_inflight": 0}
+    assert svc.counters.contract_view()["refused"] == 1

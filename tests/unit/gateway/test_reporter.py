@@ -19,6 +19,7 @@ async def test_events_are_batched_and_flush_waits_for_delivery() -> None:
     assert sum(x.counters.offered for x in got) == 1
     assert [t for x in got for t, _, _ in x.released] == ["t1"]
     assert len(got) == 1  # one call carried the request's three events
+    await r.stop()
 
 
 async def test_a_failed_send_keeps_the_report() -> None:
@@ -38,6 +39,7 @@ async def test_a_failed_send_keeps_the_report() -> None:
     await r.flush()
     assert sum(x.counters.offered for x in calls) == 1
     assert sum(x.counters.outcomes[("invalid_requests", "invalid_request")] for x in calls) == 1
+    await r.stop()
 
 
 async def test_health_events_reach_the_scheduler_in_order() -> None:
@@ -54,3 +56,4 @@ async def test_health_events_reach_the_scheduler_in_order() -> None:
     r.engine_health((cut, EngineWorked(("e1",))))
     await r.flush()
     assert [e for x in got for e in x.health] == [ok, cut, EngineWorked(("e1",))]
+    await r.stop()

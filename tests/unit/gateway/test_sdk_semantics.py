@@ -37,7 +37,7 @@ from narwhal_serve.protocol.sse import DONE_EVENT, sse_event
 from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.scheduler.messages import AdmitRequest, AdmitResult
 from tests.support.local_router import LocalRouter, start_local_router
-from tests.unit.gateway.test_vllm_route_shapes import _NoFleet
+from tests.support.fleetless import NoFleet as _NoFleet
 
 CHAT = "/v1/chat/completions"
 MODEL = "narwhal-sim"
@@ -191,6 +191,7 @@ async def test_a_keepalive_during_a_stall_does_not_lose_the_rest_of_the_stream_f
     assert any(w.startswith(b"data: ") and b'"b"' in w for w in writes)  # (the router did send it all)
     contents, done = _vllm_bench_read(writes)
     assert contents == ["a", "b", "c"] and done, f"vllm bench got {contents}, [DONE]: {done}; reads: {writes}"
+    await app.state.reporter.stop()  # (no lifespan runs here)
 
 
 # ------------------------------------------------------------ 2. openai-node's X-Stainless-Timeout
@@ -209,6 +210,7 @@ async def test_openai_node_sub_second_timeout_header_is_not_refused() -> None:
     status, _, writes = await _asgi_post(app, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
                                          {"X-Stainless-Timeout": "0", "X-Stainless-Retry-Count": "0"})
     assert status == 200, b"".join(writes).decode()
+    await app.state.reporter.stop()
 
 
 # ------------------------------------------------- 3. x-ratelimit-* on every answer to a tenant

@@ -8,7 +8,7 @@ import pytest
 from starlette.requests import Request
 
 from narwhal_serve.errors import InvalidRequest
-from narwhal_serve.gateway.completion import _seconds_header
+from narwhal_serve.gateway.body import seconds_header as _seconds_header
 
 
 def _req(value: str) -> Request:

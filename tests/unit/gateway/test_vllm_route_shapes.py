@@ -22,52 +22,20 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from narwhal_serve.config import NarwhalConfig
-from narwhal_serve.gateway.app import GatewayApp, build_api
-from narwhal_serve.tokenization.hf import HfTokenizer
-from narwhal_serve.tokenization.sizer import PromptSizer
+from tests.support.fleetless import asgi_client, fleetless_app, tok_dir
 from tests.support.local_router import LocalRouter, start_local_router
-from tests.support.tokenizer import build_tiny_tokenizer
 
 MODEL = "narwhal-sim"
 USER = {"role": "user", "content": "hi"}
 
 
-class _NoFleet:
-    """Just what the token and model routes touch: they never reach an engine."""
-
-    local_relay = None
-
-    async def report(self, rep: Any) -> None:
-        return None
-
-    async def watch(self, lease_id: str) -> bool:
-        return False
-
-    async def snapshot(self) -> dict[str, Any]:
-        return {"ready": True, "state": "active"}
-
-    async def metrics_text(self) -> str:
-        return ""
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
-
-
-def _app(tok_dir: Path, **cfg: Any) -> GatewayApp:
-    conf = NarwhalConfig.model_validate({"tokenizer": str(tok_dir), "sim": {"engines": [{"name": "u0"}]}, **cfg})
-    return build_api(conf, _NoFleet(), sizer=PromptSizer(HfTokenizer(tok_dir)))
-
-
-def _client(app: GatewayApp) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+_app = fleetless_app
+_client = asgi_client
+__all__ = ["tok_dir"]  # (the fixture, shared)
 
 
 @pytest.fixture(scope="module")

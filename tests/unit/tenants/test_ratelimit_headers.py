@@ -154,3 +154,4 @@ async def test_without_ingress_leases_an_error_answer_to_a_budgeted_tenant_carri
     status, headers, writes = await _asgi_post(app, CHAT, {**body, "messages": "not a list"}, auth)
     assert status == 400, b"".join(writes)
     assert headers.get("x-ratelimit-limit-requests") == "600", headers
+    await app.state.reporter.stop()  # (no lifespan runs here)
