@@ -244,6 +244,10 @@ def build_env(base: dict[str, str], limits: IngressLimits) -> tuple[dict[str, st
         for k, leaf in HAPROXY_PATH_VARS.items():
             env[k] = os.path.join(haproxy_dir, leaf) if leaf else haproxy_dir
     if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        if haproxy_dir is None and not env.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
+            # the caller's own HAProxy paths: the wrapper still in a folder of this run's, removed
+            # with it (it was left in a temp folder of its own at every run)
+            haproxy_dir = tempfile.mkdtemp(prefix="narwhal-hap-", dir="/tmp")
         # HAProxy without kernel splicing, or client disconnects go unseen (narwhal_serve.runenv)
         env = direct_ingress_env(env, limits, os.path.join(haproxy_dir, "bin") if haproxy_dir else None)
     return env, haproxy_dir
