@@ -30,7 +30,9 @@ from narwhal_serve.placement.prefix import matched_blocks
 from narwhal_serve.prediction.decode import expected_output, mean_remaining, tpot_at
 from narwhal_serve.prediction.ttft import (
     Projection,
+    decoding_requests,
     linear_ttft,
+    on_idle_engine,
     projected_pair,
     released_wait_s,
     slot_wait_s,
@@ -66,6 +68,7 @@ class _Scored:
     cost: float  # expected completion time (TTFT + decode), drift-weighted: lower is better
     shed_s: float  # TPOT over budget: about how long until the decode engine sheds enough
     done: int = 0  # tokens of the prompt at the head of the line counted as prefilled already
+    n: int = 0  # requests decoding at the first-token engine when its prefill runs
 
 
 def _slot_wait(d: EngineFacts | None, expected_out: float, held: int, t: float) -> float:
@@ -130,7 +133,13 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
             judged_wait = _slot_wait(d, expected_out, held_slots, t)
     alone, raw = projected_pair(e.ttft_a, e.ttft_b, x - own + held_tokens, own, judged_wait, e.ttft_c,
                                 r + held_requests)
-    projection = Projection(alone, with_margin(raw, e.ttft_margin), with_margin(alone, e.ttft_margin))
+    # the prompt alone is judged with the margin of the engine's errors when idle, and so is a
+    # projection onto an idle engine (then the same judgement: no wait cures a refusal); a
+    # projection with work ahead or beside it, with the margin of all its errors
+    n = decoding_at(e)
+    idle_margin = e.ttft_margin if e.ttft_idle_margin is None else e.ttft_idle_margin
+    margin = idle_margin if on_idle_engine(x - own + held_tokens, r + held_requests, n, judged_wait) else e.ttft_margin
+    projection = Projection(alone, with_margin(raw, margin), with_margin(alone, idle_margin))
     batch = float(d.in_flight() + 1)
     if d.slots:
         batch = min(batch, float(d.slots))
@@ -144,7 +153,12 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
         shed = over * per_request * tpot / max(batch, 1.0)
     # ranked by the projection itself; the margin is for judging it against the target
     cost = (raw + expected_out * ranked_tpot) * (1.0 + max(e.penalty, d.penalty))
-    return _Scored(i, route, projection, x, r, wait, cached, matched, batch, tpot, d.tpot_known, cost, shed, done)
+    return _Scored(i, route, projection, x, r, wait, cached, matched, batch, tpot, d.tpot_known, cost, shed, done, n)
+
+
+def decoding_at(e: EngineFacts) -> int:
+    """Requests decoding at ``e`` when a prefill placed now runs there."""
+    return decoding_requests(e.in_flight(), e.pending_prefill_requests, e.slots)
 
 
 def _tpot_ok(s: _Scored, budget: float | None) -> bool:
@@ -163,7 +177,7 @@ def _placement(ordered: tuple[RouteChoice, ...], best: _Scored | None, facts: Ma
     return Placement(ordered, e.cfg.name, ask.prompt_tokens, best.x, best.wait, predicted, best.r, ask.ttft_budget_s,
                      ask.kind, ask.max_output_tokens, expected_out, best.route.decode.name, best.batch,
                      best.tpot_s if best.tpot_known else None, best.cached, best.matched, ask.prefix, ask.tpot_budget_s,
-                     ask.tenant, ask.rank, best.done)
+                     ask.tenant, ask.rank, best.done, best.n)
 
 
 SCORED_ROUTES = 8  # predictive mode projects this many least loaded routes (and as many prefix holders)

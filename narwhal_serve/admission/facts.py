@@ -39,6 +39,8 @@ class EngineFacts:
     penalty: float = 0.0  # drift: the placement cost is multiplied by 1 + penalty
     prefix: AbstractSet[int] = frozenset()  # prompt-prefix blocks the engine is believed to hold
     ttft_margin: float = 0.0  # a projection here is judged with this relative margin (prediction/ttft.py)
+    # the prompt alone, and a projection onto this engine idle, with this one (None: ``ttft_margin``)
+    ttft_idle_margin: float | None = None
     prefix_credit: float = 1.0  # share of a prefix match credited as cached (measured hit rate)
     cache_block_tokens: int = 0  # the engine reuses its cache in blocks of this many tokens (0: unknown)
     node: str | None = None  # the Ray node a managed engine runs on (None: unknown, an engine by URL)

@@ -14,6 +14,7 @@ from narwhal_serve.admission.facts import ChangedRow, EngineFacts, PrefixChange,
 from narwhal_serve.admission.retry import Reservation
 from narwhal_serve.placement.order import RouteOrder
 from narwhal_serve.prediction.decode import DEFAULT_OUTPUT_PRIOR
+from narwhal_serve.prediction.ttft import on_idle_engine
 from narwhal_serve.protocol.placement import RouteChoice
 
 
@@ -206,10 +207,16 @@ class Placement:
     # prompt tokens of the head of the line at that engine counted as prefilled already (x is net
     # of them; an estimate from when the head started: such a request does not teach the model)
     head_done: int = 0
+    decoding: int = 0  # requests decoding at that engine when its prefill runs
 
     @property
     def engines(self) -> tuple[str, ...]:
         return self.routes[0].engines if self.routes else ()
+
+    @property
+    def idle(self) -> bool:
+        """Placed on an idle engine: no prompt ahead of its own, none decoding, no slot wait."""
+        return on_idle_engine(self.x_tokens - self.prefill_tokens, self.r_ahead, self.decoding, self.slot_wait_s)
 
     @property
     def prefill_tokens(self) -> int:

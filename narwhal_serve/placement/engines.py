@@ -35,6 +35,8 @@ class EngineState:
     drift: Drift = field(default_factory=Drift)  # measured against its own models; out while re-measured
     prefix: PrefixIndex = field(default_factory=lambda: PrefixIndex(PREFIX_INDEX_BLOCKS))
     ttft_errors: ErrorWindow = field(default_factory=ErrorWindow)  # the margin a projection is judged with
+    # the errors of requests placed on it idle (Placement.idle), the margin the prompt alone is judged with
+    ttft_idle_errors: ErrorWindow = field(default_factory=ErrorWindow)
     prefix_credit: float = CREDIT_PRIOR  # share of believed prefix hits that measured like hits (EWMA)
     prefix_exact: bool = False  # the index follows the engine's own KV events (credit 1, not learned)
     cache_block_tokens: int = 0  # the engine's KV block size, from its events (credits round down to it)
@@ -135,6 +137,7 @@ class EngineState:
                            "c_s_per_request_ahead": self.ttft_model.c,
                            "samples": len(self.ttft_model.samples), "prior_a_s": self.ttft_model.prior_a,
                            "margin": round(self.ttft_errors.margin, 4),
+                           "idle_margin": round(self.ttft_idle_errors.margin, 4),
                            "prior_b_s_per_token": self.ttft_model.prior_b},
             "token_accounting": self.token_accounting(),
             "managed": self.managed is not None,

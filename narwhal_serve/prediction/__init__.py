@@ -25,10 +25,12 @@ _EXPORTS = {
     "PrefillModel": "ttft",
     "Projection": "ttft",
     "TpotModel": "decode",
+    "decoding_requests": "ttft",
     "expected_output": "decode",
     "fit_prefill": "ttft",
     "linear_ttft": "ttft",
     "mean_remaining": "decode",
+    "on_idle_engine": "ttft",
     "project_linear": "ttft",
     "projected_pair": "ttft",
     "released_wait_s": "ttft",
@@ -40,9 +42,9 @@ _EXPORTS = {
 }
 __all__ = [
     "DEFAULT_OUTPUT_PRIOR", "ErrorWindow", "Gram", "OutputLengths", "PRIOR_A", "PRIOR_B", "PRIOR_TPOT_A",
-    "RELEASES_MAX", "PrefillModel", "Projection", "TpotModel", "expected_output", "fit_prefill", "linear_ttft",
-    "mean_remaining", "project_linear", "projected_pair", "released_wait_s", "remaining_tokens",
-    "slot_releases", "slot_wait_s", "tpot_at", "with_margin",
+    "RELEASES_MAX", "PrefillModel", "Projection", "TpotModel", "decoding_requests", "expected_output", "fit_prefill",
+    "linear_ttft", "mean_remaining", "on_idle_engine", "project_linear", "projected_pair", "released_wait_s",
+    "remaining_tokens", "slot_releases", "slot_wait_s", "tpot_at", "with_margin",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
@@ -58,10 +60,12 @@ if TYPE_CHECKING:
     from narwhal_serve.prediction.ttft import RELEASES_MAX as RELEASES_MAX
     from narwhal_serve.prediction.ttft import Projection as Projection
     from narwhal_serve.prediction.decode import TpotModel as TpotModel
+    from narwhal_serve.prediction.ttft import decoding_requests as decoding_requests
     from narwhal_serve.prediction.decode import expected_output as expected_output
     from narwhal_serve.prediction.ttft import fit_prefill as fit_prefill
     from narwhal_serve.prediction.ttft import linear_ttft as linear_ttft
     from narwhal_serve.prediction.decode import mean_remaining as mean_remaining
+    from narwhal_serve.prediction.ttft import on_idle_engine as on_idle_engine
     from narwhal_serve.prediction.ttft import project_linear as project_linear
     from narwhal_serve.prediction.ttft import projected_pair as projected_pair
     from narwhal_serve.prediction.ttft import released_wait_s as released_wait_s

@@ -235,6 +235,21 @@ def slot_wait_s(in_flight: int, slots: int | None, service_s: float | None) -> f
     return 0.0 if excess <= 0 else excess * service_s / slots
 
 
+def decoding_requests(in_flight: int, waiting_prefill: int, slots: int | None) -> int:
+    """Requests decoding at an engine when a prefill placed now runs there: those past their first
+    token (every request there, less those waiting for prefill), at most all its slots but the one
+    the prefill takes."""
+    n = max(0, in_flight - waiting_prefill)
+    return min(n, slots - 1) if slots else n
+
+
+def on_idle_engine(tokens_ahead: float, requests_ahead: float, decoding: int, wait_s: float) -> bool:
+    """Whether a prefill placed so runs on an idle engine: no prompt ahead of it, none decoding
+    there, no wait for a sequence slot (what the prompt alone is judged on, and the errors of such
+    placements the margin it is judged with: :class:`ErrorWindow`)."""
+    return tokens_ahead <= 0 and requests_ahead <= 0 and decoding <= 0 and wait_s <= 0.0
+
+
 RELEASES_MAX = 64  # slot releases an engine's facts carry (later positions: extrapolated)
 
 

@@ -84,7 +84,7 @@ class AdminOps(AdmissionDesk):
         self.engines[engine.name] = e = EngineState(engine)
         self.views_stale()
         e.prefix.capacity = self.cfg.placement.prefix_index_blocks
-        e.ttft_errors.quantile = self.cfg.admission.ttft_confidence
+        e.ttft_errors.quantile = e.ttft_idle_errors.quantile = self.cfg.admission.ttft_confidence
         if self._monitor is not None:
             self.kv_events.start([e])
 

@@ -34,8 +34,8 @@ KEEP_ELIGIBLE_S = LEASE_TTL_S + FULL_VIEW_S + CLOCK_STEP_S
 # the fields of an engine's facts, in the order of their inputs (SchedulerState._inputs)
 INPUT_FIELDS = ("eligible_until", "inflight", "load", "pending_prefill_tokens", "ttft_a", "ttft_b", "slots",
                 "service_s", "external", "pending_prefill_requests", "ttft_c", "tpot_a", "tpot_b", "tpot_known",
-                "decode_tokens", "penalty", "ttft_margin", "prefix_credit", "cache_block_tokens", "node",
-                "releases", "line_since", "line_head_tokens", "context", "prefix", "cfg")
+                "decode_tokens", "penalty", "ttft_margin", "ttft_idle_margin", "prefix_credit", "cache_block_tokens",
+                "node", "releases", "line_since", "line_head_tokens", "context", "prefix", "cfg")
 assert len(INPUT_FIELDS) == len(FACT_FIELDS) and set(INPUT_FIELDS) == FACT_FIELDS, set(INPUT_FIELDS) ^ FACT_FIELDS
 RELEASES = INPUT_FIELDS.index("releases")  # the slot releases' place in the inputs
 

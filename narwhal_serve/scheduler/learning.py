@@ -86,6 +86,8 @@ def learn_from(
             if e is not None and as_placed and not e.drift.out:
                 e.drift.observe_ttft(rel_error(stats.ttft_s, p.predicted_s, pl.drift_min_ttft_s), now)
                 e.ttft_errors.observe(stats.ttft_s, p.predicted_s)
+                if p.idle:  # (and those placed on it idle apart: the margin the prompt alone is judged with)
+                    e.ttft_idle_errors.observe(stats.ttft_s, p.predicted_s)
     if stats.output_tokens > 1:
         tpot = stats.decode_s / (stats.output_tokens - 1)
         histograms["tpot"].observe(tpot)

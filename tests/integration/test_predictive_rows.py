@@ -46,7 +46,7 @@ async def _over_budget(g: str) -> None:
     p_tokens = 3  # "short" as the router sizes it: chars/4 over the message plus its role overhead
     # as admission judges them: with the engine's error margin (learned from earlier requests of the
     # suite: ignoring it made the budget fall under the prompt alone as judged, a flaky refusal)
-    alone = with_margin(a + b * p_tokens, model["margin"])
+    alone = with_margin(a + b * p_tokens, model["idle_margin"])  # (the prompt alone: the idle engine's margin)
     projected = with_margin(a + b * (pending + p_tokens) + model["c_s_per_request_ahead"], model["margin"])
     assert projected - alone > 0.02, (alone, projected, model)  # a budget fits between the two
     budget = (alone + projected) / 2

@@ -17,7 +17,8 @@ def test_facts_from_equal_the_constructors_in_every_field_and_behaviour() -> Non
         "load": EngineLoad(2, 1, 0.25, 4096), "pending_prefill_tokens": 700, "ttft_a": 0.01, "ttft_b": 2e-4,
         "slots": 8, "service_s": 1.5, "external": 1, "pending_prefill_requests": 2, "ttft_c": 0.003,
         "tpot_a": 0.02, "tpot_b": 0.001, "tpot_known": True, "decode_tokens": 64.0, "penalty": 0.1,
-        "prefix": frozenset({1, 2}), "ttft_margin": 0.05, "prefix_credit": 0.9, "cache_block_tokens": 16,
+        "prefix": frozenset({1, 2}), "ttft_margin": 0.05, "ttft_idle_margin": 0.02, "prefix_credit": 0.9,
+        "cache_block_tokens": 16,
         "node": "n1", "releases": (13.0, 14.0), "line_since": 11.0, "line_head_tokens": 300, "context": 4096,
     }
     assert values.keys() == FACT_FIELDS  # every field, so none is left to a default
