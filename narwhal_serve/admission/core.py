@@ -68,7 +68,7 @@ class _Scored:
     cost: float  # expected completion time (TTFT + decode), drift-weighted: lower is better
     shed_s: float  # TPOT over budget: about how long until the decode engine sheds enough
     done: int = 0  # tokens of the prompt at the head of the line counted as prefilled already
-    n: int = 0  # requests decoding at the first-token engine when its prefill runs
+    n: int = 0  # requests decoding at the route's decode engine when its prefill runs
 
 
 def _slot_wait(d: EngineFacts | None, expected_out: float, held: int, t: float) -> float:
@@ -136,7 +136,7 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
     # the prompt alone is judged with the margin of the engine's errors when idle, and so is a
     # projection onto an idle engine (then the same judgement: no wait cures a refusal); a
     # projection with work ahead or beside it, with the margin of all its errors
-    n = decoding_at(e)
+    n = decoding_at(d)
     idle_margin = e.ttft_margin if e.ttft_idle_margin is None else e.ttft_idle_margin
     margin = idle_margin if on_idle_engine(x - own + held_tokens, r + held_requests, n, judged_wait) else e.ttft_margin
     projection = Projection(alone, with_margin(raw, margin), with_margin(alone, idle_margin))
@@ -156,9 +156,11 @@ def _score(view: FleetView, facts: Mapping[str, EngineFacts], i: int, route: Rou
     return _Scored(i, route, projection, x, r, wait, cached, matched, batch, tpot, d.tpot_known, cost, shed, done, n)
 
 
-def decoding_at(e: EngineFacts) -> int:
-    """Requests decoding at ``e`` when a prefill placed now runs there."""
-    return decoding_requests(e.in_flight(), e.pending_prefill_requests, e.slots)
+def decoding_at(d: EngineFacts) -> int:
+    """Requests decoding at a route's decode engine ``d`` beside a prefill placed now (the
+    first-token engine on a single-engine route; on a P/D route the prefill engine's requests in
+    flight decode elsewhere, and the first token comes from ``d``'s first step)."""
+    return decoding_requests(d.in_flight(), d.pending_prefill_requests)
 
 
 def _tpot_ok(s: _Scored, budget: float | None) -> bool:

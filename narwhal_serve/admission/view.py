@@ -207,7 +207,7 @@ class Placement:
     # prompt tokens of the head of the line at that engine counted as prefilled already (x is net
     # of them; an estimate from when the head started: such a request does not teach the model)
     head_done: int = 0
-    decoding: int = 0  # requests decoding at that engine when its prefill runs
+    decoding: int = 0  # requests decoding at its decode engine when its prefill runs
 
     @property
     def engines(self) -> tuple[str, ...]:
@@ -215,7 +215,7 @@ class Placement:
 
     @property
     def idle(self) -> bool:
-        """Placed on an idle engine: no prompt ahead of its own, none decoding, no slot wait."""
+        """Placed on an idle route: no prompt ahead of its own, none decoding, no slot wait."""
         return on_idle_engine(self.x_tokens - self.prefill_tokens, self.r_ahead, self.decoding, self.slot_wait_s)
 
     @property

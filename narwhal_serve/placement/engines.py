@@ -7,14 +7,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from narwhal_serve.config import EngineConfig
+from narwhal_serve.config import EngineConfig, NarwhalConfig
 from narwhal_serve.engines.metrics import EngineLoad
 from narwhal_serve.managed.slot import ManagedSlot
 from narwhal_serve.placement.drift import Drift
 from narwhal_serve.placement.health import Breaker
 from narwhal_serve.placement.prefix import CREDIT_PRIOR, PrefixIndex
 from narwhal_serve.prediction.decode import TpotModel
-from narwhal_serve.prediction.ttft import PRIOR_A, PRIOR_B, ErrorWindow, Gram, PrefillModel, fit_prefill, linear_ttft
+from narwhal_serve.prediction.ttft import (
+    IDLE_ERRORS_MIN, PRIOR_A, PRIOR_B, ErrorWindow, Gram, PrefillModel, decoding_requests, fit_prefill, linear_ttft,
+)
 
 PREFIX_INDEX_BLOCKS = 4096  # config.PlacementConfig.prefix_index_blocks (the scheduler sets it)
 
@@ -100,6 +102,28 @@ class EngineState:
         """Requests at the engine now: the router's own, plus others' as last scraped."""
         return self.inflight + self.external()
 
+    def idle_margin(self) -> float:
+        """The margin the prompt alone, and a projection onto this engine idle, are judged with: of
+        the errors of requests placed on it idle, once IDLE_ERRORS_MIN are in; the margin of all
+        its errors before."""
+        idle = self.ttft_idle_errors
+        return idle.margin if len(idle.errors) >= IDLE_ERRORS_MIN else self.ttft_errors.margin
+
+    def decoding(self) -> int:
+        """Requests decoding here beside a prefill placed now (admission/core.py ``decoding_at``): on
+        a prefill engine none (its requests in flight decode on their decode engines)."""
+        if self.cfg.role == "prefill":
+            return 0
+        return decoding_requests(self.in_flight(), self.pending_prefill_requests)
+
+    def configure(self, cfg: NarwhalConfig) -> "EngineState":
+        """What the router's config sets on an engine's state when it joins the fleet (at start, an
+        engine added, a managed engine's extra slot): its prefix index's capacity and the confidence
+        of its margins."""
+        self.prefix.capacity = cfg.placement.prefix_index_blocks
+        self.ttft_errors.quantile = self.ttft_idle_errors.quantile = cfg.admission.ttft_confidence
+        return self
+
     def token_accounting(self) -> str:
         return "token_ids" if self.cfg.dialect == "vllm" else "unavailable"
 
@@ -122,6 +146,7 @@ class EngineState:
             "tpot_s": self.tpot_s,
             "pending_prefill_tokens": self.pending_prefill_tokens,
             "pending_prefill_requests": self.pending_prefill_requests,
+            "decoding_requests": self.decoding(),
             "slots": self.slots(),
             "max_model_len": self.context or None,  # its /v1/models (null: not said)
             "service_s": self.service_s,
@@ -137,7 +162,7 @@ class EngineState:
                            "c_s_per_request_ahead": self.ttft_model.c,
                            "samples": len(self.ttft_model.samples), "prior_a_s": self.ttft_model.prior_a,
                            "margin": round(self.ttft_errors.margin, 4),
-                           "idle_margin": round(self.ttft_idle_errors.margin, 4),
+                           "idle_margin": round(self.idle_margin(), 4),
                            "prior_b_s_per_token": self.ttft_model.prior_b},
             "token_accounting": self.token_accounting(),
             "managed": self.managed is not None,

@@ -16,6 +16,7 @@ from narwhal_serve.exports import lazy_exports
 _EXPORTS = {
     "DEFAULT_OUTPUT_PRIOR": "decode",
     "ErrorWindow": "ttft",
+    "IDLE_ERRORS_MIN": "ttft",
     "Gram": "ttft",
     "OutputLengths": "decode",
     "PRIOR_A": "ttft",
@@ -41,7 +42,8 @@ _EXPORTS = {
     "with_margin": "ttft",
 }
 __all__ = [
-    "DEFAULT_OUTPUT_PRIOR", "ErrorWindow", "Gram", "OutputLengths", "PRIOR_A", "PRIOR_B", "PRIOR_TPOT_A",
+    "DEFAULT_OUTPUT_PRIOR", "ErrorWindow", "Gram", "IDLE_ERRORS_MIN", "OutputLengths", "PRIOR_A", "PRIOR_B",
+    "PRIOR_TPOT_A",
     "RELEASES_MAX", "PrefillModel", "Projection", "TpotModel", "decoding_requests", "expected_output", "fit_prefill",
     "linear_ttft", "mean_remaining", "on_idle_engine", "project_linear", "projected_pair", "released_wait_s",
     "remaining_tokens", "slot_releases", "slot_wait_s", "tpot_at", "with_margin",
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
     from narwhal_serve.prediction.decode import DEFAULT_OUTPUT_PRIOR as DEFAULT_OUTPUT_PRIOR
     from narwhal_serve.prediction.ttft import ErrorWindow as ErrorWindow
     from narwhal_serve.prediction.ttft import Gram as Gram
+    from narwhal_serve.prediction.ttft import IDLE_ERRORS_MIN as IDLE_ERRORS_MIN
     from narwhal_serve.prediction.decode import OutputLengths as OutputLengths
     from narwhal_serve.prediction.ttft import PRIOR_A as PRIOR_A
     from narwhal_serve.prediction.ttft import PRIOR_B as PRIOR_B

@@ -235,12 +235,16 @@ def slot_wait_s(in_flight: int, slots: int | None, service_s: float | None) -> f
     return 0.0 if excess <= 0 else excess * service_s / slots
 
 
-def decoding_requests(in_flight: int, waiting_prefill: int, slots: int | None) -> int:
-    """Requests decoding at an engine when a prefill placed now runs there: those past their first
-    token (every request there, less those waiting for prefill), at most all its slots but the one
-    the prefill takes."""
-    n = max(0, in_flight - waiting_prefill)
-    return min(n, slots - 1) if slots else n
+def decoding_requests(in_flight: int, waiting_prefill: int) -> int:
+    """Requests decoding at an engine beside a prefill placed now: those past their first token
+    (every request there, less those waiting for prefill; those waiting for a slot included: the
+    engine is not idle)."""
+    return max(0, in_flight - waiting_prefill)
+
+
+# the idle margin stands once this many errors of idle placements are in (before, the margin of all
+# errors: an engine never measured idle is judged as before, not by the prior)
+IDLE_ERRORS_MIN = 16
 
 
 def on_idle_engine(tokens_ahead: float, requests_ahead: float, decoding: int, wait_s: float) -> bool:

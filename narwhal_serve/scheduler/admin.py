@@ -81,10 +81,8 @@ class AdminOps(AdmissionDesk):
             raise ValueError("engines with a launch spec are started from the serve config; register a URL")
         if engine.name in self.engines:
             raise ValueError(f"engine {engine.name!r} is already registered")
-        self.engines[engine.name] = e = EngineState(engine)
+        self.engines[engine.name] = e = EngineState(engine).configure(self.cfg)
         self.views_stale()
-        e.prefix.capacity = self.cfg.placement.prefix_index_blocks
-        e.ttft_errors.quantile = e.ttft_idle_errors.quantile = self.cfg.admission.ttft_confidence
         if self._monitor is not None:
             self.kv_events.start([e])
 

@@ -39,6 +39,7 @@ class ManagedFleet:
     def __init__(self, cfg: NarwhalConfig, engines: dict[str, EngineState]) -> None:
         self.specs: dict[str, EngineConfig] = {e.name: e for e in cfg.engines if e.launch is not None}
         self.engines = engines  # the scheduler's own dict: slots are added and removed in place
+        self.cfg = cfg
 
     def _slots(self, engine: str) -> list[EngineState]:
         return sorted((e for e in self.engines.values() if e.managed is not None and e.managed.engine == engine),
@@ -65,7 +66,7 @@ class ManagedFleet:
             # stops, e.g. on redeploy): an extra slot until one of them goes down
             index = max((st.managed.index for st in slots if st.managed is not None), default=-1) + 1
             base = spec.model_copy(update={"name": f"{spec.name}-{index}", "launch": None})
-            free = EngineState(base)
+            free = EngineState(base).configure(self.cfg)
             free.managed = ManagedSlot(engine=spec.name, index=index)
             self.engines[base.name] = free
         return self._take(free, rep, now), True

@@ -69,8 +69,7 @@ class SchedulerState(ABC):
         self.leases = LeaseLedger(self.admission)
         self.engines: dict[str, EngineState] = initial_engines(cfg)
         for e in self.engines.values():
-            e.prefix.capacity = cfg.placement.prefix_index_blocks
-            e.ttft_errors.quantile = e.ttft_idle_errors.quantile = cfg.admission.ttft_confidence
+            e.configure(cfg)
         # engines whose KV events feed their prefix index: here, or in the shards given
         self.kv_events: KVEventFeeds | ShardedKVFeeds = (
             ShardedKVFeeds(cfg.placement, kv_shards, mono, self.touch) if kv_shards
@@ -169,7 +168,7 @@ class SchedulerState(ABC):
             (e.last_ok or 0.0) + stale if ok else 0.0, e.inflight, e.load, e.pending_prefill_tokens,
             m.a, m.b, e.slots(), e.service_s, e.external(), e.pending_prefill_requests,
             m.c, e.tpot_model.a, e.tpot_model.b, bool(e.tpot_model.samples), e.decode_tokens,
-            e.drift.penalty(pl) if predictive else 0.0, e.ttft_errors.margin, e.ttft_idle_errors.margin,
+            e.drift.penalty(pl) if predictive else 0.0, e.ttft_errors.margin, e.idle_margin(),
             e.prefix_credit, e.cache_block_tokens,
             e.managed.report.node_id if e.managed is not None and e.managed.report is not None else None,
             self._releases(e, m, now) if predictive else (),

@@ -15,6 +15,7 @@ from dataclasses import replace
 from narwhal_serve.admission.controller import Refusal
 from narwhal_serve.admission.core import Ask, Placement, decide
 from narwhal_serve.config import NarwhalConfig
+from narwhal_serve.placement.engines import EngineState
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.scheduler.learning import learn_from
 from narwhal_serve.scheduler.service import SchedulerService
@@ -23,13 +24,19 @@ from tests.unit.admission.test_overload_decisions import engine, placed, refused
 NOW = 1000.0
 
 
-def test_a_burst_s_errors_leave_the_idle_engine_s_judgement_alone() -> None:
+def one_engine_service() -> tuple[SchedulerService, EngineState]:
+    """A predictive scheduler over one healthy engine "u", at NOW."""
     cfg = NarwhalConfig.model_validate({"admission": {"mode": "predictive"},
                                         "engines": [{"name": "u", "url": "http://127.0.0.1:1"}]})
     svc = SchedulerService(cfg, clock=lambda: NOW)
     e = svc.engines["u"]
     e.healthy, e.last_ok = True, NOW
     svc.router.started = True
+    return svc, e
+
+
+def test_a_burst_s_errors_leave_the_idle_engine_s_judgement_alone() -> None:
+    svc, e = one_engine_service()
 
     def serve(decoding: int, ttft: float) -> Placement:
         e.inflight = decoding  # (requests past their first token: none pending prefill)
