@@ -35,6 +35,7 @@ from narwhal_serve.managed.command import (
     kv_events_wanted,
     url_host,
 )
+from narwhal_serve.kvevents.wire import ipc_paths
 from narwhal_serve.managed.process import EngineProcess
 from narwhal_serve.managed.slot import HEARTBEAT_S, ReplicaReport
 from narwhal_serve.config.launch import LaunchSpec
@@ -101,7 +102,8 @@ class ManagedEngine:
         env = engine_env(spec, os.environ, current_python=sys.executable, gpu_ids=gpus)
         log_dir = Path(spec.log_dir) if spec.log_dir else Path(tempfile.gettempdir()) / "narwhal-engines"
         log_path = log_dir / f"{self.app}-{self.cfg.name}-{self.replica}.log"
-        self.proc = EngineProcess(self.cfg.name, argv, env, log_path, prefix=guard_prefix(os.getpid(), sys.executable))
+        self.proc = EngineProcess(self.cfg.name, argv, env, log_path, prefix=guard_prefix(os.getpid(), sys.executable),
+                                  leftovers=ipc_paths(kv_bind or ()))
         self._scheduler: DeploymentHandle | None = None
         self._tasks: list[asyncio.Task[None]] = []
         await self.proc.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from deployments.logs import to_serve_log
@@ -19,3 +20,8 @@ class SimFleet:
 
     async def ready(self) -> list[str]:
         return [s.url for s in self.servers]
+
+    async def __del__(self) -> None:
+        """The replica stopping: its engines stop with it (hanging requests released, their KV-event
+        sockets closed and their files removed)."""
+        await asyncio.gather(*(s.stop() for s in getattr(self, "servers", ())), return_exceptions=True)

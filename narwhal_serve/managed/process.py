@@ -36,8 +36,11 @@ def log_tail(path: Path, lines: int = 40) -> str:
 
 class EngineProcess:
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_path: Path,
-                 cwd: str | None = None, prefix: Sequence[str] = ()) -> None:
+                 cwd: str | None = None, prefix: Sequence[str] = (), leftovers: Sequence[str] = ()) -> None:
         self.name = name
+        # files the engine makes and a stopped engine may leave behind (its ipc:// sockets): removed
+        # once it has exited
+        self.leftovers = tuple(leftovers)
         self.argv = list(argv)
         self.prefix = list(prefix)  # run first, e.g. the parent-death guard (not shown in the log)
         self.env = dict(env)
@@ -151,3 +154,7 @@ class EngineProcess:
             if self._client is not None:
                 await self._client.aclose()
                 self._client = None
+            if self._exit is not None and self._exit.done():
+                for path in self.leftovers:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)

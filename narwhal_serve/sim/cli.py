@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 
 import uvicorn
 
@@ -51,8 +52,18 @@ def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
     cfg = config_from_args(ns)
     sock = bind_socket(ns.host, ns.port)
-    config, _ = uvicorn_config(cfg, ns.host, sock.getsockname()[1])
-    uvicorn.Server(config).run(sockets=[sock])
+    config, engine = uvicorn_config(cfg, ns.host, sock.getsockname()[1])
+    # uvicorn stops on SIGTERM, then raises it again under the handler it found: with the default
+    # one the process ended there, and the engine's KV-event socket files stayed behind
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        engine.shutdown()  # its KV-event sockets closed and their files removed
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

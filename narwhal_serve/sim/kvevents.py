@@ -11,6 +11,8 @@ stay replayable), and a small ``buffer_steps`` makes a gap unreplayable.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections import deque
@@ -27,6 +29,7 @@ from narwhal_serve.kvevents.wire import (
     Event,
     KVEventBatch,
     encode_batch,
+    ipc_paths,
     seq_bytes,
     seq_of,
 )
@@ -69,6 +72,7 @@ class SimKVPublisher(KVEventSink):
     """vLLM's sockets: a PUB socket and, with ``replay_endpoint``, the ROUTER socket that replays."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str = "", buffer_steps: int = 10_000) -> None:
+        self._files = ipc_paths((endpoint, replay_endpoint or ""))  # (removed at close: ZMQ leaves them)
         self._ctx: Any = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -144,3 +148,6 @@ class SimKVPublisher(KVEventSink):
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
+        for path in self._files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)

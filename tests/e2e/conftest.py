@@ -21,6 +21,7 @@ from tests.support import ray_env  # noqa: E402
 
 ray_env.apply()
 
+import contextlib  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -130,6 +131,15 @@ def kv_endpoints(port: int) -> tuple[str, str]:
     return base, base + "-replay"
 
 
+def remove_kv_sockets(port: int) -> None:
+    """The socket files of a stopped KV-events engine (vLLM leaves them)."""
+    from narwhal_serve.kvevents.wire import ipc_paths
+
+    for path in ipc_paths(kv_endpoints(port)):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def kv_engine_args(port: int) -> list[str]:
     pub, replay = kv_endpoints(port)
     cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay}
@@ -188,6 +198,7 @@ def engines() -> Iterator[Engines]:
     finally:
         for server in launched:
             engine.stop_server(server)
+            remove_kv_sockets(server.port)
         if kv_dir is not None:
             shutil.rmtree(kv_dir, ignore_errors=True)
 
@@ -212,6 +223,7 @@ def kv_engine(engines: Engines) -> Iterator[engine.Server]:
         yield engine.wait_server(server)
     finally:
         engine.stop_server(server)
+        remove_kv_sockets(port)
 
 
 @pytest.fixture(scope="session")

@@ -121,3 +121,44 @@ def test_guard_takes_the_engine_down_when_its_parent_dies(tmp_path: Path) -> Non
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid), "the engine outlived its parent"
+
+
+def _kv_sim(tmp_path: Path, cleanup: bool) -> tuple[EngineProcess, str, tuple[Path, ...]]:
+    from narwhal_serve.kvevents.wire import ipc_paths
+
+    port = free_port()
+    ends = (f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay")
+    spec = LaunchSpec(kind="sim")
+    argv = engine_argv(spec, name="sim-kv", model="narwhal-sim", role="unified", dialect="vllm", host="127.0.0.1",
+                       port=port, python=sys.executable, kv_events=ends)
+    proc = EngineProcess("sim-kv", argv, engine_env(spec, os.environ, current_python=sys.executable),
+                         tmp_path / "sim-kv.log", prefix=guard_prefix(os.getpid(), sys.executable),
+                         leftovers=ipc_paths(ends) if cleanup else ())
+    return proc, f"http://127.0.0.1:{port}", (tmp_path / "pub", tmp_path / "replay")
+
+
+async def test_a_stopped_engine_leaves_no_kv_event_sockets(tmp_path: Path) -> None:
+    """A managed engine's KV events on ipc:// endpoints are Unix socket files (ZMQ does not remove
+    them at close): an engine killed, or a simulated one stopped by SIGTERM, left them behind, one
+    pair per engine start (90 in /tmp after a day of runs here).  The process's owner removes them
+    once the engine has exited; the simulator, stopped, removes its own."""
+    proc, url, files = _kv_sim(tmp_path, cleanup=True)
+    assert proc.leftovers == tuple(str(f) for f in files)
+    await proc.start()
+    try:
+        await proc.wait_ready(url, timeout_s=60)
+        assert all(f.exists() for f in files)  # bound
+        os.kill(proc.pid or 0, signal.SIGKILL)  # (a killed engine closes nothing)
+        await asyncio.wait_for(proc.wait_exit(), 10)
+        assert all(f.exists() for f in files)
+    finally:
+        await proc.stop(grace_s=5)
+    assert not any(f.exists() for f in files)
+    proc, url, files = _kv_sim(tmp_path, cleanup=False)
+    await proc.start()
+    try:
+        await proc.wait_ready(url, timeout_s=60)
+        assert all(f.exists() for f in files)
+    finally:
+        await proc.stop(grace_s=10)  # SIGTERM
+    assert proc.returncode is not None and not any(f.exists() for f in files)
