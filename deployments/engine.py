@@ -35,11 +35,10 @@ from narwhal_serve.managed.command import (
     kv_events_wanted,
     url_host,
 )
-from narwhal_serve.kvevents.wire import ipc_paths
 from narwhal_serve.managed.process import EngineProcess
 from narwhal_serve.managed.slot import HEARTBEAT_S, ReplicaReport
 from narwhal_serve.config.launch import LaunchSpec
-from narwhal_serve.ports import free_port
+from narwhal_serve.ports import free_port, ipc_paths
 
 SCHEDULER = "Scheduler"  # the scheduler's deployment name (build_app)
 # through the replica's log handler (to_serve_log), not Serve's own logger: in throughput mode that

@@ -1,11 +1,14 @@
 """Ports for servers this process starts: outside the kernel's ephemeral range, and never handed out
 twice by this process (``bind(0)`` reports a port free that a connection opened meanwhile can take:
-seen in CI).  Used by the bench, the tests, the helper scripts and the managed-engine replicas."""
+seen in CI).  Used by the bench, the tests, the helper scripts and the managed-engine replicas.  And
+the Unix socket files of ``ipc://`` endpoints: what a server leaves behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 
 _HANDED_OUT: set[int] = set()
@@ -85,3 +88,29 @@ def free_port_run(n: int, start: int = 20000, stop: int = 60000) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError("no free port run")
+
+
+def ipc_paths(endpoints: Iterable[str]) -> tuple[str, ...]:
+    """The files of the ``ipc://`` endpoints among ``endpoints``: the Unix sockets a publisher binds,
+    which it leaves behind when killed, and which ZMQ does not remove when it closes them."""
+    return tuple(e.removeprefix("ipc://") for e in endpoints if e.startswith("ipc://"))
+
+
+def socket_files(paths: Iterable[str]) -> tuple[tuple[str, int], ...]:
+    """``paths`` that exist now, each with its inode (what :func:`remove_socket_files` checks)."""
+    out = []
+    for path in paths:
+        try:
+            out.append((path, os.stat(path).st_ino))
+        except OSError:
+            pass
+    return tuple(out)
+
+
+def remove_socket_files(files: Iterable[tuple[str, int]]) -> None:
+    """Each of :func:`socket_files`' files removed, unless it is another file now (a publisher bound
+    the same endpoint since: its socket stays)."""
+    for path, ino in files:
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == ino:
+                os.unlink(path)

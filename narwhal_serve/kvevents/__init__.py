@@ -40,14 +40,13 @@ _EXPORTS = {
     "apply_delta": "shard",
     "encode_batch": "wire",
     "follow_forever": "subscriber",
-    "ipc_paths": "wire",
     "seq_bytes": "wire",
     "seq_of": "wire",
 }
 __all__ = [
     "AllBlocksCleared", "BlockRemoved", "BlockStored", "END_SEQ", "Event", "KVEventBatch", "KVEventIndex",
     "KVEventSubscriber", "KVShard", "MAX_ENGINE_BLOCKS", "RESTART_S", "ShardLink", "TAKE_WAIT_S", "Taken",
-    "apply_delta", "encode_batch", "follow_forever", "ipc_paths", "seq_bytes", "seq_of",
+    "apply_delta", "encode_batch", "follow_forever", "seq_bytes", "seq_of",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
@@ -69,6 +68,5 @@ if TYPE_CHECKING:
     from narwhal_serve.kvevents.shard import apply_delta as apply_delta
     from narwhal_serve.kvevents.wire import encode_batch as encode_batch
     from narwhal_serve.kvevents.subscriber import follow_forever as follow_forever
-    from narwhal_serve.kvevents.wire import ipc_paths as ipc_paths
     from narwhal_serve.kvevents.wire import seq_bytes as seq_bytes
     from narwhal_serve.kvevents.wire import seq_of as seq_of

@@ -5,7 +5,6 @@ arrays) decode too."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Annotated, Any
 
 import msgspec
@@ -113,9 +112,3 @@ def seq_bytes(seq: int) -> bytes:
 
 def seq_of(raw: bytes) -> int:
     return int.from_bytes(raw, "big", signed=True)
-
-
-def ipc_paths(endpoints: Iterable[str]) -> tuple[str, ...]:
-    """The files of the ``ipc://`` endpoints among ``endpoints``: the Unix sockets a publisher binds,
-    which it leaves behind when killed, and which ZMQ does not remove when it closes them."""
-    return tuple(e.removeprefix("ipc://") for e in endpoints if e.startswith("ipc://"))

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from narwhal_serve.ports import remove_socket_files, socket_files
+
 
 class EngineStartError(RuntimeError):
     """The engine exited, or did not answer ``/health``, before it was ready (message: why, and
@@ -39,8 +41,9 @@ class EngineProcess:
                  cwd: str | None = None, prefix: Sequence[str] = (), leftovers: Sequence[str] = ()) -> None:
         self.name = name
         # files the engine makes and a stopped engine may leave behind (its ipc:// sockets): removed
-        # once it has exited
+        # once it has exited, as they were when it was ready (kvevents/wire.py socket_files)
         self.leftovers = tuple(leftovers)
+        self._left: tuple[tuple[str, int], ...] = ()
         self.argv = list(argv)
         self.prefix = list(prefix)  # run first, e.g. the parent-death guard (not shown in the log)
         self.env = dict(env)
@@ -106,6 +109,7 @@ class EngineProcess:
             try:
                 r = await self._http().get(url + "/health", timeout=min(5.0, max(0.1, deadline - time.monotonic())))
                 if r.status_code == 200:
+                    self._left = socket_files(self.leftovers)
                     return time.monotonic() - self.spawned_at
                 last = f"HTTP {r.status_code}"
             except httpx.HTTPError as exc:
@@ -155,6 +159,4 @@ class EngineProcess:
                 await self._client.aclose()
                 self._client = None
             if self._exit is not None and self._exit.done():
-                for path in self.leftovers:
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
+                remove_socket_files(self._left)

@@ -11,8 +11,6 @@ stay replayable), and a small ``buffer_steps`` makes a gap unreplayable.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import time
 from collections import deque
@@ -29,10 +27,10 @@ from narwhal_serve.kvevents.wire import (
     Event,
     KVEventBatch,
     encode_batch,
-    ipc_paths,
     seq_bytes,
     seq_of,
 )
+from narwhal_serve.ports import ipc_paths, remove_socket_files, socket_files
 
 
 def _bind(sock: Any, endpoint: str, wait_s: float = 2.0) -> None:
@@ -72,7 +70,6 @@ class SimKVPublisher(KVEventSink):
     """vLLM's sockets: a PUB socket and, with ``replay_endpoint``, the ROUTER socket that replays."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str = "", buffer_steps: int = 10_000) -> None:
-        self._files = ipc_paths((endpoint, replay_endpoint or ""))  # (removed at close: ZMQ leaves them)
         self._ctx: Any = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -92,6 +89,8 @@ class SimKVPublisher(KVEventSink):
             _bind(self._replay, replay_endpoint)
             self._thread = threading.Thread(target=self._serve_replay, daemon=True, name="sim-kv-replay")
             self._thread.start()
+        # its socket files, removed at close (ZMQ leaves them)
+        self._files = socket_files(ipc_paths((endpoint, replay_endpoint or "")))
 
     # ------------------------------------------------------------------ publishing
 
@@ -148,6 +147,4 @@ class SimKVPublisher(KVEventSink):
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
-        for path in self._files:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        remove_socket_files(self._files)

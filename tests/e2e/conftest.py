@@ -133,7 +133,7 @@ def kv_endpoints(port: int) -> tuple[str, str]:
 
 def remove_kv_sockets(port: int) -> None:
     """The socket files of a stopped KV-events engine (vLLM leaves them)."""
-    from narwhal_serve.kvevents.wire import ipc_paths
+    from narwhal_serve.ports import ipc_paths
 
     for path in ipc_paths(kv_endpoints(port)):
         with contextlib.suppress(OSError):

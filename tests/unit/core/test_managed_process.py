@@ -124,7 +124,7 @@ def test_guard_takes_the_engine_down_when_its_parent_dies(tmp_path: Path) -> Non
 
 
 def _kv_sim(tmp_path: Path, cleanup: bool) -> tuple[EngineProcess, str, tuple[Path, ...]]:
-    from narwhal_serve.kvevents.wire import ipc_paths
+    from narwhal_serve.ports import ipc_paths
 
     port = free_port()
     ends = (f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay")

@@ -462,3 +462,17 @@ def test_a_closed_sim_publisher_leaves_no_socket_files(tmp_path: Any) -> None:
     assert all(f.exists() for f in files)
     pub.close()
     assert not any(f.exists() for f in files)
+
+
+def test_a_closing_publisher_leaves_another_s_socket_at_its_endpoint(tmp_path: Any) -> None:
+    """A publisher that bound the same endpoint since (a restarted engine on the same path) keeps its
+    socket file when the first one closes: removed only if it is still the file this one bound."""
+    from pathlib import Path
+
+    ep = f"ipc://{tmp_path}/pub"
+    old = SimKVPublisher(ep, None)
+    new = SimKVPublisher(ep, None)  # (ZMQ replaces the file)
+    old.close()
+    assert (Path(tmp_path) / "pub").exists()
+    new.close()
+    assert not (Path(tmp_path) / "pub").exists()
