@@ -96,21 +96,25 @@ def ipc_paths(endpoints: Iterable[str]) -> tuple[str, ...]:
     return tuple(e.removeprefix("ipc://") for e in endpoints if e.startswith("ipc://"))
 
 
-def socket_files(paths: Iterable[str]) -> tuple[tuple[str, int], ...]:
-    """``paths`` that exist now, each with its inode (what :func:`remove_socket_files` checks)."""
+def socket_files(paths: Iterable[str]) -> tuple[tuple[str, tuple[int, int, int]], ...]:
+    """``paths`` that exist now, each with what tells that file from a later one at the same path
+    (device, inode and change time: an inode freed is soon given to the next file there)."""
     out = []
     for path in paths:
         try:
-            out.append((path, os.stat(path).st_ino))
+            st = os.stat(path)
         except OSError:
-            pass
+            continue
+        out.append((path, (st.st_dev, st.st_ino, st.st_ctime_ns)))
     return tuple(out)
 
 
-def remove_socket_files(files: Iterable[tuple[str, int]]) -> None:
+def remove_socket_files(files: Iterable[tuple[str, tuple[int, int, int]]]) -> None:
     """Each of :func:`socket_files`' files removed, unless it is another file now (a publisher bound
-    the same endpoint since: its socket stays)."""
-    for path, ino in files:
+    the same endpoint since: its socket stays).  Call once: a second call could take a later file
+    for the one removed."""
+    for path, ident in files:
         with contextlib.suppress(OSError):
-            if os.stat(path).st_ino == ino:
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino, st.st_ctime_ns) == ident:
                 os.unlink(path)

@@ -41,9 +41,9 @@ class EngineProcess:
                  cwd: str | None = None, prefix: Sequence[str] = (), leftovers: Sequence[str] = ()) -> None:
         self.name = name
         # files the engine makes and a stopped engine may leave behind (its ipc:// sockets): removed
-        # once it has exited, as they were when it was ready (kvevents/wire.py socket_files)
+        # once it has exited, as they were when it was ready (narwhal_serve/ports.py socket_files)
         self.leftovers = tuple(leftovers)
-        self._left: tuple[tuple[str, int], ...] = ()
+        self._left: tuple[tuple[str, tuple[int, int, int]], ...] = ()
         self.argv = list(argv)
         self.prefix = list(prefix)  # run first, e.g. the parent-death guard (not shown in the log)
         self.env = dict(env)
@@ -159,4 +159,5 @@ class EngineProcess:
                 await self._client.aclose()
                 self._client = None
             if self._exit is not None and self._exit.done():
-                remove_socket_files(self._left)
+                left, self._left = self._left, ()  # (once: stop() runs again when its replica stops)
+                remove_socket_files(left)
