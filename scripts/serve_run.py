@@ -237,17 +237,18 @@ def build_env(base: dict[str, str], limits: IngressLimits) -> tuple[dict[str, st
     for k, v in ENV_DEFAULTS.items():
         env.setdefault(k, v)
     env.setdefault(RUN_ID_ENV, uuid.uuid4().hex)
+    own_paths = not any(k in env for k in HAPROXY_PATH_VARS)
+    ha_proxy = env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
+    # the run's folder: HAProxy's paths unless the caller set its own, and the wrapper unless the
+    # caller chose its own HAProxy binary (removed when the run ends)
     haproxy_dir = None
-    if not any(k in env for k in HAPROXY_PATH_VARS):
+    if own_paths or (ha_proxy and not env.get("RAY_SERVE_HAPROXY_BINARY_PATH")):
         # Short: Ray adds /<56-char node id>/ and unix socket paths are limited to 107 bytes.
         haproxy_dir = tempfile.mkdtemp(prefix="narwhal-hap-", dir="/tmp")
+    if own_paths:
         for k, leaf in HAPROXY_PATH_VARS.items():
             env[k] = os.path.join(haproxy_dir, leaf) if leaf else haproxy_dir
-    if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
-        if haproxy_dir is None and not env.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
-            # the caller's own HAProxy paths: the wrapper still in a folder of this run's, removed
-            # with it (it was left in a temp folder of its own at every run)
-            haproxy_dir = tempfile.mkdtemp(prefix="narwhal-hap-", dir="/tmp")
+    if ha_proxy:
         # HAProxy without kernel splicing, or client disconnects go unseen (narwhal_serve.runenv)
         env = direct_ingress_env(env, limits, os.path.join(haproxy_dir, "bin") if haproxy_dir else None)
     return env, haproxy_dir

@@ -43,9 +43,8 @@ _EXPORTS = {
 }
 __all__ = [
     "DEFAULT_OUTPUT_PRIOR", "ErrorWindow", "Gram", "IDLE_ERRORS_MIN", "OutputLengths", "PRIOR_A", "PRIOR_B",
-    "PRIOR_TPOT_A",
-    "RELEASES_MAX", "PrefillModel", "Projection", "TpotModel", "decoding_requests", "expected_output", "fit_prefill",
-    "linear_ttft", "mean_remaining", "on_idle_engine", "project_linear", "projected_pair", "released_wait_s",
+    "PRIOR_TPOT_A", "RELEASES_MAX", "PrefillModel", "Projection", "TpotModel", "decoding_requests", "expected_output",
+    "fit_prefill", "linear_ttft", "mean_remaining", "on_idle_engine", "project_linear", "projected_pair", "released_wait_s",
     "remaining_tokens", "slot_releases", "slot_wait_s", "tpot_at", "with_margin",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
