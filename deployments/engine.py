@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import sys
 import tempfile
 from dataclasses import asdict
@@ -94,7 +95,8 @@ class ManagedEngine:
         self.url = f"http://{url_host(host, node_ip)}:{port}"
         kv_bind = kv_reach = None
         if kv_events_wanted(spec):
-            kv_bind, kv_reach = kv_event_endpoints(host, node_ip, (free_port(host), free_port(host)))
+            kv_bind, kv_reach = kv_event_endpoints(host, node_ip, (free_port(host), free_port(host)),
+                                                   secrets.token_hex(8))
         argv = engine_argv(spec, name=self.cfg.name, model=model, role=self.cfg.role, dialect=self.cfg.dialect,
                            host=host, port=port, python=spec.interpreter(sys.executable), kv_events=kv_bind,
                            priority=self.cfg.priority_scheduling)

@@ -37,12 +37,16 @@ def kv_events_wanted(spec: LaunchSpec) -> bool:
     return spec.kv_events and spec.kind in ("vllm", "sim")
 
 
-def kv_event_endpoints(host: str, node_ip: str, ports: tuple[int, int]) -> tuple[tuple[str, str], tuple[str, str]]:
+def kv_event_endpoints(
+    host: str, node_ip: str, ports: tuple[int, int], token: str
+) -> tuple[tuple[str, str], tuple[str, str]]:
     """(what the engine binds, what the router connects to) for its PUB and replay sockets.  vLLM binds
     only wildcard and ipc endpoints (it connects to any other): an engine bound to loopback (reachable
-    from its own node only) gets Unix sockets named after the ports, any other binds ``*``."""
+    from its own node only) gets Unix sockets named after ``token`` (unique to this engine start: two
+    engines on a node must never share a socket file, and a port is not bound by a Unix socket, so
+    nothing else keeps its name free), any other binds ``*`` on ``ports``."""
     if host.startswith("127.") or host in ("localhost", "::1"):
-        ends = (f"ipc:///tmp/narwhal-kv-{ports[0]}", f"ipc:///tmp/narwhal-kv-{ports[1]}")
+        ends = (f"ipc:///tmp/narwhal-kv-{token}.pub", f"ipc:///tmp/narwhal-kv-{token}.replay")
         return ends, ends
     reach = url_host(host, node_ip)
     bind = (f"tcp://*:{ports[0]}", f"tcp://*:{ports[1]}")

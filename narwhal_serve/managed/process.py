@@ -40,10 +40,14 @@ class EngineProcess:
     def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_path: Path,
                  cwd: str | None = None, prefix: Sequence[str] = (), leftovers: Sequence[str] = ()) -> None:
         self.name = name
-        # files the engine makes and a stopped engine may leave behind (its ipc:// sockets): removed
-        # once it has exited, as they were when it was ready (narwhal_serve/ports.py socket_files)
+        # files the engine makes and a stopped engine may leave behind (its ipc:// sockets, named
+        # for this engine alone): removed once it has exited, as they were when it was ready
+        # (narwhal_serve/ports.py socket_files), or, for an engine that never was, those it made
         self.leftovers = tuple(leftovers)
         self._left: tuple[tuple[str, tuple[int, int, int]], ...] = ()
+        self._before: tuple[tuple[str, tuple[int, int, int]], ...] = ()  # there at its start: not its own
+        self._ready = False
+        self._swept = False
         self.argv = list(argv)
         self.prefix = list(prefix)  # run first, e.g. the parent-death guard (not shown in the log)
         self.env = dict(env)
@@ -74,6 +78,7 @@ class EngineProcess:
 
     async def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._before = socket_files(self.leftovers)
         with self.log_path.open("ab") as out:
             out.write(("$ " + " ".join(self.argv) + "\n").encode())
             out.flush()
@@ -109,7 +114,7 @@ class EngineProcess:
             try:
                 r = await self._http().get(url + "/health", timeout=min(5.0, max(0.1, deadline - time.monotonic())))
                 if r.status_code == 200:
-                    self._left = socket_files(self.leftovers)
+                    self._left, self._ready = socket_files(self.leftovers), True
                     return time.monotonic() - self.spawned_at
                 last = f"HTTP {r.status_code}"
             except httpx.HTTPError as exc:
@@ -158,6 +163,8 @@ class EngineProcess:
             if self._client is not None:
                 await self._client.aclose()
                 self._client = None
-            if self._exit is not None and self._exit.done():
-                left, self._left = self._left, ()  # (once: stop() runs again when its replica stops)
+            if self._exit is not None and self._exit.done() and not self._swept:
+                self._swept = True  # (once: stop() runs again when its replica stops)
+                left = self._left if self._ready else tuple(
+                    f for f in socket_files(self.leftovers) if f not in self._before)
                 remove_socket_files(left)

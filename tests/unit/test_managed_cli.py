@@ -48,7 +48,7 @@ def _argv(e: EngineConfig, host: str = HOST) -> list[str]:
     assert spec is not None
     kv = None
     if spec.kv_events and spec.kind in ("vllm", "sim"):
-        kv = kv_event_endpoints(host, NODE_IP, KV_PORTS)[0]
+        kv = kv_event_endpoints(host, NODE_IP, KV_PORTS, "0123abcd")[0]
     return engine_argv(spec, name=e.name, model=SERVED, role=e.role, dialect=e.dialect, host=host, port=PORT,
                        python="py", kv_events=kv, priority=e.priority_scheduling)
 

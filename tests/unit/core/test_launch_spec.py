@@ -225,10 +225,13 @@ def test_managed_engines_publish_kv_events_on_sockets_the_router_can_reach() -> 
     assert not kv_events_wanted(LaunchSpec(kind="vllm", model="m", kv_events=False))
     assert not kv_events_wanted(LaunchSpec(kind="sglang", model="m"))
     # loopback-bound: Unix sockets (vLLM binds ipc://, it would connect to tcp://127.0.0.1:P)
-    bind, reach = kv_event_endpoints("127.0.0.1", "10.0.0.5", (5001, 5002))
-    assert bind == reach == ("ipc:///tmp/narwhal-kv-5001", "ipc:///tmp/narwhal-kv-5002")
+    # named after the engine start's token, not a port: a Unix socket does not hold a port, so two
+    # engines on a node could be given the same one (the ports are only free when chosen)
+    bind, reach = kv_event_endpoints("127.0.0.1", "10.0.0.5", (5001, 5002), "ab12")
+    assert bind == reach == ("ipc:///tmp/narwhal-kv-ab12.pub", "ipc:///tmp/narwhal-kv-ab12.replay")
+    assert kv_event_endpoints("127.0.0.1", "10.0.0.5", (5001, 5002), "cd34")[0] != bind
     # on the node's address: vLLM binds *, the router connects to the node
-    bind, reach = kv_event_endpoints("0.0.0.0", "10.0.0.5", (5001, 5002))
+    bind, reach = kv_event_endpoints("0.0.0.0", "10.0.0.5", (5001, 5002), "ab12")
     assert bind == ("tcp://*:5001", "tcp://*:5002") and reach == ("tcp://10.0.0.5:5001", "tcp://10.0.0.5:5002")
     kw: dict[str, Any] = {"name": "g", "model": "tiny", "role": "unified", "dialect": "vllm", "host": "10.0.0.5",
                           "port": 9000, "python": "py", "kv_events": bind}

@@ -174,3 +174,46 @@ async def test_a_stopped_engine_leaves_no_kv_event_sockets(tmp_path: Path) -> No
     finally:
         await proc.stop(grace_s=10)  # SIGTERM
     assert proc.returncode is not None and not any(f.exists() for f in files)
+
+
+async def test_an_engine_that_dies_before_it_is_ready_leaves_no_kv_event_sockets(tmp_path: Path) -> None:
+    """An engine that binds its KV-event sockets and then exits (or is killed) before its /health
+    ever answers: its socket files were recorded only once it was ready, so they stayed.  Now what
+    it made at its paths is removed when it is stopped; a file that was there before it started
+    is not its own and stays."""
+    from narwhal_serve.ports import ipc_paths
+
+    ends = (f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay")
+    files = (tmp_path / "pub", tmp_path / "replay")
+    binds = (  # binds both, as a publisher does, then fails at start-up (a killed one closes nothing)
+        "import os, socket, sys\n"
+        "for p in sys.argv[1:]:\n"
+        "    socket.socket(socket.AF_UNIX).bind(p)\n"
+        "os._exit(3)\n"
+    )
+    proc = EngineProcess("dies", [sys.executable, "-c", binds, *map(str, files)], dict(os.environ),
+                         tmp_path / "dies.log", leftovers=ipc_paths(ends))
+    await proc.start()
+    try:
+        with pytest.raises(EngineStartError, match="exited with status 3"):
+            await proc.wait_ready(f"http://127.0.0.1:{free_port()}", timeout_s=30)
+        assert all(f.exists() for f in files)
+    finally:
+        await proc.stop(grace_s=1)
+    assert not any(f.exists() for f in files)
+    # a file at one of its paths before it started (another's) is left where it is
+    import socket
+
+    other = socket.socket(socket.AF_UNIX)
+    other.bind(str(files[0]))
+    try:
+        proc = EngineProcess("dies", [sys.executable, "-c", binds, str(files[1])], dict(os.environ),
+                             tmp_path / "dies.log", leftovers=ipc_paths(ends))
+        await proc.start()
+        with pytest.raises(EngineStartError):
+            await proc.wait_ready(f"http://127.0.0.1:{free_port()}", timeout_s=30)
+        await proc.stop(grace_s=1)
+        assert files[0].exists() and not files[1].exists()
+    finally:
+        other.close()
+        files[0].unlink()
