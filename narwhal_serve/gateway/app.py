@@ -165,6 +165,8 @@ def build_api(
         return error_response(internal_error(f"internal error: {type(exc).__name__}"), None)
 
     sizer = sizer if sizer is not None else PromptSizer.from_config(cfg)
+    if (relay := backend.local_relay) is not None and (tok := sizer.tokenizer) is not None:
+        relay.detokenize = tok.decode  # (where a resumed answer's cut character starts)
     handler = CompletionHandler(cfg, backend, reporter, clock, echo_request_id=echo_request_id, sizer=sizer, node=node,
                                  stamp_key=stamp_key)
     reporter.on_view = handler.on_view

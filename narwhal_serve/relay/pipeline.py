@@ -82,6 +82,9 @@ class Relay(ResumingReads):
         # candidate routes
         self.live_targets: Callable[[int], list[EngineConfig]] | None = None
         self.live_context: Callable[[str], int | None] | None = None
+        # the served model's tokenizer's decode, where the router has one: where a cut character
+        # starts when the engine sent several tokens in a chunk (resume.Transcript.settle)
+        self.detokenize: Callable[[list[int]], str] | None = None
         self.resume_first_token_s = resume_first_token_s  # a continuation's first token must come within this
         # merge the engine reads that piled up into one message: for a Ray hop (the Assembler
         # shape); in the ingress the SSE response's own reader buffers ahead of the client
@@ -136,13 +139,14 @@ class Relay(ResumingReads):
                 return
             except EngineFailure as exc:
                 failed = str(exc)
-                if exc.client_error:  # the engine blames the request: no other engine will differ
+                if exc.client_error and not at.resumes:  # the engine blames the request: no other engine will differ
                     why = exc.upstream_message or exc.message
                     rejected = InvalidRequest(f"The engine rejected the request: {why}", param=exc.param)
                     yield RelayMessage(error=rejected.info(), final=True, health=tuple(faults),
                                        stats=RelayStats.before_headers(route.engines, attempt))
                     return
-                faults.extend(faults_of(exc, at.route))
+                if not exc.client_error:  # (a continuation the router built, refused: no engine's fault)
+                    faults.extend(faults_of(exc, at.route))
                 failures.append(str(exc))
                 excluded.add(at.cursor.engine)
                 if exc.status is None:  # not reached: it may come back as another engine
@@ -268,7 +272,8 @@ class Relay(ResumingReads):
                 faults: tuple[EngineFault, ...] = ()
             else:
                 err = exc.info() if isinstance(exc, BadEngineResponse) else BadEngineResponse(str(exc)).info()
-                faults = faults_of(exc, at.route)
+                # (a 4xx here refused a continuation the router built: no engine's fault)
+                faults = () if isinstance(exc, EngineFailure) and exc.client_error else faults_of(exc, at.route)
             news = at.news()
             news["health"] = (*news.get("health", ()), *faults)
             if req.include_usage and not usage.seen:  # what it got before the error, counted
@@ -306,7 +311,7 @@ class Relay(ResumingReads):
                 news = at.news()
                 if news:
                     yield RelayMessage(**news)
-        except (EngineFailure, BadEngineResponse) as exc:
+        except (EngineFailure, BadEngineResponse, DeadlinePassed) as exc:
             news = at.news()
             if news:  # what a resume moved and counted, before the failure goes to the next route
                 yield RelayMessage(**news)

@@ -22,14 +22,17 @@ character) is continued from before those tokens: vLLM's detokenizer, started on
 mid-character, would write the whole prompt's text again.  The continuation generates them anew;
 they are not sent twice (checked to be the same tokens: a sampled answer that takes another turn
 there cannot be exact, and ends with the error event), and a client that was sent their logprobs
-is not resumed.
+is not resumed.  A chunk that carried several tokens (vLLM merges the steps its reader fell behind
+on) may end inside a character with its text sent up to it: how many of its tokens are that
+character's is read from the model's tokenizer where the router has one (:meth:`Transcript.settle`),
+else such a cut is not resumed.
 
 Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from narwhal_serve.config import EngineConfig
@@ -109,8 +112,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 def continuation_body(req: ParsedRequest, prompt_ids: list[int], output_ids: list[int],
                       context: int | None = None) -> dict[str, Any] | None:
     """The completions request that continues ``req`` after ``output_ids`` (None: nothing left to
-    generate within the client's ``max_tokens``).  ``context``: the target engine's, which a chat
-    without a limit runs to (:func:`unbounded`: never resumed without it)."""
+    generate within the client's ``max_tokens``, or the context).  ``context``: the target engine's,
+    which a chat without a limit runs to (:func:`unbounded`: never resumed without it)."""
     b = req.body
     body = {k: v for k, v in b.items() if k not in _DROPPED}
     done = len(output_ids)
@@ -121,10 +124,15 @@ def continuation_body(req: ParsedRequest, prompt_ids: list[int], output_ids: lis
         if limit - done < 1:
             return None
         body["max_tokens"] = limit - done
-    else:  # a chat without one: up to the context, as before the cut (vLLM takes the context itself
-        # as a limit, and cuts it to the room the prompt leaves)
+    else:  # a chat without one: up to the context, as before the cut (vLLM's chat limit is the room
+        # its prompt leaves; vLLM 0.32 cuts a larger max_tokens to that room, but versions before it
+        # whose renderer leaves the prompt context - max_tokens (vllm/renderers/params.py
+        # TokenizeParams.max_input_tokens) refuse the whole context with any prompt)
         assert context is not None
-        body["max_tokens"] = context
+        room = context - len(prompt_ids) - done
+        if room < 1:
+            return None  # the context is full: the engine would have ended here with "length"
+        body["max_tokens"] = room
     least = b.get("min_tokens")
     if isinstance(least, int) and least > done:
         body["min_tokens"] = least - done
@@ -173,7 +181,8 @@ class Transcript:
     """What the client has been sent of a single-choice answer: the prompt and output token IDs,
     the text (its tail, for stop strings across the cut), the metadata to continue under."""
 
-    __slots__ = ("route", "prompt_ids", "output_ids", "text_len", "finish_reason", "reasoning", "meta", "silent")
+    __slots__ = ("route", "prompt_ids", "output_ids", "text_len", "finish_reason", "reasoning", "meta", "silent",
+                 "unsure")
 
     def __init__(self, req: ParsedRequest) -> None:
         self.route = req.route
@@ -183,6 +192,10 @@ class Transcript:
         self.finish_reason: str | None = None
         self.reasoning = False  # the engine's reasoning parser split some output off (or swallowed a token)
         self.silent = 0  # the last tokens sent that came without text (a character's first bytes)
+        # the last chunk with text carried several tokens: the last of them may be a character's
+        # first bytes, which the engine holds back (its text comes with the next token), so
+        # ``silent`` may count too few; :meth:`settle` knows, with the model's tokenizer
+        self.unsure = False
         self.meta: dict[str, Any] = {}
 
     def observe(self, chunk: dict[str, Any]) -> None:
@@ -208,13 +221,39 @@ class Transcript:
                 if out and "content" not in delta:  # a token the engine's parser kept back (a reasoning model's <think>)
                     self.reasoning = True
             if out:
-                self.silent = 0 if isinstance(text, str) and text else self.silent + len(out)
+                if isinstance(text, str) and text:
+                    self.silent, self.unsure = 0, len(out) > 1
+                else:
+                    self.silent += len(out)
             if isinstance(text, str) and text:
                 self.text_len += len(text)
             if ch.get("finish_reason") is not None:
                 self.finish_reason = ch["finish_reason"]
         if isinstance(ids, list):  # what the engine ran wins over the router's own tokenization
             self.prompt_ids = list(ids)
+
+    def settle(self, decode: Callable[[list[int]], str]) -> None:
+        """``silent`` from the tokens themselves, decoded by the model's tokenizer (exact whatever
+        the chunks carried); left to the chunks' count where the tail is no cut character."""
+        n = held_back(decode, self.output_ids)
+        if n is not None:
+            self.silent, self.unsure = n, False
+
+
+# A character is at most 4 bytes, so at most 4 tokens: a longer undecodable tail is not a cut character
+HELD_BACK_MAX = 8
+
+
+def held_back(decode: Callable[[list[int]], str], ids: Sequence[int]) -> int | None:
+    """How many of ``ids``' last tokens end inside a character: their bytes decode to no complete
+    one yet, so vLLM's detokenizer has sent none of their text (it holds back text that ends in
+    U+FFFD).  None: more than a character's worth.  Each decode is of a few tokens before the
+    point tried, enough to hold the whole character that ends there."""
+    for n in range(min(len(ids), HELD_BACK_MAX) + 1):
+        k = len(ids) - n
+        if k == 0 or not decode(list(ids[max(0, k - HELD_BACK_MAX):k])).endswith("\ufffd"):
+            return n
+    return None
 
 
 class Reshaper:
@@ -310,6 +349,7 @@ def resume_refusal(req: ParsedRequest, t: Transcript, engine: EngineConfig, resu
     dialect = dialect_of(engine)
     if (not dialect.supports_token_ids or t.prompt_ids is None or t.reasoning
             or (t.silent and logprobs_wanted(req) is not None)  # (their logprobs were sent)
+            or t.unsure  # (where the cut character starts is unknown: Transcript.settle was not run)
             or not_resumable(req, holds_back_stops=dialect.name == "vllm") is not None):
         return "not_exact"
     return None

@@ -41,6 +41,7 @@ class ResumingReads:
     max_resumes: int
     live_targets: Callable[[int], list[EngineConfig]] | None
     live_context: Callable[[str], int | None] | None  # an engine's context, as the lease's view says it
+    detokenize: Callable[[list[int]], str] | None  # the model's tokenizer's decode (Transcript.settle)
     resume_first_token_s: float
     coalesce_reads: bool
     tracing: Tracing | None
@@ -67,6 +68,8 @@ class ResumingReads:
                    excluded: set[str]) -> tuple[str | None, EngineConfig | None]:
         """Where an answer cut now would be continued, never on an engine of ``excluded`` (None,
         target), or why it would not be (an outcome label of narwhal_resumes_total, None)."""
+        if at.transcript.unsure and self.detokenize is not None:
+            at.transcript.settle(self.detokenize)
         why = resume_refusal(placed.request, at.transcript, at.route.decode, at.resumes, self.max_resumes,
                              self.clock(), placed.deadline)
         if why is not None:
@@ -130,6 +133,7 @@ class ResumingReads:
         at.excluded.add(failed_on)
         if t.finish_reason is not None:  # cut after the last token: only the end was lost
             at.notes.append((reason, "finished"))
+            at.health.extend(faults_of(failure, at.route))  # (the engine failed all the same)
             return
         why, target = self._resume_to(placed, at, at.excluded)
         if target is None:
@@ -141,6 +145,7 @@ class ResumingReads:
         body = continuation_body(req, t.prompt_ids, t.output_ids[:kept], self._context(target))
         if body is None:  # every token the client allowed was generated: only the end was lost
             at.notes.append((reason, "finished"))
+            at.health.extend(faults_of(failure, at.route))
             yield [length_end(req, t)]
             return
         at.resumes += 1
@@ -179,6 +184,11 @@ class ResumingReads:
                 at.notes.append((reason, "resumed"))
                 at.moved = at.route.engines
             return
+        except DeadlinePassed:
+            leg_error = "deadline_expired"
+            if at.wait_from is not None:  # (every cut is counted: this one by the deadline)
+                at.notes.append((reason, "deadline"))
+            raise
         except (EngineFailure, BadEngineResponse) as exc:
             leg_error = f"{type(exc).__name__}: {exc}"
             if at.wait_from is not None:  # the continuation failed before its first token

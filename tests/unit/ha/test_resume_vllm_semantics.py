@@ -188,13 +188,14 @@ async def test_a_chat_without_max_tokens_is_not_cut_at_16_tokens_by_its_continua
 
 async def test_a_chat_without_max_tokens_continues_up_to_the_target_engines_context() -> None:
     """Where the relay knows the target's context (its ingress's lease view), the continuation asks
-    for it: vLLM cuts it to the room the prompt leaves, as it did for the chat before the cut."""
+    for the room it leaves after the prompt and the output so far, as vLLM's limit for the chat was
+    before the cut (its completions endpoint refuses more: tests/unit/ha/test_resume_cut_edges.py)."""
     eng = Engines(FIRST_AB, model_answer(20))
     async with httpx.AsyncClient(transport=httpx.MockTransport(eng)) as client:
         relay = Relay(client)
         relay.live_context = {"e2": 4096}.get
         msgs = [m async for m in relay.run(chat(return_token_ids=True))]
-    assert eng.hosts == ["e1", "e2"] and eng.bodies[-1][1]["max_tokens"] == 4096
+    assert eng.hosts == ["e1", "e2"] and eng.bodies[-1][1]["max_tokens"] == 4096 - len(PROMPT) - 2
     assert ids_of(msgs) == [1, 2, *range(3, 23), EOS] and finish_of(msgs)[0] == "stop"
 
 
