@@ -295,6 +295,7 @@ class Reshaper:
         meta = self.t.meta
         usage = chunk.get("usage")
         choices = []
+        redone = False  # a choice dropped: tokens the client has (continuous usage rides on them)
         for ch in chunk.get("choices") or ():
             if not isinstance(ch, dict):
                 continue
@@ -305,6 +306,7 @@ class Reshaper:
             if self.redo and isinstance(ids, list) and ids:
                 ids = self._redone(ids)
                 if not ids and not text and finish is None:
+                    redone = True
                     continue
             if isinstance(ids, list):
                 self.new_tokens += len(ids)
@@ -319,7 +321,7 @@ class Reshaper:
                 if isinstance(lp, dict) and isinstance(lp.get("text_offset"), list):
                     out["logprobs"] = {**lp, "text_offset": [o + self.offset for o in lp["text_offset"]]}
             choices.append(out)
-        if not choices and usage is None:
+        if not choices and (usage is None or redone):
             return None
         shaped: dict[str, Any] = {
             "id": meta.get("id", chunk.get("id")),

@@ -179,3 +179,22 @@ async def test_a_deadline_during_a_continuations_prefill_is_counted() -> None:
         assert msgs[-1].error is not None and msgs[-1].error.code == "deadline_expired"
         assert resumes(msgs) == [("reset", "deadline")], (stream, resumes(msgs))
         assert faults(msgs) == [("e1", "error")], (stream, faults(msgs))
+
+
+async def test_a_token_generated_again_brings_no_usage_chunk_of_its_own() -> None:
+    """With ``continuous_usage_stats`` every continuation chunk carries usage; the chunk of a token
+    the client already had (generated again from before the cut character) was dropped but its
+    usage was not: a ``choices: []`` usage chunk in the middle of the stream."""
+    def cont(body: dict[str, Any]) -> list[dict[str, Any]]:
+        out = [v.cmpl("", [134]), v.cmpl("é", [109]), v.cmpl(" ok", [5], "length")]
+        for i, ch in enumerate(out, 1):
+            ch["usage"] = {"prompt_tokens": len(body["prompt"]), "completion_tokens": i,
+                           "total_tokens": len(body["prompt"]) + i}
+        return out
+
+    eng = v.Engines(v.sse(v.cmpl("a", [1], first=True), v.cmpl("", [134]), done=False), cont)
+    msgs = await relay_run(eng, v.completion(max_tokens=4, return_token_ids=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}))
+    evs = [e for e in v.events(msgs) if isinstance(e, dict)]
+    assert all(e["choices"] for e in evs[:-1]), evs  # only the last is usage alone
+    assert v.text_of(msgs) == "aé ok" and evs[-1]["usage"]["completion_tokens"] == 4
