@@ -258,7 +258,23 @@ class CompletionHandler:
         ticket = f"{rid}/{secrets.token_hex(4)}"
         now = self.clock()
         ask = replace(ask, waited_s=max(0.0, now - trail.arrived))  # (its TTFT is counted from its arrival)
-        got = await admit(self.reporter, ticket, ask, deadline, now, self.mono(), self._admit)
+        called = False  # the scheduler's admit call was made (_abandon counts a client leaving during it)
+
+        async def call(req: AdmitRequest) -> AdmitResult:
+            nonlocal called
+            called = True
+            return await self._admit(req)
+
+        try:
+            got = await admit(self.reporter, ticket, ask, deadline, now, self.mono(), call)
+        except asyncio.CancelledError:  # the client left before the call (a tenant's flush of what ended)
+            if not called:
+                self.reporter.outcome(Outcome.CANCELLED, "client_disconnected", trail.tenant, trail.priority)
+            raise
+        except Exception:  # a fault in the router's own code: what the lease may have placed is freed
+            self.reporter.ended(ticket, Outcome.FAILED, "internal_error", None, trail.tenant, trail.priority)
+            trail.end(Outcome.FAILED, "internal_error", 500)
+            raise
         if isinstance(got, Refused):
             return self._refused(trail, got.outcome, self._with_limits(got.error, ask.tenant), echo, counted=got.counted)
         try:

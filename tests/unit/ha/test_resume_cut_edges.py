@@ -32,7 +32,8 @@ def vllm_context(cont: Any) -> Any:
         if limit > CTX or n > CTX - limit:
             raise Refused(f"You passed {n} input tokens and requested {limit} output tokens. However, the "
                           f"model's context length is only {CTX} tokens")
-        return cont(body)
+        out: list[dict[str, Any]] = cont(body)
+        return out
     return answer
 
 
