@@ -112,7 +112,19 @@ class SchedulerService(AdminOps):
         self._pump()
 
     def report(self, rep: Report) -> LeaseGrant | None:
+        """Applied once, whatever fails in it: an exception that reached the ingress would have it
+        send the report again whole (counters merged twice, placements charged twice and released
+        once: an engine's in-flight count off for good), so a fault part-way is logged and counted
+        (``calls.report_failed``), and the lease is renewed by its next report."""
         self.calls["report"] += 1
+        try:
+            return self._report(rep)
+        except Exception:
+            self.calls["report_failed"] += 1
+            log.exception("a report failed part-way; applied as far as it went, not to be sent again")
+            return None
+
+    def _report(self, rep: Report) -> LeaseGrant | None:
         now = self.clock()
         self.counters.merge(rep.counters)
         grant_for = None
