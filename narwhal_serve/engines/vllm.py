@@ -22,12 +22,16 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 # parameters (a client's top-level kv_transfer_params is replaced or dropped below). vLLM also reads
 # them from ``vllm_xargs`` (its SamplingParams.extra_args) when the request's own are unset, and a
 # value there is never the dict the connector expects: one such request ended the engine core
-# (AttributeError in its scheduler) for every user.
-_CONNECTOR_KEYS = ("kv_transfer_params", "ec_transfer_params")
+# (AttributeError in its scheduler) for every user.  And ``kv_cache_report_mode``: "full" has the
+# engine announce every prefix-cache hit's blocks again as stored (vllm/v1/core/kv_cache_manager.py),
+# which the router's KV-event index counts as more copies: a block evicted once stayed in it for
+# good, the engine credited with that prefix — one client skewing placement for everyone.
+_XARGS_DROPPED = ("kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode")
 
 
 def client_body(body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` without what a client may not send an engine: the connectors' parameters (above),
+    """``body`` without what a client may not send an engine: the connectors' parameters and the KV
+    events' report mode (above),
     and ``prompt_logprobs`` (only null or 0 pass the parse): vLLM streams none back (a completion's
     only with ``echo``, which is refused), and any value makes it skip its prefix cache — and, on a
     P/D decode engine, the KV the prefill engine sent, prefilling the prompt a second time. Every
@@ -35,8 +39,8 @@ def client_body(body: dict[str, Any]) -> dict[str, Any]:
     body.pop("ec_transfer_params", None)
     body.pop("prompt_logprobs", None)
     xargs = body.get("vllm_xargs")
-    if isinstance(xargs, dict) and any(k in xargs for k in _CONNECTOR_KEYS):
-        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k not in _CONNECTOR_KEYS}
+    if isinstance(xargs, dict) and any(k in xargs for k in _XARGS_DROPPED):
+        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k not in _XARGS_DROPPED}
     return body
 
 
