@@ -134,6 +134,13 @@ class KVEventIndex:
         self.apply(seq, batch)
         return verdict
 
+    def restarted(self) -> None:
+        """The publisher started again (its sequence went back): forget everything; the batches of
+        the new sequence come next, from its first (the subscriber replays them)."""
+        self.stats["restarts"] += 1
+        self.clear()
+        self.last_seq = None
+
     def resync(self, seq: int, batch: KVEventBatch) -> None:
         """What was missed cannot be replayed: forget everything and go on from ``batch``."""
         self.stats["resyncs"] += 1

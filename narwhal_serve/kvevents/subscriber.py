@@ -26,6 +26,7 @@ log = logging.getLogger("narwhal.kvevents")
 
 REPLAY_TIMEOUT_S = 2.0  # the replay socket's silence that ends a replay
 REPLAY_MAX_S = 30.0  # a whole replay
+FILL_ROUNDS = 4  # replays asked for one gap, each from where the one before stopped (while they make progress)
 YIELD_EVERY = 256  # replayed batches read or applied between two turns of the event loop
 MAX_MESSAGE_BYTES = 64 << 20  # a frame larger than this is no KV-event batch (vLLM's are kilobytes to a few MB)
 RESTART_S = 1.0
@@ -75,13 +76,23 @@ class KVEventSubscriber:
                 got = self._decode(frames)
                 if got is None:
                     continue
-                seq, batch = got
                 self.last_event_at = time.time()
-                if self.index.offer(seq, batch) == "gap":
-                    await self._fill(seq, batch)
+                await self._live(*got)
         finally:
             self.state = "stopped"
             sub.close(linger=0)
+
+    async def _live(self, seq: int, batch: KVEventBatch) -> None:
+        """One live batch.  Of a sequence begun before this subscriber heard it (a restarted
+        publisher, or a start-up replay that brought nothing), the first batches come from the
+        replay socket first; a gap before it is filled."""
+        if seq > 0 and self.replay_endpoint is not None and (
+                self.index.last_seq is None or self.index.classify(seq, batch) == "restart"):
+            if self.index.last_seq is not None:
+                self.index.restarted()
+            await self._offer_all(await self._replay(0), until=seq - 1)
+        if self.index.offer(seq, batch) == "gap":
+            await self._fill(seq, batch)
 
     def _decode(self, frames: list[bytes]) -> tuple[int, KVEventBatch] | None:
         if len(frames) != 3:
@@ -97,23 +108,36 @@ class KVEventSubscriber:
             return None
 
     async def _fill(self, seq: int, batch: KVEventBatch) -> None:
-        """A gap before ``seq``: replay what was missed, else resync from ``batch``."""
-        expected = (self.index.last_seq or 0) + 1
-        replayed = await self._replay(expected) if self.replay_endpoint is not None else []
-        if not replayed or replayed[0][0] > expected:
-            log.warning("kv events of %s: batches %d..%d missed and not replayable; index resynced",
-                        self.engine, expected, seq - 1)
-            self.index.resync(seq, batch)
-            return
-        await self._offer_all(replayed, until=seq)
-        if self.index.last_seq is not None and self.index.last_seq < seq:
-            self.index.resync(seq, batch)  # the replay ended short of the live batch
+        """A gap before ``seq``: replay what was missed, and ``batch``; else resync from ``batch``.
+        A replay that comes back short (vLLM's replay socket drops what its send queue cannot hold,
+        the end marker too, and a slow link cuts it at the time limits) is asked again from where
+        it stopped, while each brings more: the index is cleared only when the engine's buffer has
+        moved past what was missed."""
+        expected = None
+        for _ in range(FILL_ROUNDS):
+            expected = (self.index.last_seq or 0) + 1
+            replayed = await self._replay(expected) if self.replay_endpoint is not None else []
+            if not replayed or replayed[0][0] > expected:
+                break  # not replayable (any more)
+            before = self.index.last_seq
+            await self._offer_all(replayed, until=seq - 1)
+            if self.index.last_seq == seq - 1:
+                self.index.offer(seq, batch)
+                return
+            if self.index.last_seq == before:
+                break  # no progress
+        log.warning("kv events of %s: batches %s..%d missed and not replayable; index resynced",
+                    self.engine, expected, seq - 1)
+        self.index.resync(seq, batch)
 
     async def _offer_all(self, replayed: list[tuple[int, KVEventBatch]], until: int | None = None) -> None:
         """Replayed batches offered in order (up to sequence ``until``), a piece at a time: the
-        loop's other work goes on during a long replay."""
+        loop's other work goes on during a long replay.  Up to a hole in them (a batch the replay
+        lost): what follows it waits for the next replay."""
         for i, (s, b) in enumerate(replayed):
             if until is not None and s > until:
+                break
+            if self.index.classify(s, b) == "gap":
                 break
             self.index.offer(s, b)
             if i % YIELD_EVERY == YIELD_EVERY - 1:
