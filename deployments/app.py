@@ -24,6 +24,7 @@ from deployments.scheduler import Scheduler
 from deployments.simfleet import SimFleet
 from narwhal_serve.config import NarwhalConfig, format_validation_error
 from narwhal_serve.managed.command import deployment_names, deployment_options
+from narwhal_serve.tokenization.sizer import tokenizer_path
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -83,7 +84,7 @@ def build_app(args: dict[str, Any]) -> Application:
     ]
     scheduler = scheduler_dep.bind(conf, fleet, *engines, kv_shards=shards)
     assembler = None if assembler_dep is None else assembler_dep.bind(
-        knobs.engine_http, cfg.serving.model_dump(), cfg.observability.model_dump())
+        knobs.engine_http, cfg.serving.model_dump(), cfg.observability.model_dump(), tokenizer_path(cfg))
     return ingress_dep.bind(conf, scheduler, assembler)
 
 

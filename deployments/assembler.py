@@ -11,6 +11,7 @@ from narwhal_serve.config import ObservabilityConfig, ServingConfig
 from narwhal_serve.protocol.placement import PlacedRequest
 from narwhal_serve.relay.messages import RelayMessage
 from narwhal_serve.relay.pipeline import relay_of
+from narwhal_serve.tokenization.sizer import tokenizer_at
 
 
 class Assembler:
@@ -19,10 +20,16 @@ class Assembler:
         engine_http: Literal["aiohttp", "httpx"] = "aiohttp",
         serving: dict[str, Any] | None = None,
         observability: dict[str, Any] | None = None,
+        tokenizer: str | None = None,
     ) -> None:
         to_serve_log()
         self.relay = relay_of(engine_http, ServingConfig.model_validate(serving or {}),
                               ObservabilityConfig.model_validate(observability or {}))
+        # the served model's tokenizer (tokenization/sizer.py tokenizer_path, as the ingress loads it):
+        # where a resumed answer's cut character starts (relay/resume.py Transcript.settle)
+        tok = tokenizer_at(tokenizer)
+        if tok is not None:
+            self.relay.detokenize = tok.decode
 
     async def run(self, placed: PlacedRequest) -> AsyncIterator[RelayMessage]:
         async for msg in self.relay.run(placed):

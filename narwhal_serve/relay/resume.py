@@ -235,7 +235,7 @@ class Transcript:
     def settle(self, decode: Callable[[list[int]], str]) -> None:
         """``silent`` from the tokens themselves, decoded by the model's tokenizer (exact whatever
         the chunks carried); left to the chunks' count where the tail is no cut character."""
-        n = held_back(decode, self.output_ids)
+        n = held_back(decode, self.output_ids, self.prompt_ids or ())
         if n is not None:
             self.silent, self.unsure = n, False
 
@@ -244,14 +244,18 @@ class Transcript:
 HELD_BACK_MAX = 8
 
 
-def held_back(decode: Callable[[list[int]], str], ids: Sequence[int]) -> int | None:
+def held_back(decode: Callable[[list[int]], str], ids: Sequence[int], prompt: Sequence[int] = ()) -> int | None:
     """How many of ``ids``' last tokens end inside a character: their bytes decode to no complete
     one yet, so vLLM's detokenizer has sent none of their text (it holds back text that ends in
     U+FFFD).  None: more than a character's worth.  Each decode is of a few tokens before the
-    point tried, enough to hold the whole character that ends there."""
+    point tried, enough to hold the whole character that ends there — the prompt's last tokens
+    too, as vLLM's detokenizer starts from them (a prompt that ends inside a character has it
+    completed by the output's first token, whose text is sent)."""
+    ctx = [*prompt[-HELD_BACK_MAX:], *ids]
+    start = len(ctx) - len(ids)  # where the output begins in ``ctx``
     for n in range(min(len(ids), HELD_BACK_MAX) + 1):
-        k = len(ids) - n
-        if k == 0 or not decode(list(ids[max(0, k - HELD_BACK_MAX):k])).endswith("\ufffd"):
+        k = len(ctx) - n
+        if k == start or not decode(ctx[max(0, k - HELD_BACK_MAX):k]).endswith("\ufffd"):
             return n
     return None
 

@@ -148,6 +148,19 @@ class Sized:
                                          or truncated_to(self.parsed.body) is not None)
 
 
+def tokenizer_at(path: str | None) -> "Tokenizer | None":
+    """The tokenizer :func:`tokenizer_path` names (None: the estimate)."""
+    if path is None:
+        return None
+    if path == SIM:
+        from narwhal_serve.sim.tokenizer import SimTokenizer  # the simulated engines' own functions
+
+        return SimTokenizer()
+    from narwhal_serve.tokenization.hf import HfTokenizer
+
+    return HfTokenizer(path)
+
+
 class PromptSizer:
     def __init__(self, tokenizer: "Tokenizer | None") -> None:
         self.tokenizer = tokenizer
@@ -155,16 +168,7 @@ class PromptSizer:
 
     @classmethod
     def from_config(cls, cfg: "NarwhalConfig") -> "PromptSizer":
-        path = tokenizer_path(cfg)
-        if path is None:
-            return cls(None)
-        if path == SIM:
-            from narwhal_serve.sim.tokenizer import SimTokenizer  # the simulated engines' own functions
-
-            return cls(SimTokenizer())
-        from narwhal_serve.tokenization.hf import HfTokenizer
-
-        return cls(HfTokenizer(path))
+        return cls(tokenizer_at(tokenizer_path(cfg)))
 
     @property
     def source(self) -> str:
