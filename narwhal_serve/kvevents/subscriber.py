@@ -10,8 +10,10 @@ resynced.  ZMQ reconnects by itself when the engine restarts; the index sees the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +71,7 @@ class KVEventSubscriber:
                 # from the batch after the last one applied (a restarted subscriber keeps its index:
                 # replaying the whole buffer again was all duplicates); at the first start, everything
                 start = 0 if self.index.last_seq is None else self.index.last_seq + 1
-                await self._offer_all(await self._replay(start))
+                await self._offer_all(self._replay(start))
             self.state = "subscribed"
             while True:
                 frames = await sub.recv_multipart()
@@ -90,7 +92,7 @@ class KVEventSubscriber:
                 self.index.last_seq is None or self.index.classify(seq, batch) == "restart"):
             if self.index.last_seq is not None:
                 self.index.restarted()
-            await self._offer_all(await self._replay(0), until=seq - 1)
+            await self._offer_all(self._replay(0), until=seq - 1)
         if self.index.offer(seq, batch) == "gap":
             await self._fill(seq, batch)
 
@@ -116,11 +118,11 @@ class KVEventSubscriber:
         expected = None
         for _ in range(FILL_ROUNDS):
             expected = (self.index.last_seq or 0) + 1
-            replayed = await self._replay(expected) if self.replay_endpoint is not None else []
-            if not replayed or replayed[0][0] > expected:
-                break  # not replayable (any more)
             before = self.index.last_seq
-            await self._offer_all(replayed, until=seq - 1)
+            first = await self._offer_all(self._replay(expected), until=seq - 1) \
+                if self.replay_endpoint is not None else None
+            if first is None or first > expected:
+                break  # not replayable (any more)
             if self.index.last_seq == seq - 1:
                 self.index.offer(seq, batch)
                 return
@@ -130,50 +132,63 @@ class KVEventSubscriber:
                     self.engine, expected, seq - 1)
         self.index.resync(seq, batch)
 
-    async def _offer_all(self, replayed: list[tuple[int, KVEventBatch]], until: int | None = None) -> None:
-        """Replayed batches offered in order (up to sequence ``until``), a piece at a time: the
-        loop's other work goes on during a long replay.  Up to a hole in them (a batch the replay
-        lost): what follows it waits for the next replay."""
-        for i, (s, b) in enumerate(replayed):
-            if until is not None and s > until:
-                break
-            if self.index.classify(s, b) == "gap":
-                break
-            self.index.offer(s, b)
-            if i % YIELD_EVERY == YIELD_EVERY - 1:
-                await asyncio.sleep(0)
+    async def _offer_all(self, replayed: AsyncGenerator[tuple[int, KVEventBatch], None],
+                         until: int | None = None) -> int | None:
+        """Replayed batches offered in order as they arrive (up to sequence ``until``; each applied
+        before the next is decoded: a whole replay held decoded at once is 10,000 batches of token
+        IDs), a piece at a time: the loop's other work goes on during a long replay.  Up to a hole
+        in them (a batch the replay lost): what follows it waits for the next replay.  The first
+        batch's sequence number (None: nothing came)."""
+        first = None
+        i = 0
+        async with contextlib.aclosing(replayed) as batches:
+            async for s, b in batches:
+                if first is None:
+                    first = s
+                if until is not None and s > until:
+                    break
+                if self.index.classify(s, b) == "gap":
+                    break
+                self.index.offer(s, b)
+                i += 1
+                if i % YIELD_EVERY == 0:
+                    # frames already queued are read without the loop getting a turn: 10,000 of
+                    # them stood the process still for seconds
+                    await asyncio.sleep(0)
+        return first
 
-    async def _replay(self, start: int) -> list[tuple[int, KVEventBatch]]:
+    async def _replay(self, start: int) -> AsyncGenerator[tuple[int, KVEventBatch], None]:
+        """The replay socket's batches from ``start``, as they arrive (a generator: closing it
+        closes the socket)."""
         assert self.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         dealer.setsockopt(zmq.RCVHWM, 0)  # the whole replay queued here, not dropped on the way
         dealer.connect(self.replay_endpoint)
-        out: list[tuple[int, KVEventBatch]] = []
+        loop = asyncio.get_running_loop()
         try:
             await dealer.send_multipart([b"", seq_bytes(start)])
             # each answer within REPLAY_TIMEOUT_S of the one before, the whole within REPLAY_MAX_S: a
             # single deadline for the whole stream cut vLLM's default buffer (10,000 batches) short
-            # at a few thousand, and the first live batch after it then found a gap and cleared the index
-            async with asyncio.timeout(REPLAY_MAX_S):
-                while True:
-                    async with asyncio.timeout(REPLAY_TIMEOUT_S):
-                        frames = await dealer.recv_multipart()
-                    if len(frames) == 4 and seq_of(frames[2]) == END_SEQ:
-                        break
-                    got = self._decode(frames[1:])
-                    if got is not None:
-                        out.append(got)
-                    if len(out) % YIELD_EVERY == 0:
-                        # frames already queued are read without the loop getting a turn: 10,000
-                        # of them stood the process still for seconds
-                        await asyncio.sleep(0)
+            # at a few thousand, and the first live batch after it then found a gap and cleared the
+            # index.  (No timeout context spans a yield: its cancellation would land in the consumer.)
+            end = loop.time() + REPLAY_MAX_S
+            while True:
+                left = min(REPLAY_TIMEOUT_S, end - loop.time())
+                if left <= 0:
+                    raise TimeoutError
+                async with asyncio.timeout(left):
+                    frames = await dealer.recv_multipart()
+                if len(frames) == 4 and seq_of(frames[2]) == END_SEQ:
+                    return
+                got = self._decode(frames[1:])
+                if got is not None:
+                    yield got
         except TimeoutError:
             self.errors["replay_timeouts"] += 1
         finally:
             dealer.close(linger=0)
-        return out
 
     def view(self) -> dict[str, Any]:
         return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "state": self.state,

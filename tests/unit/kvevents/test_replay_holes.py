@@ -9,6 +9,7 @@ the engine's buffer here (what its real protocol carries is tested in test_kv_ev
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncGenerator
 
 from narwhal_serve.kvevents.index import KVEventIndex
 from narwhal_serve.kvevents.subscriber import KVEventSubscriber
@@ -41,10 +42,12 @@ class Engine:
     def __init__(self, buffer: dict[int, KVEventBatch], lose: list[set[int]] | None = None) -> None:
         self.buffer, self.lose, self.asked = buffer, lose or [], []
 
-    async def replay(self, start: int) -> list[tuple[int, KVEventBatch]]:
+    async def replay(self, start: int) -> AsyncGenerator[tuple[int, KVEventBatch], None]:
         lost = self.lose[len(self.asked)] if len(self.asked) < len(self.lose) else set()
         self.asked.append(start)
-        return [(s, b) for s, b in sorted(self.buffer.items()) if s >= start and s not in lost]
+        for s, b in sorted(self.buffer.items()):
+            if s >= start and s not in lost:
+                yield s, b
 
 
 def subscriber(engine: Engine) -> tuple[KVEventSubscriber, KVEventIndex, Held]:
@@ -103,3 +106,18 @@ async def test_a_sequence_begun_before_the_router_heard_it_is_replayed_from_its_
     sub, idx, held = subscriber(eng)
     await sub._live(5, eng.buffer[5])
     assert eng.asked == [0] and idx.last_seq == 5 and len(held.held) == 6
+
+
+async def test_a_replay_is_applied_as_it_arrives() -> None:
+    """Each replayed batch is applied before the next is decoded: the whole replay was held decoded
+    at once before (vLLM buffers 10,000 batches; at long prompts, gigabytes of token IDs)."""
+    sub, idx, held = subscriber(Engine({}))
+    seen: list[int | None] = []
+
+    async def replay(start: int) -> AsyncGenerator[tuple[int, KVEventBatch], None]:
+        for s in range(start, 5):
+            seen.append(idx.last_seq)
+            yield s, stored(s)
+
+    assert await sub._offer_all(replay(0)) == 0
+    assert seen == [None, 0, 1, 2, 3] and idx.last_seq == 4 and len(held.held) == 5
