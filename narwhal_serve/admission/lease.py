@@ -163,6 +163,13 @@ class AdmissionLease:
         self.spare = self.spare - out
         return out
 
+    def undelivered(self, returned: Permits, epoch: int) -> None:
+        """Spare permits handed back with an admission call that never reached the scheduler (it
+        answers every call it gets, faults included): they go back with the next report, under the
+        record they were reserved in (another record's are void there)."""
+        if epoch == self.epoch and returned.any():
+            self._to_return = self._to_return + returned
+
     # -- lifecycle of a locally admitted request ----------------------------------------------
     def first_token(self, ticket_id: str, engines: tuple[str, ...]) -> None:
         """The first token came from ``engines`` (again later: a resume moved the answer there)."""

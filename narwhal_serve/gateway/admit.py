@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from narwhal_serve.admission.controller import NONE, Refusal
 from narwhal_serve.admission.core import Ask
+from narwhal_serve.admission.lease import AdmissionLease
 from narwhal_serve.errors import ErrorInfo
 from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.gateway.streaming import internal_error
@@ -33,6 +34,16 @@ class Refused:
     outcome: Outcome
     error: ErrorInfo
     counted: bool  # the scheduler counted it already
+
+
+def undelivered(lease: AdmissionLease, req: AdmitRequest) -> None:
+    """An admission call that never reached the scheduler (it raised: the scheduler answers every
+    call it gets): what it carried of the lease's goes with a report instead — its spare permits
+    (else held for this lease at the scheduler for good, never topped up again) and its tenant's
+    share."""
+    lease.undelivered(req.returned, req.lease_epoch)
+    if lease.shares is not None:
+        lease.shares.give_again(req.ticket_id, req.tenant, req.tenant_returned)
 
 
 async def admit(reporter: Reporter, ticket: str, ask: Ask, deadline: float, now: float, mono: float,
@@ -63,8 +74,8 @@ async def admit(reporter: Reporter, ticket: str, ask: Ask, deadline: float, now:
     try:
         result = await call(admit_req)
     except Exception as exc:  # the scheduler could not be reached
-        if lease is not None and lease.shares is not None:  # the share it carried goes with a report
-            lease.shares.give_again(ticket, ask.tenant, admit_req.tenant_returned)
+        if lease is not None:
+            undelivered(lease, admit_req)
         return Refused(Outcome.FAILED, internal_error(f"admission failed: {type(exc).__name__}"), False)
     if result.error is not None:  # the scheduler counted it
         return Refused(result.outcome or Outcome.REJECTED, result.error, True)

@@ -27,7 +27,7 @@ from narwhal_serve.admission.retry import retry_count
 from narwhal_serve.protocol.outcomes import Outcome
 from narwhal_serve.config import NarwhalConfig
 from narwhal_serve.errors import BodyTimeout, ErrorInfo, InvalidRequest, NarwhalError, TerminalExpiry, bad_request_id
-from narwhal_serve.gateway.admit import Refused, admit
+from narwhal_serve.gateway.admit import Refused, admit, undelivered
 from narwhal_serve.gateway.backend import Backend
 from narwhal_serve.gateway.body import BodyIncomplete, header, read_body, received_at, seconds_header
 from narwhal_serve.gateway.reporter import Reporter
@@ -318,21 +318,24 @@ class CompletionHandler:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            self._abandon(task, req.ticket_id, self.tenancy.label(req.tenant), self.tenancy.class_name(req.rank))
+            self._abandon(task, req)
             raise
 
-    def _abandon(self, task: asyncio.Task[AdmitResult], ticket_id: str, tenant: str | None, klass: str | None) -> None:
+    def _abandon(self, task: asyncio.Task[AdmitResult], req: AdmitRequest) -> None:
         """The client left while waiting for admission: withdraw the ticket (the scheduler frees a
         queue slot or a grant, now or when the admit call arrives) and count the cancellation,
         unless the scheduler had already refused — and counted — the request."""
         loop = asyncio.get_running_loop()
-        loop.create_task(self.backend.cancel(ticket_id), context=contextvars.Context())
+        loop.create_task(self.backend.cancel(req.ticket_id), context=contextvars.Context())
+        tenant, klass = self.tenancy.label(req.tenant), self.tenancy.class_name(req.rank)
 
         def on_done(t: asyncio.Task[AdmitResult]) -> None:
             if not t.cancelled() and t.exception() is None:
                 err = t.result().error
                 if err is not None and err.code != "cancelled":
                     return
+            elif not t.cancelled() and self.reporter.lease is not None:  # the call never reached the scheduler
+                undelivered(self.reporter.lease, req)
             self.reporter.outcome(Outcome.CANCELLED, "client_disconnected", tenant, klass)
 
         task.add_done_callback(on_done)

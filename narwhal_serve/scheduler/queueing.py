@@ -4,6 +4,7 @@ queue of requests waiting for permits, and cancellation."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import replace
 
 from narwhal_serve.admission.controller import Enqueued, Grant, Refusal, Ticket
@@ -17,6 +18,8 @@ from narwhal_serve.scheduler.tickets import TicketBook
 from narwhal_serve.tenants.amounts import request_cost
 from narwhal_serve.tenants.rules import budget_error
 
+
+log = logging.getLogger("narwhal.scheduler")
 
 _CANCELLED = NarwhalError("the client went away while waiting for admission", code="cancelled").info()
 _TOMBSTONES = 4096
@@ -36,7 +39,19 @@ class AdmissionDesk(TicketBook):
         return AdmitResult(error=err, outcome=outcome)
 
     async def admit(self, req: AdmitRequest) -> AdmitResult:
+        """Answered whatever fails in it: a fault part-way is a counted refusal (``internal_error``),
+        never an exception back to the ingress — which then knows that an admit call that raised
+        never reached the scheduler, and takes back the spare permits it carried."""
         self.calls["admit"] += 1
+        try:
+            return await self._admit(req)
+        except Exception:
+            self.calls["admit_failed"] += 1
+            log.exception("admission of %s failed in the scheduler", req.ticket_id)
+            return self._refuse_info(NarwhalError("admission failed in the scheduler", code="internal_error").info(),
+                                     Outcome.FAILED, req)
+
+    async def _admit(self, req: AdmitRequest) -> AdmitResult:
         now = self.clock()
         self.leases.returned(req.lease_id, req.returned, req.lease_epoch)
         if req.tenant_returned.any():

@@ -128,7 +128,7 @@ class SchedulerState(ABC):
         self.profiler = Profiler(cfg, clock, self._health_changed)  # re-measures engines out for drift
         self._background: set[asyncio.Task[None]] = set()  # immediate scrapes of (re)joined engines
         self._ha: asyncio.Task[None] | None = None
-        self.calls = {"admit": 0, "report": 0, "report_failed": 0, "watch": 0}  # from ingress replicas (/status)
+        self.calls = {"admit": 0, "admit_failed": 0, "report": 0, "report_failed": 0, "watch": 0}  # from ingress replicas (/status)
         self.placement_watch = PlacementWatch()  # leases' parked watch calls (watch.py)
 
     def client(self) -> httpx.AsyncClient:

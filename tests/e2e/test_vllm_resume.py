@@ -2,13 +2,14 @@
 greedy answers — chat (without an output limit: up to the context) and completions, streaming and
 not — are placed on the victim while the other
 engine is in maintenance (the victim held with SIGSTOP meanwhile, so that its answers outlast the
-router's control steps on a loaded machine); it is then eligible again, the victim runs on, and is killed with SIGKILL mid-answer.  Every client still gets
+router's control steps on a loaded machine); it is then eligible again, the victim runs on in short slices, and is killed with SIGKILL mid-answer while stopped between two.  Every client still gets
 one complete answer whose token IDs equal the surviving engine's own uninterrupted greedy run, the
 router counts one resume per answer that was cut, and its request log names the engine that died."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ADMIN, REPORT, ResumeApp
-from tests.e2e.helpers import body_for, parse_sse, path_of, vllm_generated, wait_router_idle
+from tests.e2e.helpers import body_for, parse_sse, path_of, wait_router_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -110,7 +111,6 @@ async def test_an_engine_killed_mid_answer_is_replaced_token_exactly(resume_app:
             r = await c.post(app.url + path_of(route), json=body_for(route, max_tokens=1))
             assert r.status_code == 200, r.text
         before = (await c.get(app.url + "/status")).json()
-        generated = await vllm_generated(c, app.victim.url)
 
         tag = f"resume-{time.monotonic_ns()}"
         tasks: list[tuple[str, bool, asyncio.Task[httpx.Response]]] = []
@@ -153,14 +153,29 @@ async def test_an_engine_killed_mid_answer_is_replaced_token_exactly(resume_app:
         finally:
             os.killpg(app.victim.pid, signal.SIGCONT)
 
+        # The victim runs on in short slices, stopped between them, until each streaming client has
+        # read 24 of its tokens, and is killed while stopped: it cannot finish its answers between
+        # the check and the kill (CI once found all four finished on the victim by the kill, the
+        # clients still reading what the router had buffered ahead of them, its token counter read
+        # while it ran on). Stopped, the router's count of its answers in flight is exact.
         async def mid_answer() -> bool:
-            return await vllm_generated(c, app.victim.url) - generated >= len(KINDS) * 24
+            os.killpg(app.victim.pid, signal.SIGCONT)
+            await asyncio.sleep(0.02)
+            os.killpg(app.victim.pid, signal.SIGSTOP)
+            await asyncio.sleep(0.05)  # (what it sent reaches the clients)
+            return len(arrivals) == 2 and all(len(t) > 24 for t in arrivals.values())
 
-        await until(mid_answer, "the victim 24 tokens into each of its four answers")
-        ended = [(route, stream, _outcome(t)) for route, stream, t in tasks if t.done()]
-        assert not ended, f"answers ended before the kill: {ended}"
-        killed_at = time.monotonic()
-        os.killpg(app.victim.pid, signal.SIGKILL)
+        try:
+            await until(mid_answer, "each streaming client 24 tokens into its answer")
+            ended = [(route, stream, _outcome(t)) for route, stream, t in tasks if t.done()]
+            assert not ended, f"answers ended before the kill: {ended}"
+            on_victim = await router_inflight(c, app.url, "victim")
+            assert on_victim == len(KINDS), f"{on_victim} of the answers still on the victim at the kill"
+            killed_at = time.monotonic()
+            os.killpg(app.victim.pid, signal.SIGKILL)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(app.victim.pid, signal.SIGCONT)  # (a failed check leaves it running, not stopped)
         for route, stream, task in tasks:
             ids, usage = ids_and_usage(route, stream, await task)
             assert ids == ref[(route, stream)], (route, stream, len(ids))
