@@ -33,10 +33,12 @@ _EXPORTS = {
     "Tokenizer": "sizer",
     "outside_vocabulary": "sizer",
     "text_prompt": "hf",
+    "tokenizer_at": "sizer",
+    "tokenizer_path": "sizer",
 }
 __all__ = [
     "CHARS_PER_TOKEN", "Encoded", "ForwardMode", "NotExact", "PromptIdForwarding", "PromptSizer", "Sized", "TokenCache", "Tokenizer",
-    "estimate_tokens", "outside_vocabulary", "text_prompt",
+    "estimate_tokens", "outside_vocabulary", "text_prompt", "tokenizer_at", "tokenizer_path",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
@@ -51,3 +53,5 @@ if TYPE_CHECKING:
     from narwhal_serve.tokenization.sizer import Tokenizer as Tokenizer
     from narwhal_serve.tokenization.sizer import outside_vocabulary as outside_vocabulary
     from narwhal_serve.tokenization.hf import text_prompt as text_prompt
+    from narwhal_serve.tokenization.sizer import tokenizer_at as tokenizer_at
+    from narwhal_serve.tokenization.sizer import tokenizer_path as tokenizer_path

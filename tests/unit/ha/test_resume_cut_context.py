@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 
 from narwhal_serve.relay.pipeline import Relay
 from narwhal_serve.relay.resume import held_back
@@ -55,13 +56,16 @@ async def test_an_overcounted_hold_back_leaks_the_prompt_text_into_the_answer() 
     assert v.text_of(msgs) == "éé ok", v.text_of(msgs)
 
 
-def test_the_assembler_relay_gets_the_tokenizer_too() -> None:
+def test_the_assembler_relay_gets_the_tokenizer_too(monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/contract.md: a cut after a chunk of several tokens is resumed with the served model's
     tokenizer.  With ``deployment.relay: assembler`` the relay lives in the Assembler replica and
     gateway/app.py's wiring (backend.local_relay) never reaches it: every such cut is not_exact
     even though the router has a tokenizer."""
+    import deployments.assembler
     from deployments.assembler import Assembler
 
+    # (a replica's log wiring, on this process's "narwhal" logger, would outlive the test)
+    monkeypatch.setattr(deployments.assembler, "to_serve_log", lambda: None)
     a = Assembler(engine_http="httpx", tokenizer="narwhal-sim")
     assert a.relay.detokenize is not None
     assert Assembler(engine_http="httpx").relay.detokenize is None  # (the estimate: no tokenizer)
