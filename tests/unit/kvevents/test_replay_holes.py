@@ -14,20 +14,7 @@ from collections.abc import AsyncGenerator
 from narwhal_serve.kvevents.index import KVEventIndex
 from narwhal_serve.kvevents.subscriber import KVEventSubscriber
 from narwhal_serve.kvevents.wire import BlockStored, KVEventBatch
-
-
-class Held:
-    def __init__(self) -> None:
-        self.held: set[int] = set()
-
-    def insert(self, hashes: list[int]) -> None:
-        self.held.update(hashes)
-
-    def remove(self, hashes: list[int]) -> None:
-        self.held.difference_update(hashes)
-
-    def clear(self) -> None:
-        self.held.clear()
+from tests.support.kvindex import Held
 
 
 def stored(i: int, ts: float | None = None) -> KVEventBatch:

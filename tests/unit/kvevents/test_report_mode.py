@@ -14,20 +14,7 @@ from narwhal_serve.kvevents.wire import BlockRemoved, BlockStored, KVEventBatch
 from narwhal_serve.placement.prefix import id_block_hashes
 from narwhal_serve.protocol.requests import parse_request
 from narwhal_serve.relay.resume import continuation_body
-
-
-class Held:
-    def __init__(self) -> None:
-        self.held: set[int] = set()
-
-    def insert(self, hashes: list[int]) -> None:
-        self.held.update(hashes)
-
-    def remove(self, hashes: list[int]) -> None:
-        self.held.difference_update(hashes)
-
-    def clear(self) -> None:
-        self.held.clear()
+from tests.support.kvindex import Held
 
 
 def test_what_full_report_mode_would_do_to_the_index() -> None:
