@@ -36,6 +36,13 @@ LINGER_S: float = AdmissionConfig.model_fields["report_linger_s"].default
 # 1 % of a core in each (docs/performance.md, "Cost per request"); the news of others' placements
 # comes at once by the watch call, not by this period.
 RENEW_S = 0.5
+STOP_SEND_S = 5.0  # how long a stop waits for a report already on its way
+
+
+def _retrieved(f: "asyncio.Future[LeaseGrant | None]") -> None:
+    """A send's outcome read (one that ends after a stop has nobody awaiting it)."""
+    if not f.cancelled():
+        f.exception()
 
 
 class Reporter:
@@ -65,6 +72,7 @@ class Reporter:
         self._ends = 0  # requests ended (released) so far
         self._ends_heard = 0  # of those, the ones in reports the scheduler has answered
         self._task: asyncio.Task[None] | None = None
+        self._in_flight: asyncio.Future[LeaseGrant | None] | None = None  # the report on its way
         # the scheduler's placement news (scheduler/watch.py): another holder's placements make
         # this lease report at once, so that its view has them before its next decision
         self._watch = watch if lease is not None else None
@@ -178,14 +186,20 @@ class Reporter:
                 await self._flush()
 
     async def stop(self) -> None:
-        """No more reports until :meth:`start` (what is pending stays unsent: :meth:`flush` first)."""
+        """No more reports until :meth:`start` (what is pending stays unsent: :meth:`flush` first).
+        A report already on its way goes on to the scheduler (up to ``STOP_SEND_S`` waited for):
+        its counters and releases are nowhere else (a busy scheduler's answer outlasting the
+        stop's flush cut it off, the counts lost with the replica)."""
         self._stopped = True
+        sending = self._in_flight
         for task in (self._watcher, self._task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._task = self._watcher = None
+        if sending is not None and not sending.done():
+            await asyncio.wait({sending}, timeout=STOP_SEND_S)
 
     async def _watching(self) -> None:
         """One parked watch call at a time; news of another holder's placements sends a report now
@@ -235,7 +249,10 @@ class Reporter:
                 rep.lease = self.lease.cut(cut_at)
             if not rep.empty():
                 try:
-                    grant = await self._send(rep)
+                    # (shielded: a stop() while it is on its way lets it arrive, see stop)
+                    self._in_flight = sending = asyncio.ensure_future(self._send(rep))
+                    sending.add_done_callback(_retrieved)
+                    grant = await asyncio.shield(sending)
                     backoff = 0.05
                 except Exception:  # the scheduler restarts or is busy: keep the report for later
                     log.exception("report to the scheduler failed; retrying in %.2f s", backoff)
