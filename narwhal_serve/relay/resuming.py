@@ -8,6 +8,7 @@ sets what is declared here."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,9 @@ from narwhal_serve.relay.resume import (
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
+
+
+log = logging.getLogger(__name__)
 
 
 class ResumingReads:
@@ -69,7 +73,10 @@ class ResumingReads:
         """Where an answer cut now would be continued, never on an engine of ``excluded`` (None,
         target), or why it would not be (an outcome label of narwhal_resumes_total, None)."""
         if at.transcript.unsure and self.detokenize is not None:
-            at.transcript.settle(self.detokenize)
+            try:
+                at.transcript.settle(self.detokenize)
+            except Exception:  # (a tokenizer that cannot decode these IDs: unsure stays, not resumed)
+                log.warning("resume: could not decode the output's last tokens", exc_info=True)
         why = resume_refusal(placed.request, at.transcript, at.route.decode, at.resumes, self.max_resumes,
                              self.clock(), placed.deadline)
         if why is not None:

@@ -69,3 +69,22 @@ def test_the_assembler_relay_gets_the_tokenizer_too(monkeypatch: pytest.MonkeyPa
     a = Assembler(engine_http="httpx", tokenizer="narwhal-sim")
     assert a.relay.detokenize is not None
     assert Assembler(engine_http="httpx").relay.detokenize is None  # (the estimate: no tokenizer)
+
+
+async def test_a_tokenizer_that_cannot_decode_leaves_the_cut_unresumed() -> None:
+    """(A tokenizer that raises on these IDs: the cut is not resumed, the stream ends with its
+    error event as any such cut, not with a fault in the relay.)"""
+    def broken(ids: list[int]) -> str:
+        raise ValueError("not this model's IDs")
+
+    first = {"id": "cmpl-2", "object": "text_completion", "created": 9, "model": "m",
+             "choices": [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None, "stop_reason": None,
+                          "prompt_token_ids": v.PROMPT, "token_ids": [1, 134]}]}
+    eng = v.Engines(v.sse(first, done=False), lambda body: [v.cmpl(" ok", [5], "length")])
+    p = v.completion(max_tokens=4, return_token_ids=True)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(eng)) as client:
+        relay = Relay(client)
+        relay.detokenize = broken
+        msgs = [m async for m in relay.run(p)]
+    assert eng.hosts == ["e1"] and msgs[-1].error is not None
+    assert [x for m in msgs for x in m.resumes] == [("reset", "not_exact")]
