@@ -129,14 +129,13 @@ class KVEventIndex:
             self.stats["gaps"] += 1
             return verdict
         if verdict == "restart":
-            self.stats["restarts"] += 1
-            self.clear()
+            self.restarted()
         self.apply(seq, batch)
         return verdict
 
     def restarted(self) -> None:
         """The publisher started again (its sequence went back): forget everything; the batches of
-        the new sequence come next, from its first (the subscriber replays them)."""
+        the new sequence come next (the one offered, or from its first: the subscriber replays them)."""
         self.stats["restarts"] += 1
         self.clear()
         self.last_seq = None
