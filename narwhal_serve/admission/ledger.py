@@ -152,9 +152,10 @@ def releases(tickets: Iterable[Ticket], slots: int, external: int, first_s: floa
     ones made at ``tpot_s`` since — one past its expected length still holds its slot, for a
     quarter of what it made), one before it is in line for its prefill there (``per_token_s`` a
     pending token plus ``per_request_s``; none when another engine prefills it), then ``first_s``
-    and its expected decode; other clients' ``external`` requests hold slots for ``more_s`` each
-    (their lengths are unknown), as do the requests after the known ones.  Empty while the engine
-    has a free slot for the next one."""
+    and its expected decode; other clients' ``external`` requests take ``more_s`` each (their
+    lengths are unknown): as many as the slots left hold them, the rest wait in line first (they
+    are at the engine already; their prefills unknown); so do the requests after the known ones.
+    Empty while the engine has a free slot for the next one."""
     running: list[float] = []
     queued: list[float] = []
     prefill: list[float] = []
@@ -174,5 +175,9 @@ def releases(tickets: Iterable[Ticket], slots: int, external: int, first_s: floa
     beyond = len(running) + len(queued) + external + 1 - slots
     if beyond <= 0:
         return ()
-    running.extend([more_s] * external)
+    holding = min(external, max(0, slots - len(running)))  # the engine runs at most ``slots``
+    running.extend([more_s] * holding)
+    waiting = external - holding  # at the engine already: in line before the router's next
+    queued[:0] = [more_s] * waiting
+    prefill[:0] = [0.0] * waiting
     return tuple(now + r for r in slot_releases(running, queued, slots, more_s, min(RELEASES_MAX, beyond + 8), prefill))

@@ -91,6 +91,12 @@ class OutputLengths:
         alpha = max(1.0 / n, OUTPUT_ALPHA_FLOOR)
         self.means[key] = (n, mean + alpha * (output_tokens - mean))
 
+    def mean(self) -> float:
+        """The mean output of the requests learned from, over every kind and bucket (else the
+        prior): what a request whose own is unknown (another client's) is expected to write."""
+        n = sum(c for c, _ in self.means.values())
+        return sum(c * m for c, m in self.means.values()) / n if n else self.prior
+
     def table(self) -> tuple[tuple[str, int, float], ...]:
         """The learned means, as plain data for a fleet view."""
         return tuple((k, b, m) for (k, b), (_, m) in sorted(self.means.items()))

@@ -17,7 +17,7 @@ from narwhal_serve.placement.engines import EngineState
 from narwhal_serve.placement.drift import PROFILE_OUTPUT_TOKENS, PROFILE_PROMPT_CHARS, ProfileErrors, rel_error
 from narwhal_serve.placement.health import may_open
 from narwhal_serve.prediction.decode import TpotModel
-from narwhal_serve.prediction.ttft import PrefillModel
+from narwhal_serve.prediction.ttft import ErrorWindow, PrefillModel
 from narwhal_serve.relay.messages import EngineWorked, HealthEvent
 from narwhal_serve.scheduler.monitor import Profile, probe_one, profile_one
 
@@ -82,7 +82,8 @@ class Prober:
 def update_drift(engines: dict[str, EngineState], now: float, cfg: NarwhalConfig) -> list[str]:
     """Take out of rotation the engines whose drift score passed ``placement.drift_out_at`` (as
     many as the fleet can spare: :func:`~narwhal_serve.placement.health.may_open`); their TTFT and
-    TPOT models start again from their priors, for the profiles to re-measure.  The names taken out."""
+    TPOT models, and the error margins judged with them, start again from their priors, for the
+    profiles to re-measure.  The names taken out."""
     out: list[str] = []
     for e in engines.values():
         if e.drift.should_go_out(cfg.placement) and may_open(_out_of_work(engines, now), len(engines), cfg.monitoring):
@@ -92,6 +93,9 @@ def update_drift(engines: dict[str, EngineState], now: float, cfg: NarwhalConfig
             log.warning("engine %s out of rotation for drift: %s; re-measured with profiling requests", e.cfg.name, why)
             e.ttft_model = PrefillModel(prior_a=e.ttft_model.prior_a, prior_b=e.ttft_model.prior_b)
             e.tpot_model = TpotModel(prior_a=e.tpot_model.prior_a, prior_b=e.tpot_model.prior_b)
+            # and the margins: their errors were the dropped models' (those that took it out)
+            e.ttft_errors = ErrorWindow(quantile=e.ttft_errors.quantile)
+            e.ttft_idle_errors = ErrorWindow(quantile=e.ttft_idle_errors.quantile)
             out.append(e.cfg.name)
     return out
 

@@ -185,7 +185,8 @@ class SchedulerState(ABC):
         if not slots or not e.tpot_model.samples or e.in_flight() + 1 <= slots:
             return ()
         tpot = tpot_at(e.tpot_model.a, e.tpot_model.b, slots)
-        per_request = mean_remaining(e.decode_tokens, e.inflight, 0.0)
+        # (none of the router's own there: other clients' requests, of the mean length learned)
+        per_request = mean_remaining(e.decode_tokens, e.inflight, self.outputs.mean())
         return releases(self._decoding.get(e.cfg.name, {}).values(), slots, e.external(), m.a, tpot,
                         m.a + per_request * tpot, m.b, m.c, now=now)
 
