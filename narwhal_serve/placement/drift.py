@@ -78,7 +78,8 @@ class Drift:
 
     def go_out(self, now: float, reason: str) -> None:
         self.out, self.since, self.good, self.profiles = True, now, 0, 0
-        self.next_profile = now
+        if self.next_profile != float("inf"):  # (a profile in flight: its answer re-arms the next one)
+            self.next_profile = now
         self.outs += 1
         self.last_reason = reason
 

@@ -23,6 +23,7 @@ from narwhal_serve.config import MonitoringConfig
 from narwhal_serve.engines.errors import FaultKind
 
 BACKPRESSURE_CAP_S = 10.0
+MAX_DOUBLINGS = 32  # a breaker's open period doubles at most this many times (then breaker_max_open_s caps it)
 
 
 
@@ -86,7 +87,8 @@ class Breaker:
             self._open(now, cfg)
 
     def _open(self, now: float, cfg: MonitoringConfig) -> None:
-        self.open_s = min(cfg.breaker_max_open_s, cfg.breaker_open_s * (2 ** self.opened))
+        # (the doubling stops at the cap: an engine down for a day must not overflow it)
+        self.open_s = min(cfg.breaker_max_open_s, cfg.breaker_open_s * (2 ** min(self.opened, MAX_DOUBLINGS)))
         self.opened += 1
         self.state = "open"
         self.open_until = now + self.open_s

@@ -24,15 +24,21 @@ from narwhal_serve.scheduler.monitor import Profile, probe_one, profile_one
 log = logging.getLogger("narwhal.drift")
 
 
-def _out_of_work(engines: dict[str, EngineState], now: float) -> int:
-    return sum(1 for x in engines.values() if not x.breaker.takes_work(now) or x.drift.out)
+def _out_of_work(engines: dict[str, EngineState], now: float, maintenance: frozenset[str], but: EngineState) -> int:
+    """The engines other than ``but`` (the one being judged: taking it out takes no other) that
+    take no work now: breaker open or pushing back, out for drift, down (its health check failing,
+    a managed engine's process not up) or in a maintenance wave — a breaker must not take out the
+    last engines that can serve because the others are out for another reason."""
+    return sum(1 for x in engines.values()
+               if x is not but and (not x.breaker.takes_work(now) or x.drift.out or not x.healthy
+                                    or x.cfg.wave in maintenance or (x.managed is not None and not x.managed.up)))
 
 
 def apply_health(engines: dict[str, EngineState], events: Iterable[HealthEvent], now: float,
-                 cfg: NarwhalConfig) -> list[str]:
+                 cfg: NarwhalConfig, maintenance: frozenset[str] = frozenset()) -> list[str]:
     """Feed the engines' breakers in the order things happened: a first token resets an engine's
     failures; a failed attempt counts against it, or starts a backpressure window — never taking
-    more engines out of work (breaker open or pushing back) than the fleet can spare:
+    more engines out of work (:func:`_out_of_work`) than the fleet can spare:
     :func:`~narwhal_serve.placement.health.may_open`.  The engines whose breaker these events
     opened (the streams still on them are resumed elsewhere: docs/contract.md, "Mid-stream resume")."""
     tripped: list[str] = []
@@ -42,7 +48,7 @@ def apply_health(engines: dict[str, EngineState], events: Iterable[HealthEvent],
                 if (e := engines.get(name)) is not None:
                     e.breaker.on_success()
         elif (e := engines.get(f.engine)) is not None:
-            spare = may_open(_out_of_work(engines, now), len(engines), cfg.monitoring)
+            spare = may_open(_out_of_work(engines, now, maintenance, e), len(engines), cfg.monitoring)
             was = e.breaker.state
             e.breaker.on_fault(f.kind, now, cfg.monitoring, f.retry_after_s, f.why, may_open=spare)
             if was == "closed" and e.breaker.state == "open":
@@ -69,7 +75,11 @@ class Prober:
 
     async def _probe(self, e: EngineState, client: httpx.AsyncClient) -> None:
         timeout = self.cfg.serving.first_token_limit(self.cfg.admission.ttft_budget_s)
-        ok, why = await probe_one(client, e, self.cfg.model, timeout)
+        try:
+            ok, why = await probe_one(client, e, self.cfg.model, timeout)
+        except Exception as exc:  # (a probe that raised is a failed one: the breaker must not stay probing)
+            log.exception("probe of engine %s failed", e.cfg.name)
+            ok, why = False, f"probe failed: {type(exc).__name__}"
         e.breaker.on_probe(ok, self.clock(), self.cfg.monitoring, why)
         if ok:
             self.on_closed()
@@ -79,14 +89,16 @@ class Prober:
             t.cancel()
 
 
-def update_drift(engines: dict[str, EngineState], now: float, cfg: NarwhalConfig) -> list[str]:
+def update_drift(engines: dict[str, EngineState], now: float, cfg: NarwhalConfig,
+                 maintenance: frozenset[str] = frozenset()) -> list[str]:
     """Take out of rotation the engines whose drift score passed ``placement.drift_out_at`` (as
     many as the fleet can spare: :func:`~narwhal_serve.placement.health.may_open`); their TTFT and
     TPOT models, and the error margins judged with them, start again from their priors, for the
     profiles to re-measure.  The names taken out."""
     out: list[str] = []
     for e in engines.values():
-        if e.drift.should_go_out(cfg.placement) and may_open(_out_of_work(engines, now), len(engines), cfg.monitoring):
+        if e.drift.should_go_out(cfg.placement) \
+                and may_open(_out_of_work(engines, now, maintenance, e), len(engines), cfg.monitoring):
             why = (f"measured TTFT {e.drift.ttft:+.0%} and TPOT {e.drift.tpot:+.0%} against its models "
                    f"(out past {cfg.placement.drift_out_at:+.0%})")
             e.drift.go_out(now, why)
@@ -138,11 +150,16 @@ class Profiler:
     async def _profile(self, e: EngineState, client: httpx.AsyncClient, size: int) -> None:
         self.sent += 1
         timeout = self.cfg.serving.first_token_limit(self.cfg.admission.max_ttft_budget_s)
-        p = await profile_one(client, e, self.cfg.model, size, PROFILE_OUTPUT_TOKENS, timeout, self.clock)
-        errors = profile_errors(e, p, self.cfg) if p.ok else ProfileErrors()
-        if not p.ok:
-            e.drift.last_reason = p.why
-        if e.drift.on_profile(p.ok, errors, self.clock(), self.cfg.placement):
+        try:
+            p = await profile_one(client, e, self.cfg.model, size, PROFILE_OUTPUT_TOKENS, timeout, self.clock)
+            errors = profile_errors(e, p, self.cfg) if p.ok else ProfileErrors()
+            ok, why = p.ok, p.why
+        except Exception as exc:  # (one that raised is a failed one: the next must still be sent)
+            log.exception("profile of engine %s failed", e.cfg.name)
+            errors, ok, why = ProfileErrors(), False, f"profile failed: {type(exc).__name__}"
+        if not ok:
+            e.drift.last_reason = why
+        if e.drift.on_profile(ok, errors, self.clock(), self.cfg.placement):
             log.warning("engine %s back in rotation after %d profiling requests", e.cfg.name, e.drift.profiles)
             self.on_back()
 

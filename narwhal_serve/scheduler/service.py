@@ -24,6 +24,7 @@ from narwhal_serve.scheduler.messages import Report
 from narwhal_serve.scheduler.monitor import scrape_all
 from narwhal_serve.scheduler.snapshot import snapshot
 from narwhal_serve.telemetry import render_metrics
+from narwhal_serve.tokenization.sizer import tokenizer_path
 
 
 log = logging.getLogger("narwhal.monitor")
@@ -75,7 +76,8 @@ class SchedulerService(AdminOps):
         """A probe for each engine whose breaker has been open its full period."""
         self.prober.start_due(self.engines.values(), self.client())
         if self.cfg.admission.mode == "predictive":  # open mode judges nothing by the engines' models
-            update_drift(self.engines, self.clock(), self.cfg)
+            for name in update_drift(self.engines, self.clock(), self.cfg, frozenset(self.router.maintenance)):
+                self.touch(name)  # (the leases' views hear of it with the next grant)
             self.profiler.start_due(self.engines.values(), self.client())
 
     async def scrape_engines(self) -> None:
@@ -87,12 +89,14 @@ class SchedulerService(AdminOps):
     async def scrape_once(self) -> None:
         await self.scrape_engines()
         pl = self.cfg.placement
+        # the tokens a learned block stands for: the ingress hashes prompts in blocks of tokens
+        # where it tokenizes them, else of characters (placement/prefix.py request_prefix)
+        learned = pl.prefix_block_tokens if tokenizer_path(self.cfg) is not None else pl.prefix_block_chars / CHARS_PER_TOKEN
         for e in self.engines.values():  # an index never remembers more than the engine's KV cache holds
             if e.prefix_exact:
                 e.prefix.resize(max(pl.prefix_index_blocks, e.load.kv_tokens // pl.prefix_block_tokens))
                 continue
-            e.prefix.resize(index_capacity(pl.prefix_index_blocks, e.load.kv_tokens,
-                                           pl.prefix_block_chars / CHARS_PER_TOKEN))
+            e.prefix.resize(index_capacity(pl.prefix_index_blocks, e.load.kv_tokens, learned))
         self.router.started = True
         self.ha.last_pass = self.clock()
         self.views_stale()  # every engine's load and health read anew
@@ -147,7 +151,7 @@ class SchedulerService(AdminOps):
         for h in rep.health:  # (a fault may take engines out: apply_health weighs the fleet's spare)
             for name in h.engines if isinstance(h, EngineWorked) else (h.engine,):
                 self.touch(name)
-        for name in apply_health(self.engines, rep.health, now, self.cfg):
+        for name in apply_health(self.engines, rep.health, now, self.cfg, frozenset(self.router.maintenance)):
             self.tripped[name] = now  # (ingress replicas resume the streams still on it)
         for tid, engines in rep.decode_started:
             self.admission.enter_decode(tid)
