@@ -130,7 +130,7 @@ def _kv_tokens(labels: dict[str, str]) -> float:
     """block_size × num_gpu_blocks from vLLM's cache-config info labels (0 when absent or odd)."""
     try:
         return float(max(0, int(labels["block_size"]) * int(labels["num_gpu_blocks"])))
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, OverflowError):  # (past a float's range: as odd as a word)
         return 0.0
 
 

@@ -79,6 +79,7 @@ class ManagedFleet:
             m.replicas_seen += 1
             # a new process: nothing known about it yet (in-flight counts and the TTFT model stay)
             st.breaker = Breaker()
+            st.prefix.clear()  # its cache starts empty (the blocks of requests placed there stay pending)
             st.load = EngineLoad()
             st.max_running_seen, st.queued_seen = 0, False
             st.inflight_at_scrape = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,8 @@ from narwhal_serve.engines.dialect import PATHS
 from narwhal_serve.engines.metrics import parse_engine_metrics
 from narwhal_serve.placement.engines import EngineState
 from narwhal_serve.protocol.estimate import estimate_tokens
+
+log = logging.getLogger("narwhal.monitor")
 
 
 async def scrape_one(client: httpx.AsyncClient, e: EngineState, now: float, timeout_s: float) -> None:
@@ -98,7 +101,20 @@ def scraped(e: EngineState, now: float, healthy: bool, metrics: str | None) -> N
 async def scrape_all(
     client: httpx.AsyncClient, engines: list[EngineState], now: float, timeout_s: float
 ) -> None:
-    await asyncio.gather(*(scrape_one(client, e, now, timeout_s) for e in engines))
+    await asyncio.gather(*(_scrape_apart(client, e, now, timeout_s) for e in engines))
+
+
+async def _scrape_apart(client: httpx.AsyncClient, e: EngineState, now: float, timeout_s: float) -> None:
+    """One engine's scrape, whatever its answers hold: one the router cannot read (a fault in the
+    reading) is that engine's failed scrape — it answered, unusably: down — never the whole pass's
+    (that stalled the monitoring of every engine, and the router went monitoring-degraded)."""
+    try:
+        await scrape_one(client, e, now, timeout_s)
+    except Exception:
+        log.exception("scrape of engine %s failed in the router: counted down", e.cfg.name)
+        e.healthy = False
+        e.failures += 1
+        e.last_answer = now
 
 
 async def probe_one(client: httpx.AsyncClient, e: EngineState, model: str, timeout_s: float) -> tuple[bool, str]:

@@ -163,3 +163,69 @@ def test_a_probe_or_profile_that_raises_counts_as_failed_and_the_next_one_still_
     asyncio.run(run())
     assert e.breaker.state == "open" and e.breaker.probes_total == {"failed": 1}
     assert e.drift.next_profile < float("inf") and "RuntimeError" in (e.drift.last_reason or "")
+
+
+def test_one_engine_page_the_router_cannot_read_costs_that_engine_not_the_pass(monkeypatch) -> None:
+    # scheduler/monitor.py scrape_all: a fault reading one engine's answers (here a cache-config line
+    # whose num_gpu_blocks is past a float's range: OverflowError, not ValueError) escaped the whole
+    # pass — every engine's pass, each time, so the monitoring loop never completed one and the router
+    # went monitoring-degraded. Correct: that page is read as odd (ignored), and a fault in reading
+    # any one engine is that engine's failed scrape (down), the others scraped as usual.
+    import httpx
+
+    from narwhal_serve.engines.metrics import parse_engine_metrics
+    from narwhal_serve.scheduler import monitor
+
+    huge = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="1' + "0" * 400 + '"} 1.0\n'
+    assert parse_engine_metrics(huge).kv_tokens == 0
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="vllm:num_requests_running 1\n")
+        return httpx.Response(200, json={})
+
+    cfg = _cfg(2)
+    engines = _engines(cfg)
+    real = monitor.scraped
+
+    def scraped(e, now, healthy, metrics):  # a reading fault on e1's answers alone
+        if e.cfg.name == "e1":
+            raise RuntimeError("unreadable")
+        real(e, now, healthy, metrics)
+
+    monkeypatch.setattr(monitor, "scraped", scraped)
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await monitor.scrape_all(client, list(engines.values()), 100.0, 1.0)
+
+    asyncio.run(run())
+    assert engines["e0"].healthy and engines["e0"].load.running == 1
+    assert not engines["e1"].healthy and engines["e1"].last_answer == 100.0
+
+
+def test_a_managed_engines_new_process_starts_with_an_empty_learned_prefix_index() -> None:
+    # scheduler/managed.py _take reset a new process's breaker and load but kept its learned prefix
+    # index (an engine without KV events): the old process's cache, credited to the new one until
+    # the measured hit rate decayed. Correct: a new process holds no blocks; those of requests
+    # placed there still pending stay pending (their prefills end, or fail, as before).
+    from narwhal_serve.managed.slot import ReplicaReport
+    from narwhal_serve.scheduler.service import SchedulerService
+
+    cfg = NarwhalConfig.model_validate({"engines": [{"name": "m", "role": "unified", "launch": {"kind": "sim"}}]})
+    svc = SchedulerService(cfg, clock=lambda: 100.0)
+
+    def report(replica: str, port: int) -> ReplicaReport:
+        return ReplicaReport(engine="m", replica=replica, url=f"http://10.0.0.1:{port}", node_id="n",
+                             node_ip="10.0.0.1", accelerator_ids=("0",), pid=port, log="", ready_s=1.0)
+
+    svc.managed.register(report("r1", 8001), 100.0)
+    e = svc.engines["m"]
+    e.prefix.insert((1, 2, 3))
+    e.prefix.pend((4,))
+    svc.managed.register(report("r1", 8001), 101.0)  # its heartbeat: the same process
+    assert e.prefix.stored(1)
+    svc.managed.down("m", "r1", "exit 137", 101.5)
+    svc.managed.register(report("r2", 8002), 102.0)  # its new process, in the same slot
+    assert svc.engines["m"] is e and e.cfg.url == "http://10.0.0.1:8002"
+    assert not any(e.prefix.stored(h) for h in (1, 2, 3)) and e.prefix.pending == 1
