@@ -34,7 +34,6 @@ from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.relay.messages import HealthEvent, RelayMessage
 
 KEEPALIVE = b"\n"
-COALESCE_BYTES = 1 << 16  # a write joins the messages waiting for it up to this size (it never waits for more)
 DRAINED = "router_draining"
 
 
@@ -148,9 +147,7 @@ class _SlowReader(Exception):
 class RelayStreamResponse(Response):
     """Writes the relay's messages as they come, and bounds what a slow client can cost.
 
-    A reader task pulls relay messages ahead of the client into a buffer; the writer sends what
-    piled up there while it was busy as one write (up to ``COALESCE_BYTES``; it never waits for
-    more: a client that keeps up gets each message as it comes).  Past ``buffer_bytes``
+    A reader task pulls relay messages ahead of the client into a buffer; past ``buffer_bytes``
     of unsent data it stops pulling until the writer has sent half of it (the client's pace, not
     the engine's, sets how much is held here).  Each write must complete within
     ``write_timeout_s``: a client that stops reading is cut (one last error event is tried,
@@ -258,19 +255,11 @@ class RelayStreamResponse(Response):
                     except TimeoutError:
                         await self._write(send, KEEPALIVE)
                 msg = self._buf.popleft()
-                data = msg.data
-                if self._buf and not msg.final:  # the writer fell behind: what piled up goes out as one write
-                    parts, size = [data], len(data)
-                    while self._buf and not msg.final and size < COALESCE_BYTES:
-                        msg = self._buf.popleft()
-                        parts.append(msg.data)
-                        size += len(msg.data)
-                    data = b"".join(parts)
-                self._size -= len(data)
+                self._size -= len(msg.data)
                 if self._size <= self.buffer_bytes // 2:
                     self._room.set()
-                if data:
-                    await self._write(send, data)
+                if msg.data:
+                    await self._write(send, msg.data)
                 if msg.final:
                     if msg.error is not None:
                         end = (outcome_of(msg.error), msg.error.reason or msg.error.code, msg.stats)
