@@ -42,7 +42,7 @@ class _Call:
 
 class ChatChoiceFold(ChoiceFold):
     KNOWN = frozenset({"index", "delta", "logprobs", "finish_reason", "stop_reason", "token_ids",
-                       "prompt_token_ids", "prompt_logprobs", "routed_experts"}) | KEPT_FIELDS
+                       "prompt_token_ids", "prompt_logprobs"}) | KEPT_FIELDS
 
     def __init__(self, index: int) -> None:
         super().__init__(index)
@@ -170,7 +170,6 @@ class ChatChoiceFold(ChoiceFold):
             "stop_reason": self.stop_reason,
             **self.kept,
         }
-        if return_token_ids:
-            out["token_ids"] = self.token_ids_out()
+        out["token_ids"] = self.token_ids_out() if return_token_ids else None
         out["routed_experts"] = None
         return out

@@ -1,9 +1,9 @@
 """Text-completion choice assembly: ``text`` concatenates, logprob arrays concatenate.
 
 The assembled choice has vLLM's non-streaming shape: ``index``, ``text`` (``""`` when nothing was
-generated), ``logprobs``, ``finish_reason``, ``stop_reason``, ``token_ids`` (only when the client asked
-for token IDs), ``prompt_logprobs``, ``prompt_token_ids`` (only when asked) and ``routed_experts``
-(always null: not assembled).
+generated), ``logprobs``, ``finish_reason``, ``stop_reason``, ``token_ids`` (null unless the client
+asked for token IDs), ``prompt_logprobs``, ``prompt_token_ids`` (null unless asked) and
+``routed_experts`` (always null: not assembled; a value from the engine is a 502).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .logprobs import CompletionLogprobs
 
 class CompletionChoiceFold(ChoiceFold):
     KNOWN = frozenset({"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids",
-                       "prompt_token_ids", "prompt_logprobs", "routed_experts"}) | KEPT_FIELDS
+                       "prompt_token_ids", "prompt_logprobs"}) | KEPT_FIELDS
 
     def __init__(self, index: int) -> None:
         super().__init__(index)
@@ -42,11 +42,9 @@ class CompletionChoiceFold(ChoiceFold):
             "stop_reason": self.stop_reason,
             **self.kept,
         }
-        if return_token_ids:
-            out["token_ids"] = self.token_ids_out()
+        out["token_ids"] = self.token_ids_out() if return_token_ids else None
         out["prompt_logprobs"] = self.prompt_logprobs
-        if return_token_ids:
-            out["prompt_token_ids"] = (
-                None if self.prompt_token_ids is None else list(self.prompt_token_ids))
+        out["prompt_token_ids"] = (
+            None if not return_token_ids or self.prompt_token_ids is None else list(self.prompt_token_ids))
         out["routed_experts"] = None
         return out

@@ -16,9 +16,11 @@ What is kept:
   ``matched_stop`` (SGLang) and ``content_filter_results`` (Azure OpenAI), returned only when sent;
 * usage: the last non-null engine ``usage`` as sent (extra keys kept); when the engine sent none,
   ``{"prompt_tokens", "completion_tokens", "total_tokens"}`` computed from the ``prompt_tokens``
-  argument (else the prompt token IDs' length, else 0) and :attr:`Assembler.output_tokens`;
-* ``token_ids`` / ``prompt_token_ids`` only when the client asked for ``return_token_ids``;
-  ``kv_transfer_params`` / ``ec_transfer_params`` never.
+  argument (else the prompt token IDs' length, else 0) and :attr:`Assembler.output_tokens`; with
+  ``prompt_tokens_details`` / ``completion_tokens_details`` null where none came (vLLM's
+  non-streaming shape; its streamed usage leaves them out);
+* ``token_ids`` / ``prompt_token_ids`` null unless the client asked for ``return_token_ids`` (as
+  vLLM answers a client that did not); ``kv_transfer_params`` / ``ec_transfer_params`` never.
 
 What is refused (:class:`~narwhal_serve.errors.BadEngineResponse`, HTTP 502, ``param`` = field path):
 choice or delta (and tool-call, function, logprobs) keys Narwhal does not assemble that carry a value
@@ -155,13 +157,18 @@ class Assembler:
         return list(first.prompt_token_ids)
 
     def usage(self, *, prompt_tokens: int | None = None) -> dict[str, Any]:
-        """The engine's non-null usage if any chunk had one, else computed usage."""
+        """The engine's non-null usage if any chunk had one, else computed usage; in vLLM's
+        non-streaming shape, its details null where none came (its streamed usage leaves them out)."""
         if self._usage is not None:
-            return dict(self._usage)
-        if prompt_tokens is None:
-            ids = self.prompt_token_ids
-            prompt_tokens = 0 if ids is None else len(ids)
-        return computed_usage(prompt_tokens, self.output_tokens)
+            out = dict(self._usage)
+        else:
+            if prompt_tokens is None:
+                ids = self.prompt_token_ids
+                prompt_tokens = 0 if ids is None else len(ids)
+            out = computed_usage(prompt_tokens, self.output_tokens)
+        out.setdefault("prompt_tokens_details", None)
+        out.setdefault("completion_tokens_details", None)
+        return out
 
     def result(self, *, prompt_tokens: int | None = None) -> dict[str, Any]:
         """The assembled non-streaming response (a fresh dict; may be called more than once)."""
@@ -182,8 +189,7 @@ class Assembler:
         }
         if self.route == "chat":
             out["prompt_logprobs"] = meta.get("prompt_logprobs")
-            if self.return_token_ids:
-                out["prompt_token_ids"] = self.prompt_token_ids
+            out["prompt_token_ids"] = self.prompt_token_ids if self.return_token_ids else None
             out["prompt_text"] = meta.get("prompt_text")
         out["metrics"] = meta.get("metrics")
         return out

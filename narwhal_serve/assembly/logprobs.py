@@ -64,12 +64,28 @@ def _check_entries(entries: list[Any], path: str) -> None:
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
             bad(f"Engine field {join(path, i)} must be an object", join(path, i))
-        token = entry.get("token")
-        if token is not None and not isinstance(token, str):
-            bad(f"Engine field {join(path, i)}.token must be a string", f"{join(path, i)}.token")
-        logprob = entry.get("logprob")
-        if logprob is not None and not is_number(logprob):
-            bad(f"Engine field {join(path, i)}.logprob must be a number", f"{join(path, i)}.logprob")
+        _check_entry(entry, join(path, i))
+        top = entry.get("top_logprobs")
+        if top is not None:
+            if not isinstance(top, list):
+                bad(f"Engine field {join(path, i)}.top_logprobs must be a list", f"{join(path, i)}.top_logprobs")
+            for j, alt in enumerate(top):
+                if not isinstance(alt, dict):
+                    bad(f"Engine field {join(path, i)}.top_logprobs.{j} must be an object", f"{join(path, i)}.top_logprobs.{j}")
+                _check_entry(alt, f"{join(path, i)}.top_logprobs.{j}")
+
+
+def _check_entry(entry: dict[str, Any], path: str) -> None:
+    """One token's logprob, as vLLM's (and OpenAI's) schema has it: ``token`` a string,
+    ``logprob`` a number, ``bytes`` null or a list of byte values."""
+    if not isinstance(entry.get("token"), str):
+        bad(f"Engine field {path}.token must be a string", f"{path}.token")
+    logprob = entry.get("logprob")
+    if logprob is not None and not is_number(logprob):
+        bad(f"Engine field {path}.logprob must be a number", f"{path}.logprob")
+    raw = entry.get("bytes")
+    if raw is not None and not (isinstance(raw, list) and all(is_int(b) and 0 <= b <= 255 for b in raw)):
+        bad(f"Engine field {path}.bytes must be a list of byte values", f"{path}.bytes")
 
 
 class CompletionLogprobs:
@@ -84,6 +100,7 @@ class CompletionLogprobs:
         lp = _as_dict(value, path)
         reject_unknown(lp, _COMPLETION_KNOWN, path)
         self.seen = True
+        lengths: set[int] = set()
         for key in COMPLETION_KEYS:
             items = opt_list(lp, key, path)
             if items is None:
@@ -92,7 +109,13 @@ class CompletionLogprobs:
             for i, item in enumerate(items):
                 if not _item_ok(key, item):
                     bad(f"Engine field {join(base, i)} has the wrong type", join(base, i))
-            self.arrays[key].extend(items)
+            lengths.add(len(items))
+        if len(lengths) > 1:  # (parallel arrays, an entry per token: misaligned, the offsets name other tokens)
+            bad(f"Engine field {path} has arrays of different lengths", path)
+        for key in COMPLETION_KEYS:
+            items = opt_list(lp, key, path)
+            if items is not None:
+                self.arrays[key].extend(items)
 
     def result(self) -> dict[str, Any] | None:
         if not self.seen:

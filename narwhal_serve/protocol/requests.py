@@ -260,6 +260,10 @@ def _check_relayed_options(body: dict[str, Any]) -> None:
     if body.get("prompt_logprobs") not in (None, 0):
         raise UnsupportedOption("prompt_logprobs is not supported: vLLM returns them only without streaming, and "
                                 "the router streams every answer from the engine", param="prompt_logprobs")
+    _opt(body, "include_reasoning", lambda v: isinstance(v, bool), "must be a boolean")
+    if body.get("include_reasoning") is False:  # (vLLM 0.32 chat_completion/serving.py hide_stream_metadata)
+        raise UnsupportedOption("include_reasoning: false is not supported: with it vLLM leaves out the output's "
+                                "token IDs, which the router checks to count every token", param="include_reasoning")
     _opt(body, "use_beam_search", lambda v: isinstance(v, bool), "must be a boolean")
     if body.get("use_beam_search") is True:
         raise UnsupportedOption("beam search is not supported: vLLM serves it only without streaming, and the "
@@ -268,6 +272,10 @@ def _check_relayed_options(body: dict[str, Any]) -> None:
 
 def _check_nonstream_options(body: dict[str, Any]) -> None:
     """Options whose output the non-streaming assembler cannot rebuild (seed: 400 naming the option)."""
+    if body.get("prompt_logprobs") is not None:  # (0: vLLM answers a non-streaming request the prompt's own)
+        raise UnsupportedOption("prompt_logprobs is not supported for non-streaming requests: vLLM returns them only "
+                                "in a non-streaming answer, and the router streams every answer from the engine",
+                                param="prompt_logprobs")
     if body.get("audio") is not None:
         raise UnsupportedOption("audio output is not supported for non-streaming requests", param="audio")
     mods = body.get("modalities")

@@ -238,6 +238,8 @@ def test_an_engine_out_for_drift_is_re_measured_by_its_profiles_alone() -> None:
     cfg = NarwhalConfig.model_validate({"engines": [{"name": n, "url": f"http://127.0.0.1:{i + 1}"}
                                                     for i, n in enumerate("ef")]})
     engines = {c.name: EngineState(c) for c in cfg.engines}
+    for x in engines.values():
+        x.healthy = True  # (both up: one of two may go out)
     e = engines["e"]
     hists = {k: Histogram() for k in ("ttft", "tpot", "ttft_prediction_error", "ttft_predicted")}
     route = RouteChoice(kind="single", decode=e.cfg)

@@ -78,10 +78,11 @@ def test_plain_chat_stream_assembles_without_ids() -> None:
     choice = got["choices"][0]
     assert choice["message"]["content"] == "11actark\ufffdref"
     assert choice["finish_reason"] == "length"
-    assert "token_ids" not in choice and "prompt_token_ids" not in got
+    assert choice["token_ids"] is None and got["prompt_token_ids"] is None  # (not asked: null, as vLLM answers)
     # no engine usage: computed from the prompt length and the 6 token events
     assert asm.output_tokens == 6
-    assert got["usage"] == {"prompt_tokens": 8, "completion_tokens": 6, "total_tokens": 14}
+    assert got["usage"] == {"prompt_tokens": 8, "completion_tokens": 6, "total_tokens": 14,
+                            "prompt_tokens_details": None, "completion_tokens_details": None}
     assert asm.result()["usage"]["prompt_tokens"] == 0  # nothing known about the prompt
 
 
@@ -100,7 +101,8 @@ def test_stop_string_keeps_stop_reason() -> None:
     assert choice["message"]["content"] == "t"
     assert choice["token_ids"] == [1397]
     # no usage frame: computed from the prompt IDs and the one generated ID
-    assert got["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
+    assert got["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5,
+                            "prompt_tokens_details": None, "completion_tokens_details": None}
 
 
 @pytest.mark.parametrize(("route", "name"), [
@@ -119,7 +121,7 @@ def test_reasons_survive_usage_only_frame(route: str, name: str) -> None:
     assert asm.finish_reason == "length"
     assert after["choices"][0]["finish_reason"] == before["choices"][0]["finish_reason"] == "length"
     assert "stop_reason" in after["choices"][0] and after["choices"][0]["stop_reason"] is None
-    assert after["usage"] == chunks[-1]["usage"]
+    assert after["usage"] == {**chunks[-1]["usage"], "prompt_tokens_details": None, "completion_tokens_details": None}
 
 
 def test_token_checks_pass_on_recorded_streams() -> None:

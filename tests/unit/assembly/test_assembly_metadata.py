@@ -9,6 +9,8 @@ from narwhal_serve.assembly.fold import Assembler
 META = {"id": "chatcmpl-9", "object": "chat.completion.chunk", "created": 11, "model": "m"}
 
 
+NO_DETAILS = {"prompt_tokens_details": None, "completion_tokens_details": None}  # (vLLM's non-streaming usage)
+
 def chat(delta: dict[str, Any], index: int = 0, **extra: Any) -> dict[str, Any]:
     return {**META, "choices": [{"index": index, "delta": delta, **extra}]}
 
@@ -63,7 +65,7 @@ def test_metadata_retained() -> None:
                                                                         "chat.completion")
     assert out["system_fingerprint"] == "fp"
     assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4,
-                            "prompt_tokens_details": {"cached_tokens": 2}}
+                            "prompt_tokens_details": {"cached_tokens": 2}, "completion_tokens_details": None}
 
 
 def test_last_non_null_usage_wins() -> None:
@@ -71,7 +73,7 @@ def test_last_non_null_usage_wins() -> None:
     u2 = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     out = run("chat", [role(), {**chat({"content": "a"}), "usage": u1},
                        {**chat({"content": "b"}), "usage": u2}, {**chat({}), "usage": None}]).result()
-    assert out["usage"] == u2
+    assert out["usage"] == {**u2, **NO_DETAILS}
 
 
 def test_computed_usage() -> None:
@@ -79,13 +81,13 @@ def test_computed_usage() -> None:
               chat({"content": "a"}, token_ids=[10, 11]), chat({"content": "b"}, token_ids=[12])]
     asm = run("chat", chunks, ids=True)
     assert asm.output_tokens == 3
-    assert asm.result()["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert asm.result()["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, **NO_DETAILS}
     assert asm.result(prompt_tokens=10)["usage"] == {"prompt_tokens": 10, "completion_tokens": 3,
-                                                     "total_tokens": 13}
+                                                     "total_tokens": 13, **NO_DETAILS}
     out = asm.result()
     assert out["choices"][0]["token_ids"] == [10, 11, 12] and out["prompt_token_ids"] == [1, 2, 3]
     hidden = run("chat", chunks, ids=False).result()
-    assert "token_ids" not in hidden["choices"][0] and "prompt_token_ids" not in hidden
+    assert hidden["choices"][0]["token_ids"] is None and hidden["prompt_token_ids"] is None  # (vLLM's shape)
     assert hidden["usage"]["prompt_tokens"] == 3  # still measured from the engine's IDs
 
 

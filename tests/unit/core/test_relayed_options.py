@@ -31,9 +31,11 @@ def test_refused_whatever_the_client_streams(route: str, stream: bool) -> None:
 
 @pytest.mark.parametrize("route", ["chat", "completion"])
 def test_their_harmless_values_pass_and_wrong_types_are_invalid(route: str) -> None:
-    parse(route, echo=False, prompt_logprobs=0, use_beam_search=False)
+    parse(route, echo=False, use_beam_search=False, include_reasoning=True)
+    parse(route, stream=True, prompt_logprobs=0)
     parse(route, stream=True, prompt_logprobs=None, echo=None)
-    for extra in ({"echo": "yes"}, {"prompt_logprobs": -2}, {"prompt_logprobs": "1"}, {"use_beam_search": 1}):
+    for extra in ({"echo": "yes"}, {"prompt_logprobs": -2}, {"prompt_logprobs": "1"}, {"use_beam_search": 1},
+                  {"include_reasoning": "no"}):
         with pytest.raises(NarwhalError) as e:
             parse(route, **extra)
         assert e.value.info().code == "invalid_request", extra

@@ -101,7 +101,7 @@ def test_learned_prefix_index_never_remembers_more_than_the_kv_cache_with_token_
     # prefix_block_tokens 256, an engine caching 16,000 tokens gets an index of 200 blocks =
     # 51,200 tokens: three times its cache, so evicted prefixes are credited as cached (lower TTFT
     # projections, placements chasing prefixes the engine no longer holds).
-    # Correct (docs/contract.md "Prefix-aware placement": "An engine's learned index never remembers
+    # Correct (docs/contract.md "Admission", prefix-aware placement: "An engine's learned index never remembers
     # more than its KV cache holds (80 % of block_size x num_gpu_blocks)"): 16,000 x 0.8 / 256 = 50.
     from narwhal_serve.scheduler.service import SchedulerService
 
