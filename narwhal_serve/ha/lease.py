@@ -44,6 +44,8 @@ class RouterLease:
         self.last_error = None
         self.seen_epoch = max(self.seen_epoch, epoch)
         self.holder = holder
+        if won and epoch == self.fenced_epoch:
+            return  # a late answer for the epoch it lost: never again under it (the next renewal takes a new one)
         if won:
             if epoch != self.epoch:
                 self.acquisitions += 1
@@ -54,6 +56,14 @@ class RouterLease:
             self.epoch = 0
             self.valid_until = 0.0
             self.fenced_epoch = 0
+
+    def released(self) -> None:
+        """This router handed its lease over (or tried to, stopping): it admits nothing more under
+        it — another router may take the lease at once."""
+        self.epoch = 0
+        self.valid_until = 0.0
+        self.fenced_epoch = 0
+        self.holder = None
 
     def on_error(self, why: str) -> None:
         """The call failed: nothing changes until ``valid_until`` passes."""

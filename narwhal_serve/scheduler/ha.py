@@ -90,9 +90,12 @@ class RouterHA:
                 # every renew_s from the last one's start: a renewal that timed out (renew_s) is
                 # followed by the next at once, 2 × renew_s after the last good one, within the lease
                 started = loop.time()
-                if self._connect():
-                    await self.renew_once()
-                on_change()
+                try:
+                    if self._connect():
+                        await self.renew_once()
+                    on_change()
+                except Exception:  # (one fault must not end the renewals: the lease would lapse for good)
+                    log.exception("router lease: renewal pass failed")
                 await asyncio.sleep(max(0.0, lc.renew_s - (loop.time() - started)))
         finally:
             await self.release()
@@ -141,6 +144,8 @@ class RouterHA:
             except Exception:
                 log.warning("could not release the router lease; it lapses after ha.lease.ttl_s")
             finally:
+                self.lease.released()  # (admitting under it stops now: the standby may take it at once)
+                self.lease_mode()
                 await self.backend.close()
                 self.backend = None
 

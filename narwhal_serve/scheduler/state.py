@@ -307,6 +307,8 @@ class SchedulerState(ABC):
         return self._unavailable_now(self._unavailable_fleet)
 
     def _unavailable_now(self, fleet_reason: str | None) -> str | None:
+        if self.router.drain_until is not None:
+            return "draining"  # (before the lease: a drain hands it over, and it lapses meanwhile)
         lease_mode = self.ha.lease_mode()
         if lease_mode is not None and lease_mode != "active":
             return lease_mode
