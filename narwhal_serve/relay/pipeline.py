@@ -243,6 +243,7 @@ class Relay(ResumingReads):
         committed = False
         held: list[bytes] = []  # chunks before the first generated token (e.g. the role chunk)
         usage = UsageWatch(req.prompt_tokens)
+        bare = req.route == "chat" and not req.return_token_ids
         chunks = self._chunks(placed, at, headers, span)
         try:
             async for batch in chunks:
@@ -252,6 +253,8 @@ class Relay(ResumingReads):
                         chunk["model"] = placed.model
                     if not chunk.get("choices") and "usage" in chunk and not req.include_usage:
                         continue  # the router asked for usage; this client did not
+                    if bare and ids_only(chunk):
+                        continue  # the router asked for token IDs; this client did not
                     if not req.include_usage:
                         chunk.pop("usage", None)
                     held.append(sse_event(expose(chunk, return_token_ids=req.return_token_ids)))
@@ -323,6 +326,27 @@ class Relay(ResumingReads):
         result["model"] = placed.model
         body = json.dumps(result, separators=(",", ":"), ensure_ascii=False).encode()
         yield RelayMessage(data=body, final=True, stats=at.stats(), **at.news())
+
+
+_IDS_ONLY_KEYS = frozenset({"index", "delta", "finish_reason", "logprobs", "token_ids", "stop_reason"})
+
+
+def ids_only(chunk: dict[str, Any]) -> bool:
+    """A chat chunk that carries nothing but token IDs: vLLM sends one for a token its reasoning or
+    tool parser held back (an empty ``delta``) only to a client that asked for IDs
+    (chat_completion/serving.py: skipped unless ``return_token_ids``); the router always asks."""
+    if chunk.get("usage") is not None:
+        return False
+    choices = chunk.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return False
+    for c in choices:
+        if not isinstance(c, dict) or c.get("delta") != {} or c.get("finish_reason") is not None \
+                or c.get("logprobs") is not None:
+            return False
+        if any(v is not None for k, v in c.items() if k not in _IDS_ONLY_KEYS):
+            return False
+    return True
 
 
 def relay_of(engine_http: Literal["aiohttp", "httpx"], serving: ServingConfig, observability: ObservabilityConfig,

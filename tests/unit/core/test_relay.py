@@ -325,3 +325,19 @@ async def test_the_router_epoch_goes_to_the_engine() -> None:
     await _relay(h, _with(placed(True), epoch=42), idle_s=60)
     await _relay(h, placed(True), idle_s=60)  # no lease backend: no header
     assert seen == ["42", None]
+
+
+async def test_a_chat_chunk_of_token_ids_alone_reaches_only_a_client_that_asked_for_them() -> None:
+    # vLLM sends a chunk with an empty delta for a token its reasoning or tool parser held back only
+    # when the client asked for token IDs (vLLM 0.32 chat_completion/serving.py: "continue" unless
+    # return_token_ids); the router always asks, so a client that did not got chunks vLLM would
+    # never have sent it. Its token still counts.
+    held = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None, "token_ids": [7]}]}
+    stream = sse(ROLE, tok("a", [1]), held, tok("b", [2], "stop"))
+    for asked in (False, True):
+        msgs, _ = await run(lambda r: httpx.Response(200, stream=httpx.ByteStream(stream)),
+                            placed(True, {"return_token_ids": True} if asked else None))
+        data = b"".join(m.data for m in msgs)
+        assert (b'"delta": {}' in data or b'"delta":{}' in data) == asked, data
+        assert msgs[-1].final and msgs[-1].stats is not None and msgs[-1].stats.output_tokens == 3
