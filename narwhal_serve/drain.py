@@ -19,6 +19,10 @@ from narwhal_serve.config import ServingConfig
 from narwhal_serve.runenv import IngressLimits
 
 DRAIN_POLL_S = 0.2
+# an application counts as drained once it has held no request for this long: an ingress replica
+# reports an admission it made just before the drain a few milliseconds later, a quiet one within
+# its renewal period (gateway/reporter.py RENEW_S), so one empty /status alone may be early
+DRAIN_QUIET_S = 0.6
 DRAIN_FLUSH_S = 2.0  # after the grace: the ingress ends the streams still open and flushes their events
 
 
@@ -91,7 +95,8 @@ def _call(url: str, token: str | None = None, body: dict[str, object] | None = N
 def drain(targets: list[DrainTarget], env: dict[str, str], stop: threading.Event,
           log: Callable[[str], None] = print) -> None:
     """Tell every application to drain (no new admissions, ``/ready`` 503), then wait until none
-    holds a request (or its grace period and the flush after it pass, or a second signal)."""
+    has held a request for DRAIN_QUIET_S (or its grace period and the flush after it pass, or a
+    second signal)."""
     started = time.monotonic()
     waiting = []
     for t in targets:
@@ -102,14 +107,19 @@ def drain(targets: list[DrainTarget], env: dict[str, str], stop: threading.Event
             log(f"drain of {t.base} failed (HTTP {code}); it stops without draining")
     if waiting:
         log(f"draining {', '.join(t.base for t in waiting)} (grace {max(t.grace_s for t in waiting):g} s)")
+    empty_since: dict[str, float] = {}
     while waiting and not stop.is_set():
         left = []
         for t in waiting:
             code, snap = _call(t.base + "/status")
             gauges = snap.get("gauges", {}) if isinstance(snap, dict) else {}
             held = (gauges.get("retained", 0) or 0) + (gauges.get("queued", 0) or 0)
+            now = time.monotonic()
             if code == 200 and held == 0:
-                continue
+                if now - empty_since.setdefault(t.base, now) >= DRAIN_QUIET_S:
+                    continue
+            else:
+                empty_since.pop(t.base, None)
             if time.monotonic() - started > t.grace_s + DRAIN_FLUSH_S:
                 log(f"{t.base}: {held} request(s) still held after the grace period")
                 continue
