@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from narwhal_serve.config.base import Strict as _Strict
+from narwhal_serve.config.checks import engine_url, unique, zmq_endpoint
 from narwhal_serve.config.deployment import DeploymentKnobs as DeploymentKnobs
 from narwhal_serve.config.launch import LaunchSpec as LaunchSpec
 from narwhal_serve.config.launch import flag_names, slot_names
@@ -25,6 +26,13 @@ class ServingConfig(_Strict):
     http_retention_limit: int = Field(4096, gt=0)
     request_timeout_s: float = Field(600.0, gt=0, le=86400)  # (HAProxy's client timeout derives from it)
     api_keys: tuple[str, ...] = ()
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not k.strip() for k in v):  # (a client's key is read stripped: a blank one is no key)
+            raise ValueError("a key must not be empty or blank")
+        return v
     # SSE comment written while a stream is silent: behind Serve's HAProxy a client that left is
     # noticed only when a write to it fails (docs/operations.md, "Run modes")
     stream_keepalive_s: float = Field(5.0, gt=0)
@@ -120,6 +128,8 @@ class AdmissionConfig(_Strict):
 
     @model_validator(mode="after")
     def _classes(self) -> "AdmissionConfig":
+        if self.tpot_budget_s is not None and self.tpot_budget_s > self.max_tpot_budget_s:
+            raise ValueError("admission.tpot_budget_s must not exceed admission.max_tpot_budget_s")
         names = [c.name for c in self.classes]
         if not names or len(set(names)) != len(names):
             raise ValueError("admission.classes: at least one class, names unique")
@@ -140,6 +150,8 @@ class KVEventsEndpoint(_Strict):
     replay_endpoint: str | None = None
     topic: str = ""
 
+    _endpoints = field_validator("endpoint", "replay_endpoint")(classmethod(lambda cls, v: zmq_endpoint(v)))
+
 
 class EngineConfig(_Strict):
     name: str
@@ -150,7 +162,7 @@ class EngineConfig(_Strict):
     role: Literal["prefill", "decode", "unified"] = "unified"
     dialect: Literal["vllm", "sglang", "openai"] = "vllm"
     wave: str = "a"
-    bootstrap_port: int | None = None  # SGLang P/D: the prefill engine's bootstrap port
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)  # SGLang P/D: the prefill engine's bootstrap port
     # The engine's concurrent-sequence limit (vLLM --max-num-seqs): lets predictive admission see
     # requests queueing for a slot. Unset: inferred from scraped metrics once the engine queues.
     max_num_seqs: int | None = Field(None, gt=0)
@@ -178,8 +190,13 @@ class EngineConfig(_Strict):
                 data = {**data, "dialect": "sglang"}
         return data
 
+    _url = field_validator("url")(classmethod(lambda cls, v: engine_url(v)))
+
     @model_validator(mode="after")
     def _url_or_launch(self) -> "EngineConfig":
+        if self.dialect == "openai" and self.role != "unified":
+            raise ValueError(f"engine {self.name!r}: a plain OpenAI-compatible server serves whole requests (role "
+                             "unified): the router runs no P/D with the openai dialect")
         if bool(self.url) == (self.launch is not None):
             raise ValueError(f"engine {self.name!r}: give exactly one of `url` (an engine you run) or "
                              f"`launch` (Narwhal starts it as a Ray deployment), not "
@@ -234,6 +251,12 @@ class PlacementConfig(_Strict):
     drift_min_ttft_s: float = Field(0.25, gt=0)
     drift_min_tpot_s: float = Field(0.02, gt=0)
 
+    @model_validator(mode="after")
+    def _drift(self) -> "PlacementConfig":
+        if self.drift_back_at >= self.drift_out_at:  # (back at once, its score reset, then out again)
+            raise ValueError("placement.drift_back_at must be below placement.drift_out_at")
+        return self
+
 
 class MonitoringConfig(_Strict):
     scrape_interval_s: float = Field(1.0, gt=0)
@@ -251,10 +274,16 @@ class MonitoringConfig(_Strict):
     breaker_max_open_fraction: float = Field(0.5, gt=0, le=1)
     # An engine's 429/503 is backpressure, not a failure: no new work for its Retry-After, or
     # backpressure_s without one (at most 10 s).
-    backpressure_s: float = Field(1.0, gt=0)
+    backpressure_s: float = Field(1.0, gt=0, le=10)
     # Below this fraction of engines (outside maintenance) answering their scrapes, or with the
     # monitor loop stalled, the router turns monitoring_degraded by itself (and back).
     min_fresh_fraction: float = Field(0.5, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _fresh(self) -> "MonitoringConfig":
+        if self.stale_after_s <= self.scrape_interval_s:  # (every engine stale between two scrapes)
+            raise ValueError("monitoring.stale_after_s must exceed monitoring.scrape_interval_s")
+        return self
 
 
 class LeaseConfig(_Strict):
@@ -268,6 +297,9 @@ class LeaseConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "LeaseConfig":
+        if self.backend == "none" and self.url:
+            raise ValueError("ha.lease.url is given without backend: redis (set it, or the router runs "
+                             "without a lease: two routers would both be active)")
         if self.backend == "redis" and not self.url:
             raise ValueError("ha.lease.url is required with backend: redis (for example redis://127.0.0.1:6379/0)")
         if self.backend == "redis" and not (self.url or "").startswith(("redis://", "rediss://", "unix://")):
@@ -314,6 +346,14 @@ class SimFleetConfig(_Strict):
     # its HTTP port (ipc:///tmp/narwhal-sim-kv-PORT, -replay), and the router follows them
     kv_events: bool = True
 
+    @model_validator(mode="after")
+    def _fleet(self) -> "SimFleetConfig":
+        if dup := unique([e.name for e in self.engines]):
+            raise ValueError(f"sim.engines: names must be unique; repeated: {dup}")
+        if self.base_port + len(self.engines) - 1 > 65535:
+            raise ValueError("sim.base_port: its engines' ports (one each, from it) must stay below 65536")
+        return self
+
 
 class NarwhalConfig(_Strict):
     model: str = "narwhal-sim"
@@ -347,8 +387,7 @@ class NarwhalConfig(_Strict):
             raise ValueError("serving.api_keys and tenants are exclusive: give the keys to tenants "
                              "(tenants.list[].key_sha256)")
         names = [n for e in self.engines for n in e.names()]
-        if len(set(names)) != len(names):
-            dup = sorted({n for n in names if names.count(n) > 1})
+        if dup := unique(names):
             raise ValueError(f"engines: names must be unique (a managed engine with launch.replicas > 1 "
                              f"is <name>-0, <name>-1, …); repeated: {dup}")
         if self.admission.ttft_budget_s > self.admission.max_ttft_budget_s:

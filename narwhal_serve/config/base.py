@@ -6,4 +6,4 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # (a .inf or .nan: refused)

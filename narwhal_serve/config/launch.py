@@ -20,7 +20,7 @@ PLACEHOLDERS = ("host", "port", "model", "name", "python", "tp")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Resources(_Strict):

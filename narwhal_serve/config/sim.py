@@ -44,7 +44,7 @@ TIMING_FIELDS: tuple[str, ...] = (
 class SimEngineConfig(BaseModel):
     """One simulated vLLM/SGLang/OpenAI-compatible engine."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = "sim0"
     role: Literal["prefill", "decode", "unified"] = "unified"

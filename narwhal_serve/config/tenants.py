@@ -69,6 +69,9 @@ class TenantsConfig(_Strict):
             raise ValueError("tenants.list: at least one tenant (omit the tenants section for none)")
         if "other" in names:  # tenants/tally.py OTHER: its series would be counted twice on /metrics
             raise ValueError("tenants.list: the name 'other' is reserved (the label of requests of no configured tenant)")
+        digests = [d.lower() for t in self.list for d in t.key_sha256]
+        if len(set(digests)) != len(digests):  # (the last match won: the key silently another tenant's)
+            raise ValueError("tenants.list[].key_sha256: a key belongs to one tenant; a digest is given more than once")
         if self.anonymous is not None and self.anonymous not in names:
             raise ValueError(f"tenants.anonymous {self.anonymous!r} is not in tenants.list")
         return self

@@ -19,9 +19,10 @@ from narwhal_serve.protocol.placement import RouteChoice
 def _fleet(rng: random.Random, n: int) -> list[EngineFacts]:
     out = []
     for i in range(n):
+        role, dialect = rng.choice(["unified", "prefill", "decode"]), rng.choice(["vllm", "vllm", "sglang", "openai"])
         cfg = EngineConfig(name=f"e{i}", url=f"http://127.0.0.1:{9000 + i}",
-                           role=rng.choice(["unified", "prefill", "decode"]),
-                           dialect=rng.choice(["vllm", "vllm", "sglang", "openai"]))
+                           role="unified" if dialect == "openai" else role,  # (the config refuses openai P/D)
+                           dialect=dialect)
         load = EngineLoad(running=rng.choice([0, 1, 3]), waiting=rng.choice([0, 0, 2]), kv_usage=rng.choice([0.0, 0.5, 0.0004]))
         out.append(EngineFacts(cfg=cfg, eligible_until=10.0, inflight=rng.choice([0, 0, 1, 2, 5, 30, 64]), load=load,
                                pending_prefill_tokens=0, ttft_a=0.1, ttft_b=0.001, slots=None, service_s=None))
