@@ -137,6 +137,21 @@ def find_keys(obj: Any, keys: tuple[str, ...], path: str = "") -> list[str]:
     return found
 
 
+def valued_keys(obj: Any, keys: tuple[str, ...], path: str = "") -> list[str]:
+    """Paths at which any of ``keys`` occurs with a value other than null."""
+    found: list[str] = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            p = f"{path}.{k}" if path else k
+            if k in keys and v is not None:
+                found.append(p)
+            found.extend(valued_keys(v, keys, p))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found.extend(valued_keys(v, keys, f"{path}.{i}"))
+    return found
+
+
 def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     if not s:
