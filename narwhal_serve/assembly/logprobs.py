@@ -109,7 +109,8 @@ class CompletionLogprobs:
             for i, item in enumerate(items):
                 if not _item_ok(key, item):
                     bad(f"Engine field {join(base, i)} has the wrong type", join(base, i))
-            lengths.add(len(items))
+            if items or key != "top_logprobs":  # (SGLang sends [] for top_logprobs when asked for none)
+                lengths.add(len(items))
         if len(lengths) > 1:  # (parallel arrays, an entry per token: misaligned, the offsets name other tokens)
             bad(f"Engine field {path} has arrays of different lengths", path)
         for key in COMPLETION_KEYS:

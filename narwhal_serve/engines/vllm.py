@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from narwhal_serve.engines.dialect import streaming_body
-from narwhal_serve.protocol.requests import ParsedRequest
+from narwhal_serve.protocol.requests import ParsedRequest, hides_reasoning
 
 # The prefill leg's request to a vLLM engine with a KV connector (NixlConnector and friends).
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
@@ -51,7 +51,7 @@ class VLLMDialect:
     takes_prompt_ids = True
 
     def decode_body(self, req: ParsedRequest, kv_transfer_params: Any = None) -> dict[str, Any]:
-        body = client_body(streaming_body(req, counts_from_ids=True))
+        body = client_body(streaming_body(req, counts_from_ids=not hides_reasoning(req)))
         body["return_token_ids"] = True
         body["stream_interval"] = 1
         if kv_transfer_params is not None:

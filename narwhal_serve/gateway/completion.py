@@ -96,7 +96,8 @@ class CompletionHandler:
         self.streams: set[RelayStreamResponse] = set()  # open SSE answers, ended together when draining ends
         self._before_headers: set[asyncio.Task[Any]] = set()  # admitted answers not begun yet (drain: answered 503)
         self._drained: set[asyncio.Task[Any]] = set()  # of those, the ones the end of a drain cancelled
-        self._drain_end: float | None = None
+        self._drain_end: float | None = None  # on this replica's clock
+        self._drain_raw: float | None = None  # the same, on the scheduler's
         self._drain_timer: asyncio.TimerHandle | None = None
         self._tripped: dict[str, float] = {}  # engines whose breaker opened, and when, as last heard
 
@@ -111,13 +112,11 @@ class CompletionHandler:
                 if relay is not None and self._tripped.get(name) != at:
                     relay.cut_engine(name, "its circuit breaker opened")
             self._tripped = dict(view.tripped)
-        end = view.streams_end_at
-        if end is None:
-            return
-        end += view.shift  # (the scheduler's wall time, on this replica's clock)
-        if self._drain_end is not None and abs(end - self._drain_end) < 1.0:
-            return  # (the same drain: the shift moves a little from view to view)
-        self._drain_end = end
+        raw = view.streams_end_at
+        if raw is None or raw == self._drain_raw:
+            return  # (the same drain: its end on the scheduler's clock)
+        self._drain_raw = raw
+        end = self._drain_end = raw + view.shift  # (on this replica's clock)
         if self._drain_timer is not None:
             self._drain_timer.cancel()
         self._drain_timer = asyncio.get_running_loop().call_later(max(0.0, end - self.clock()), self.end_streams)

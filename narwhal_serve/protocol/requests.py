@@ -72,6 +72,14 @@ def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def hides_reasoning(req: "ParsedRequest") -> bool:
+    """A chat that asks the engine to hide its reasoning (``include_reasoning: false``): vLLM 0.32
+    then leaves the output's token IDs (and logprobs) out of every chunk when it runs a reasoning
+    or tool parser (chat_completion/serving.py ``hide_stream_metadata``), so the router counts its
+    tokens as it does an engine's without IDs (content events, the engine's usage)."""
+    return req.route == "chat" and req.body.get("include_reasoning") is False
+
+
 def truncated_to(body: dict[str, Any]) -> int | None:
     """How many of the prompt's tokens the engine keeps at most (``truncate_prompt_tokens`` N ≥ 1),
     or None: not cut, or cut to a length not known here (-1: the engine's context less one), or a
@@ -261,9 +269,6 @@ def _check_relayed_options(body: dict[str, Any]) -> None:
         raise UnsupportedOption("prompt_logprobs is not supported: vLLM returns them only without streaming, and "
                                 "the router streams every answer from the engine", param="prompt_logprobs")
     _opt(body, "include_reasoning", lambda v: isinstance(v, bool), "must be a boolean")
-    if body.get("include_reasoning") is False:  # (vLLM 0.32 chat_completion/serving.py hide_stream_metadata)
-        raise UnsupportedOption("include_reasoning: false is not supported: with it vLLM leaves out the output's "
-                                "token IDs, which the router checks to count every token", param="include_reasoning")
     _opt(body, "use_beam_search", lambda v: isinstance(v, bool), "must be a boolean")
     if body.get("use_beam_search") is True:
         raise UnsupportedOption("beam search is not supported: vLLM serves it only without streaming, and the "

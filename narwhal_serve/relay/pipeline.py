@@ -27,6 +27,7 @@ from narwhal_serve.engines.legs import dialect_of, open_route
 from narwhal_serve.errors import BadEngineResponse, InvalidRequest, TerminalExpiry
 from narwhal_serve.observability import Tracing, end_span
 from narwhal_serve.protocol.placement import PlacedRequest
+from narwhal_serve.protocol.requests import hides_reasoning
 from narwhal_serve.protocol.sse import DONE_EVENT, error_events, sse_event
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.relay.attempt import (
@@ -118,7 +119,8 @@ class Relay(ResumingReads):
             if excluded.intersection(route.engines):
                 continue  # an engine of this route failed this request already (a continuation's)
             at = Attempt(
-                route, attempt, Meter(self.clock(), dialect_of(route.decode).supports_token_ids, req.route,
+                route, attempt, Meter(self.clock(), dialect_of(route.decode).supports_token_ids and not hides_reasoning(req),
+                                      req.route,
                                           placed.received),
                 placed.first_token_s if attempt < last else None,  # the last route waits to the deadline
                 req, excluded,
@@ -334,9 +336,8 @@ _IDS_ONLY_KEYS = frozenset({"index", "delta", "finish_reason", "logprobs", "toke
 def ids_only(chunk: dict[str, Any]) -> bool:
     """A chat chunk that carries nothing but token IDs: vLLM sends one for a token its reasoning or
     tool parser held back (an empty ``delta``) only to a client that asked for IDs
-    (chat_completion/serving.py: skipped unless ``return_token_ids``); the router always asks."""
-    if chunk.get("usage") is not None:
-        return False
+    (chat_completion/serving.py: skipped unless ``return_token_ids``, before any usage is added;
+    the next chunk carries the running usage); the router always asks."""
     choices = chunk.get("choices")
     if not isinstance(choices, list) or not choices:
         return False

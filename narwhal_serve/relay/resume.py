@@ -40,7 +40,7 @@ from narwhal_serve.engines.legs import dialect_of
 from narwhal_serve.engines.vllm import client_body
 from narwhal_serve.errors import BadEngineResponse
 from narwhal_serve.protocol.placement import RouteChoice
-from narwhal_serve.protocol.requests import ParsedRequest, has_media
+from narwhal_serve.protocol.requests import ParsedRequest, has_media, hides_reasoning
 
 # The client's keys a continuation must not carry (the completions endpoint reads them differently,
 # or the continuation sets them itself)
@@ -353,7 +353,7 @@ def resume_refusal(req: ParsedRequest, t: Transcript, engine: EngineConfig, resu
     if now >= deadline:
         return "deadline"
     dialect = dialect_of(engine)
-    if (not dialect.supports_token_ids or t.prompt_ids is None or t.reasoning
+    if (not dialect.supports_token_ids or hides_reasoning(req) or t.prompt_ids is None or t.reasoning
             or (t.silent and logprobs_wanted(req) is not None)  # (their logprobs were sent)
             or t.unsure  # (where the cut character starts is unknown: Transcript.settle was not run)
             or not_resumable(req, holds_back_stops=dialect.name == "vllm") is not None):

@@ -156,17 +156,5 @@ def test_nonstream_prompt_logprobs_zero_is_not_silently_null(route: str) -> None
         parse_request(route, json.dumps(body).encode(), model="m")  # type: ignore[arg-type]
 
 
-def test_include_reasoning_false_is_not_a_bad_engine_response() -> None:
-    # With include_reasoning: false and any parser configured, vLLM 0.32 strips token_ids (and
-    # logprobs) from every streamed chunk (chat_completion/serving.py:702-704, 748-750, 759-761:
-    # "token_ids": null), whatever return_token_ids says.  Narwhal accepts the option and passes it
-    # on, then check_token_ids (tokens.py:72-76) fails every content chunk: a valid request becomes a
-    # 502 charged to a healthy engine.  Either the option is refused up front or the chunk passes.
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "include_reasoning": False}
-    try:
-        parse_request("chat", json.dumps(body).encode(), model="m")
-    except InvalidRequest:
-        return  # refused in the router's words: correct
-    chunk = {**HEAD, "choices": [{"index": 0, "delta": {"content": "Hello"}, "logprobs": None,
-                                  "finish_reason": None, "token_ids": None}]}
-    check_token_ids(chunk, "chat")
+# (include_reasoning: false — vLLM then leaves the token IDs out — is relayed as an engine's without IDs:
+# tests/unit/core/test_relay.py test_a_chat_hiding_its_reasoning_is_counted_without_token_ids)

@@ -341,3 +341,26 @@ async def test_a_chat_chunk_of_token_ids_alone_reaches_only_a_client_that_asked_
         data = b"".join(m.data for m in msgs)
         assert (b'"delta": {}' in data or b'"delta":{}' in data) == asked, data
         assert msgs[-1].final and msgs[-1].stats is not None and msgs[-1].stats.output_tokens == 3
+
+
+async def test_a_chat_hiding_its_reasoning_is_counted_without_token_ids() -> None:
+    # With include_reasoning: false and a reasoning or tool parser, vLLM 0.32 leaves the token IDs
+    # out of every chunk (chat_completion/serving.py hide_stream_metadata): the token check failed
+    # each answer as the engine's fault (a 502, its breaker charged). Such a chat is relayed as an
+    # engine's without IDs: its output counted from the engine's usage, which the router asks for.
+    sent: list[dict[str, Any]] = []
+    usage = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+             "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}
+    stream = sse(ROLE, tok("a", None), tok("b", None, "stop"), usage)
+
+    def engine(r: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(r.content))
+        return httpx.Response(200, stream=httpx.ByteStream(stream))
+
+    for streamed in (True, False):
+        sent.clear()
+        msgs, _ = await run(engine, placed(streamed, {"include_reasoning": False}))
+        final = msgs[-1]
+        assert final.final and final.error is None, final.error
+        assert final.stats is not None and final.stats.output_tokens == 5
+        assert sent[0]["include_reasoning"] is False and sent[0]["stream_options"]["include_usage"] is True

@@ -32,6 +32,7 @@ def test_refused_whatever_the_client_streams(route: str, stream: bool) -> None:
 @pytest.mark.parametrize("route", ["chat", "completion"])
 def test_their_harmless_values_pass_and_wrong_types_are_invalid(route: str) -> None:
     parse(route, echo=False, use_beam_search=False, include_reasoning=True)
+    parse(route, include_reasoning=False)  # (relayed; counted without token IDs: test_relay.py)
     parse(route, stream=True, prompt_logprobs=0)
     parse(route, stream=True, prompt_logprobs=None, echo=None)
     for extra in ({"echo": "yes"}, {"prompt_logprobs": -2}, {"prompt_logprobs": "1"}, {"use_beam_search": 1},
