@@ -22,7 +22,7 @@ DRAIN_POLL_S = 0.2
 # an application counts as drained once it has held no request for this long: an ingress replica
 # reports an admission it made just before the drain a few milliseconds later, a quiet one within
 # its renewal period (gateway/reporter.py RENEW_S), so one empty /status alone may be early
-DRAIN_QUIET_S = 0.6
+DRAIN_QUIET_S = 1.0
 DRAIN_FLUSH_S = 2.0  # after the grace: the ingress ends the streams still open and flushes their events
 
 
