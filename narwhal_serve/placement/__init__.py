@@ -22,6 +22,7 @@ from narwhal_serve.exports import lazy_exports
 _EXPORTS = {
     "Breaker": "health",
     "CREDIT_EWMA": "prefix",
+    "CREDIT_PRIOR": "prefix",
     "EngineState": "engines",
     "FleetPrior": "engines",
     "MAX_CANDIDATES": "picker",
@@ -47,7 +48,7 @@ _EXPORTS = {
     "was_hit": "prefix",
 }
 __all__ = [
-    "Breaker", "CREDIT_EWMA", "EngineState", "FleetPrior", "MAX_CANDIDATES", "PROFILE_OUTPUT_TOKENS",
+    "Breaker", "CREDIT_EWMA", "CREDIT_PRIOR", "EngineState", "FleetPrior", "MAX_CANDIDATES", "PROFILE_OUTPUT_TOKENS",
     "PROFILE_PROMPT_CHARS", "PrefixIndex", "PriorCoeffs", "ProfileErrors", "RouteOrder", "SetUnion",
     "adopt_fleet_prior", "borrows_ttft", "fleet_ttft", "index_capacity", "matched_blocks", "may_open",
     "next_id_block_hash", "id_bytes", "rel_error", "request_prefix", "resume_targets", "settled_prior", "was_hit",
@@ -57,6 +58,7 @@ __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 if TYPE_CHECKING:
     from narwhal_serve.placement.health import Breaker as Breaker
     from narwhal_serve.placement.prefix import CREDIT_EWMA as CREDIT_EWMA
+    from narwhal_serve.placement.prefix import CREDIT_PRIOR as CREDIT_PRIOR
     from narwhal_serve.placement.engines import EngineState as EngineState
     from narwhal_serve.placement.engines import FleetPrior as FleetPrior
     from narwhal_serve.placement.picker import MAX_CANDIDATES as MAX_CANDIDATES

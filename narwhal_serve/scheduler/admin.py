@@ -62,7 +62,9 @@ class AdminOps(AdmissionDesk):
         return name
 
     def managed_down(self, engine: str, replica: str, reason: str) -> None:
-        self.managed.down(engine, replica, reason, self.clock())
+        name = self.managed.down(engine, replica, reason, self.clock())
+        if name is not None and name not in self.engines:  # an extra slot, gone with its replica
+            self.kv_events.drop(name)
         self.views_stale()
 
     def _scrape_soon(self, name: str) -> None:

@@ -18,6 +18,7 @@ from narwhal_serve.kvevents.index import KVEventIndex
 from narwhal_serve.kvevents.shard import MAX_ENGINE_BLOCKS, TAKE_WAIT_S, ShardLink, Taken, apply_delta
 from narwhal_serve.kvevents.subscriber import RESTART_S, KVEventSubscriber, follow_forever
 from narwhal_serve.placement.engines import EngineState
+from narwhal_serve.placement.prefix import CREDIT_PRIOR
 
 log = logging.getLogger("narwhal.kvevents")
 
@@ -97,6 +98,8 @@ class _Feeds:
         self.drop(e.cfg.name)
         if e.cfg.kv_events is None:
             e.prefix_exact = False
+            e.prefix.clear()
+            e.prefix_credit = CREDIT_PRIOR  # (learned again, as for any engine without events)
             return
         self.start([e])
 
@@ -156,7 +159,10 @@ class ShardedKVFeeds(_Feeds):
         self._unpend: dict[str, list[tuple[float, tuple[int, ...]]]] = {}  # blocks to leave pending: when, which
         self.followed: dict[str, tuple[int, int, EngineState]] = {}  # name → (shard, generation, engine)
         self.load = [0] * len(self.links)  # engines each shard follows
-        self._gens = itertools.count(1)
+        # generations unique across scheduler processes: shards outlive a scheduler replica's
+        # restart with the old one's feeds, whose generations must never match a new one's
+        self._gens = itertools.count(time.time_ns())
+        self._dropping: list[set[str]] = [set() for _ in self.links]  # stray feeds a drop was sent for
         self._incarnation: list[str | None] = [None] * len(self.links)
         self._lost = [False] * len(self.links)  # a call failed: follow everything again when it answers
         self._views: dict[str, dict[str, Any]] = {}
@@ -229,7 +235,11 @@ class ShardedKVFeeds(_Feeds):
             except Exception:
                 log.exception("kv-event shard %d: %s %s failed", i, cmd[0], cmd[1])
                 self._lost[i] = True
+                if cmd[0] == "drop":
+                    self._dropping[i].discard(cmd[1])  # (sent again if the shard still reports it)
                 continue
+            if cmd[0] == "drop":
+                self._dropping[i].discard(cmd[1])
             self._seen(i, incarnation)
 
     async def _take(self, i: int) -> None:
@@ -242,13 +252,20 @@ class ShardedKVFeeds(_Feeds):
             except Exception:
                 log.exception("kv-event shard %d: take failed; again in %g s", i, RESTART_S)
                 self._lost[i] = True
+                self._settle_due()  # (blocks due leave pending whether or not a shard answers)
                 await asyncio.sleep(RESTART_S)
                 continue
             self.taken(i, taken)
-            if self._unpend:
-                now = self.clock()
-                for name in [n for n, waits in self._unpend.items() if waits[0][0] <= now]:
+            self._settle_due()
+
+    def _settle_due(self) -> None:
+        if self._unpend:
+            now = self.clock()
+            for name in [n for n, waits in self._unpend.items() if waits[0][0] <= now]:
+                if name in self.followed:
                     self._settle(self.followed[name][2], now)
+                else:
+                    self._unpend.pop(name, None)
 
     def unpend(self, e: EngineState, blocks: Iterable[int]) -> bool:
         """A request's prefill on ``e`` is done: its blocks the engine's events have named leave
@@ -280,7 +297,10 @@ class ShardedKVFeeds(_Feeds):
         self._seen(i, taken.shard)
         for name, d in taken.deltas.items():
             got = self.followed.get(name)
-            if got is None or got[1] != d.gen:
+            if got is None or got[0] != i:  # a feed this shard should not have (a drop that failed, an
+                self._stray(i, name)        # old scheduler's): dropped again, its changes ignored
+                continue
+            if got[1] != d.gen:
                 continue
             e = got[2]
             self.touch(name)
@@ -291,8 +311,16 @@ class ShardedKVFeeds(_Feeds):
                 self._settle(e, None)
         if taken.views is not None:
             for name, v in taken.views.items():
-                if name in self.followed:
+                got = self.followed.get(name)
+                if got is not None and got[0] == i:
                     self._views[name] = {"shard": i, **v}
+                else:
+                    self._stray(i, name)
+
+    def _stray(self, i: int, name: str) -> None:
+        if name not in self._dropping[i]:
+            self._dropping[i].add(name)
+            self._commands[i].put_nowait(("drop", name))
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
