@@ -122,34 +122,24 @@ def counts(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: usage.get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
 
-def find_keys(obj: Any, keys: tuple[str, ...], path: str = "") -> list[str]:
-    """Paths at which any of ``keys`` occurs in a JSON value."""
+def find_keys(obj: Any, keys: tuple[str, ...], path: str = "", *, valued: bool = False) -> list[str]:
+    """Paths at which any of ``keys`` occurs in a JSON value (``valued``: with a value other than null)."""
     found: list[str] = []
     if isinstance(obj, dict):
         for k, v in obj.items():
             p = f"{path}.{k}" if path else k
-            if k in keys:
+            if k in keys and not (valued and v is None):
                 found.append(p)
-            found.extend(find_keys(v, keys, p))
+            found.extend(find_keys(v, keys, p, valued=valued))
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
-            found.extend(find_keys(v, keys, f"{path}.{i}"))
+            found.extend(find_keys(v, keys, f"{path}.{i}", valued=valued))
     return found
 
 
-def valued_keys(obj: Any, keys: tuple[str, ...], path: str = "") -> list[str]:
+def valued_keys(obj: Any, keys: tuple[str, ...]) -> list[str]:
     """Paths at which any of ``keys`` occurs with a value other than null."""
-    found: list[str] = []
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            p = f"{path}.{k}" if path else k
-            if k in keys and v is not None:
-                found.append(p)
-            found.extend(valued_keys(v, keys, p))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            found.extend(valued_keys(v, keys, f"{path}.{i}"))
-    return found
+    return find_keys(obj, keys, valued=True)
 
 
 def percentile(values: list[float], q: float) -> float:
