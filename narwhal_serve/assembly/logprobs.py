@@ -100,7 +100,7 @@ class CompletionLogprobs:
         lp = _as_dict(value, path)
         reject_unknown(lp, _COMPLETION_KNOWN, path)
         self.seen = True
-        lengths: set[int] = set()
+        arrays: dict[str, list[Any]] = {}
         for key in COMPLETION_KEYS:
             items = opt_list(lp, key, path)
             if items is None:
@@ -109,14 +109,13 @@ class CompletionLogprobs:
             for i, item in enumerate(items):
                 if not _item_ok(key, item):
                     bad(f"Engine field {join(base, i)} has the wrong type", join(base, i))
-            if items or key != "top_logprobs":  # (SGLang sends [] for top_logprobs when asked for none)
-                lengths.add(len(items))
-        if len(lengths) > 1:  # (parallel arrays, an entry per token: misaligned, the offsets name other tokens)
+            arrays[key] = items
+        # parallel arrays, an entry per token (misaligned, the offsets name other tokens); SGLang
+        # sends [] for top_logprobs when asked for none
+        if len({len(v) for k, v in arrays.items() if v or k != "top_logprobs"}) > 1:
             bad(f"Engine field {path} has arrays of different lengths", path)
-        for key in COMPLETION_KEYS:
-            items = opt_list(lp, key, path)
-            if items is not None:
-                self.arrays[key].extend(items)
+        for key, items in arrays.items():
+            self.arrays[key].extend(items)
 
     def result(self) -> dict[str, Any] | None:
         if not self.seen:

@@ -2,7 +2,8 @@
 
 Some sections live in their own modules: :mod:`.launch` (a managed engine's launch spec),
 :mod:`.sim` (one simulated engine's timing and faults, also the simulator's own config),
-:mod:`.tenants` (tenants and their budgets) and :mod:`.deployment` (Ray Serve sizing)."""
+:mod:`.tenants` (tenants and their budgets), :mod:`.health` (monitoring and the router lease) and
+:mod:`.deployment` (Ray Serve sizing); field checks shared by the sections: :mod:`.checks`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from pydantic import Field, field_validator, model_validator
 from narwhal_serve.config.base import Strict as _Strict
 from narwhal_serve.config.checks import engine_url, unique, zmq_endpoint
 from narwhal_serve.config.deployment import DeploymentKnobs as DeploymentKnobs
+from narwhal_serve.config.health import HAConfig as HAConfig
+from narwhal_serve.config.health import LeaseConfig as LeaseConfig
+from narwhal_serve.config.health import MonitoringConfig as MonitoringConfig
 from narwhal_serve.config.launch import LaunchSpec as LaunchSpec
 from narwhal_serve.config.launch import flag_names, slot_names
 from narwhal_serve.config.sim import SimEngineConfig as SimEngineConfig
@@ -26,13 +30,6 @@ class ServingConfig(_Strict):
     http_retention_limit: int = Field(4096, gt=0)
     request_timeout_s: float = Field(600.0, gt=0, le=86400)  # (HAProxy's client timeout derives from it)
     api_keys: tuple[str, ...] = ()
-
-    @field_validator("api_keys")
-    @classmethod
-    def _keys(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if any(not k.strip() for k in v):  # (a client's key is read stripped: a blank one is no key)
-            raise ValueError("a key must not be empty or blank")
-        return v
     # SSE comment written while a stream is silent: behind Serve's HAProxy a client that left is
     # noticed only when a write to it fails (docs/operations.md, "Run modes")
     stream_keepalive_s: float = Field(5.0, gt=0)
@@ -69,6 +66,13 @@ class ServingConfig(_Strict):
     @classmethod
     def _bare_off(cls, v: Any) -> Any:
         return "off" if v is False else v  # YAML 1.1 reads a bare `off` as false
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not k.strip() for k in v):  # (a client's key is read stripped: a blank one is no key)
+            raise ValueError("a key must not be empty or blank")
+        return v
 
     def first_token_limit(self, ttft_budget_s: float) -> float:
         if self.first_token_timeout_s is not None:
@@ -256,65 +260,6 @@ class PlacementConfig(_Strict):
         if self.drift_back_at >= self.drift_out_at:  # (back at once, its score reset, then out again)
             raise ValueError("placement.drift_back_at must be below placement.drift_out_at")
         return self
-
-
-class MonitoringConfig(_Strict):
-    scrape_interval_s: float = Field(1.0, gt=0)
-    stale_after_s: float = Field(5.0, gt=0)
-    scrape_timeout_s: float = Field(2.0, gt=0)
-    # Passive health: this many consecutive failed attempts (errors, broken or malformed streams,
-    # first-token timeouts) open an engine's circuit breaker: no new work for breaker_open_s
-    # (doubling on each reopen, at most breaker_max_open_s), then a one-token probe closes it.
-    breaker_failures: int = Field(3, ge=1)
-    breaker_open_s: float = Field(2.0, gt=0)
-    breaker_max_open_s: float = Field(60.0, gt=0)
-    # At most this fraction of the engines (at least one, never all) have an open breaker at once:
-    # failures the router cannot pin on an engine must not take the whole fleet out (Envoy's
-    # max_ejection_percent). A sole engine's breaker never opens.
-    breaker_max_open_fraction: float = Field(0.5, gt=0, le=1)
-    # An engine's 429/503 is backpressure, not a failure: no new work for its Retry-After, or
-    # backpressure_s without one (at most 10 s).
-    backpressure_s: float = Field(1.0, gt=0, le=10)
-    # Below this fraction of engines (outside maintenance) answering their scrapes, or with the
-    # monitor loop stalled, the router turns monitoring_degraded by itself (and back).
-    min_fresh_fraction: float = Field(0.5, ge=0, le=1)
-
-    @model_validator(mode="after")
-    def _fresh(self) -> "MonitoringConfig":
-        if self.stale_after_s <= self.scrape_interval_s:  # (every engine stale between two scrapes)
-            raise ValueError("monitoring.stale_after_s must exceed monitoring.scrape_interval_s")
-        return self
-
-
-class LeaseConfig(_Strict):
-    """The router lease (docs/operations.md, "Running two routers"): ``none`` (one router) or ``redis``."""
-
-    backend: Literal["none", "redis"] = "none"
-    url: str | None = None  # redis://host:port/db (redis backend)
-    key: str = "narwhal:router"
-    ttl_s: float = Field(10.0, gt=0)
-    renew_s: float = Field(3.0, gt=0)
-
-    @model_validator(mode="after")
-    def _check(self) -> "LeaseConfig":
-        if self.backend == "none" and self.url:
-            raise ValueError("ha.lease.url is given without backend: redis (set it, or the router runs "
-                             "without a lease: two routers would both be active)")
-        if self.backend == "redis" and not self.url:
-            raise ValueError("ha.lease.url is required with backend: redis (for example redis://127.0.0.1:6379/0)")
-        if self.backend == "redis" and not (self.url or "").startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"ha.lease.url {self.url!r}: a redis://, rediss:// or unix:// URL (for example "
-                             "redis://127.0.0.1:6379/0)")
-        if self.backend == "redis" and self.renew_s > 0.4 * self.ttl_s:
-            # a lost renewal is survived: the next comes at 2 × renew_s, before the holder stops at
-            # ttl_s minus its 10 % margin
-            raise ValueError("ha.lease.renew_s must be at most 0.4 × ha.lease.ttl_s (one lost renewal survived)")
-        return self
-
-
-class HAConfig(_Strict):
-    role: Literal["active", "standby"] = "active"
-    lease: LeaseConfig = LeaseConfig()
 
 
 class AdminConfig(_Strict):

@@ -235,11 +235,10 @@ class ShardedKVFeeds(_Feeds):
             except Exception:
                 log.exception("kv-event shard %d: %s %s failed", i, cmd[0], cmd[1])
                 self._lost[i] = True
-                if cmd[0] == "drop":
-                    self._dropping[i].discard(cmd[1])  # (sent again if the shard still reports it)
                 continue
-            if cmd[0] == "drop":
-                self._dropping[i].discard(cmd[1])
+            finally:
+                if cmd[0] == "drop":  # (answered or failed: sent again if the shard still reports it)
+                    self._dropping[i].discard(cmd[1])
             self._seen(i, incarnation)
 
     async def _take(self, i: int) -> None:
