@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from narwhal_serve.errors import InvalidRequest, NarwhalError
-from narwhal_serve.protocol.requests import check_messages, check_model, check_rendering, lax_bools, whole_ids
+from narwhal_serve.protocol.options import check_rendering, lax_bools
+from narwhal_serve.protocol.requests import check_messages, check_model, whole_ids
 from narwhal_serve.protocol.strictjson import decode_json
 from narwhal_serve.tokenization.chat import NotExact
 from narwhal_serve.tokenization.sizer import PromptSizer, Tokenizer, outside_vocabulary

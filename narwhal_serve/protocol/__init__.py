@@ -36,8 +36,8 @@ _EXPORTS = {
     "TERMINAL": "outcomes",
     "TEXT_PART_TYPES": "requests",
     "check_messages": "requests",
-    "check_rendering": "requests",
-    "lax_bools": "requests",
+    "check_rendering": "options",
+    "lax_bools": "options",
     "check_model": "requests",
     "decode_json": "strictjson",
     "error_events": "sse",
@@ -73,8 +73,8 @@ if TYPE_CHECKING:
     from narwhal_serve.protocol.outcomes import TERMINAL as TERMINAL
     from narwhal_serve.protocol.requests import TEXT_PART_TYPES as TEXT_PART_TYPES
     from narwhal_serve.protocol.requests import check_messages as check_messages
-    from narwhal_serve.protocol.requests import check_rendering as check_rendering
-    from narwhal_serve.protocol.requests import lax_bools as lax_bools
+    from narwhal_serve.protocol.options import check_rendering as check_rendering
+    from narwhal_serve.protocol.options import lax_bools as lax_bools
     from narwhal_serve.protocol.requests import check_model as check_model
     from narwhal_serve.protocol.strictjson import decode_json as decode_json
     from narwhal_serve.protocol.sse import error_events as error_events

