@@ -44,8 +44,9 @@ class ChatChoiceFold(ChoiceFold):
     KNOWN = frozenset({"index", "delta", "logprobs", "finish_reason", "stop_reason", "token_ids",
                        "prompt_token_ids", "prompt_logprobs"}) | KEPT_FIELDS
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, *, no_content: str | None = None) -> None:
         super().__init__(index)
+        self.no_content = no_content  # ``content`` when no delta carried any (Assembler's ``forced_tool_content``)
         self.role: str | None = None
         self.texts: dict[str, list[str]] = {}
         self.calls: dict[int, _Call] = {}
@@ -150,7 +151,7 @@ class ChatChoiceFold(ChoiceFold):
             function_call = {"name": name, "arguments": "".join(self.function_call.arguments)}
         message: dict[str, Any] = {
             "role": self.role or "assistant",
-            "content": self._text("content"),
+            "content": self._text("content") if "content" in self.texts else self.no_content,
             "refusal": self._text("refusal"),
             "annotations": None,
             "audio": None,

@@ -52,11 +52,15 @@ _BLANK_UNTIL_SET = frozenset({"id", "created", "model"})
 class Assembler:
     """Folds one engine stream (chat or text completion) into the final non-streaming response."""
 
-    def __init__(self, route: Route, *, return_token_ids: bool) -> None:
+    def __init__(self, route: Route, *, return_token_ids: bool, forced_tool_content: str | None = None) -> None:
+        """``forced_tool_content``: a chat message's ``content`` when no delta carried any — null,
+        or the engine's own non-streaming value where it differs (vLLM 0.32 answers ``""`` for a
+        chat whose ``tool_choice`` forces a tool: chat_completion/serving.py ``content or ""``)."""
         if route not in ("chat", "completion"):
             raise ValueError(f"unknown route {route!r}")
         self.route: Route = route
         self.return_token_ids = return_token_ids
+        self.forced_tool_content = forced_tool_content
         self._choices: dict[int, ChoiceFold] = {}
         self._meta: dict[str, Any] = {}
         self._blank: dict[str, Any] = {}  # _BLANK_UNTIL_SET values that were blank
@@ -84,7 +88,8 @@ class Assembler:
             fold = self._choices.get(index)
             if fold is None:
                 fold = self._choices[index] = (
-                    ChatChoiceFold(index) if self.route == "chat" else CompletionChoiceFold(index))
+                    ChatChoiceFold(index, no_content=self.forced_tool_content) if self.route == "chat"
+                    else CompletionChoiceFold(index))
             n_ids, event = fold.feed(choice, path)
             if n_ids is not None:
                 self._ids_seen = True

@@ -18,6 +18,9 @@ class Dialect(Protocol):
     supports_token_ids: bool
     supports_pd: bool
     takes_prompt_ids: bool  # the prompt may go as the router's token IDs (tokenization/forward.py)
+    # a non-streaming chat message's content when a forced tool call (protocol/requests.py
+    # forces_tool) streamed none: the engine's own non-streaming answer's (assembly/fold.py)
+    forced_tool_content: str | None
 
     def decode_body(self, req: ParsedRequest, kv_transfer_params: Any = None) -> dict[str, Any]:
         """The body of the leg whose stream reaches the client."""

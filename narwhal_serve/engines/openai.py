@@ -12,6 +12,7 @@ class OpenAIDialect:
     name = "openai"
     supports_token_ids = False
     takes_prompt_ids = False
+    forced_tool_content: str | None = None
     supports_pd = False
 
     def decode_body(self, req: ParsedRequest, kv_transfer_params: Any = None) -> dict[str, Any]:

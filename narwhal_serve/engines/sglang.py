@@ -17,6 +17,7 @@ class SGLangDialect:
     name = "sglang"
     supports_token_ids = False
     takes_prompt_ids = False
+    forced_tool_content: str | None = None  # (serving_chat.py: ``content=text if text else None``)
     supports_pd = True
 
     def decode_body(self, req: ParsedRequest, kv_transfer_params: Any = None) -> dict[str, Any]:

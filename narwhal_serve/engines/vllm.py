@@ -49,6 +49,7 @@ class VLLMDialect:
     supports_token_ids = True
     supports_pd = True
     takes_prompt_ids = True
+    forced_tool_content: str | None = ""  # (chat_completion/serving.py: ``content=content or ""`` for a named or required tool)
 
     def decode_body(self, req: ParsedRequest, kv_transfer_params: Any = None) -> dict[str, Any]:
         body = client_body(streaming_body(req, counts_from_ids=not hides_reasoning(req)))

@@ -45,6 +45,7 @@ _EXPORTS = {
     "estimate_tokens": "estimate",
     "has_media": "requests",
     "hides_reasoning": "requests",
+    "forces_tool": "requests",
     "model_not_found": "requests",
     "parse_request": "requests",
     "part_text_key": "requests",
@@ -55,7 +56,7 @@ _EXPORTS = {
 __all__ = [
     "CHARS_PER_TOKEN", "DONE_EVENT", "KNOWN_REASONS", "Outcome", "ParsedRequest", "PlacedRequest",
     "RelayStats", "Route", "RouteChoice", "TERMINAL", "TEXT_PART_TYPES", "check_messages", "check_model", "check_rendering", "decode_json", "lax_bools", "error_events",
-    "escape_label", "estimate_tokens", "has_media", "hides_reasoning", "model_not_found", "parse_request", "part_text_key", "sse_event", "truncated_to",
+    "escape_label", "estimate_tokens", "forces_tool", "has_media", "hides_reasoning", "model_not_found", "parse_request", "part_text_key", "sse_event", "truncated_to",
     "whole_ids",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
@@ -81,6 +82,7 @@ if TYPE_CHECKING:
     from narwhal_serve.protocol.promtext import escape_label as escape_label
     from narwhal_serve.protocol.estimate import estimate_tokens as estimate_tokens
     from narwhal_serve.protocol.requests import has_media as has_media
+    from narwhal_serve.protocol.requests import forces_tool as forces_tool
     from narwhal_serve.protocol.requests import hides_reasoning as hides_reasoning
     from narwhal_serve.protocol.requests import model_not_found as model_not_found
     from narwhal_serve.protocol.requests import parse_request as parse_request

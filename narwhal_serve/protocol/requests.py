@@ -84,6 +84,12 @@ def hides_reasoning(req: "ParsedRequest") -> bool:
     return req.route == "chat" and req.body.get("include_reasoning") is False
 
 
+def forces_tool(req: "ParsedRequest") -> bool:
+    """A chat whose ``tool_choice`` forces a tool call: ``"required"`` or a named function."""
+    choice = req.body.get("tool_choice")
+    return req.route == "chat" and (choice == "required" or isinstance(choice, dict))
+
+
 def truncated_to(body: dict[str, Any]) -> int | None:
     """How many of the prompt's tokens the engine keeps at most (``truncate_prompt_tokens`` N ≥ 1),
     or None: not cut, or cut to a length not known here (-1: the engine's context less one), or a

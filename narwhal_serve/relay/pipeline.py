@@ -27,7 +27,7 @@ from narwhal_serve.engines.legs import dialect_of, open_route
 from narwhal_serve.errors import BadEngineResponse, InvalidRequest, TerminalExpiry
 from narwhal_serve.observability import Tracing, end_span
 from narwhal_serve.protocol.placement import PlacedRequest
-from narwhal_serve.protocol.requests import hides_reasoning
+from narwhal_serve.protocol.requests import forces_tool, hides_reasoning
 from narwhal_serve.protocol.sse import DONE_EVENT, error_events, sse_event
 from narwhal_serve.protocol.stats import RelayStats
 from narwhal_serve.relay.attempt import (
@@ -303,7 +303,8 @@ class Relay(ResumingReads):
     ) -> AsyncIterator[RelayMessage]:
         req = placed.request
         meter = at.meter
-        asm = Assembler(req.route, return_token_ids=req.return_token_ids)
+        asm = Assembler(req.route, return_token_ids=req.return_token_ids,
+                        forced_tool_content=dialect_of(at.route.decode).forced_tool_content if forces_tool(req) else None)
         chunks = self._chunks(placed, at, headers, span)
         announced = False  # (the meter sees a batch's first token as the batch is read, before it comes here)
         try:
