@@ -193,7 +193,8 @@ def _text_parts(parts: list[Any], wrap: bool) -> list[Any]:
     out: list[Any] = []
     for part in parts:
         if isinstance(part, str):
-            out.append({"type": "text", "text": part} if wrap else part)
+            if wrap or part:  # (vLLM keeps a part only if it parsed to something: "" is dropped, not joined)
+                out.append({"type": "text", "text": part} if wrap else part)
             continue
         if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES or "uuid" in part:
             raise NotExact("a content part that is not text")
@@ -207,7 +208,7 @@ def _text_parts(parts: list[Any], wrap: bool) -> list[Any]:
             if set(part) - {"type", "text", key}:
                 raise NotExact("a text part with fields vLLM passes through to the template")
             out.append({"type": "text", "text": text})
-        else:
+        elif text:  # (an empty text is dropped, as a plain "" is)
             out.append(text)
     return out
 
@@ -331,7 +332,9 @@ def tool_dicts(tools: Any) -> list[dict[str, Any]] | None:
         if not isinstance(fn.get("name"), str):
             raise NotExact("a tool without a name")
         fd: dict[str, Any] = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
-        defer = fn.get("defer_loading", tool.get("defer_loading"))
+        defer = fn.get("defer_loading")
+        if defer is None:  # (vLLM's _propagate_defer_loading fills the function's null, not only a missing key)
+            defer = tool.get("defer_loading")
         if fn.get("strict") is not None:
             fd["strict"] = fn["strict"]
         if defer is not None:

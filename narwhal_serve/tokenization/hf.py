@@ -45,11 +45,15 @@ def text_prompt(body: dict[str, Any]) -> str:
     return p
 
 
-def _max_model_len(path: Path, configured: Any) -> int | None:
+def _model_config(path: Path) -> dict[str, Any]:
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
-        cfg = {}
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _max_model_len(cfg: dict[str, Any], configured: Any) -> int | None:
     for v in (cfg.get("max_position_embeddings"), configured):
         if isinstance(v, int) and 0 < v < 10**9:
             return v
@@ -82,9 +86,29 @@ class HfTokenizer:
         sig = inspect.signature(PythonBackend.apply_chat_template)
         self._base_params = frozenset(p.name for p in sig.parameters.values()
                                       if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL))
-        self.max_model_len = _max_model_len(self.path, getattr(self._hf, "model_max_length", None))
-        self.vocab_size = int(self._rust.get_vocab_size(with_added_tokens=True))
+        model = _model_config(self.path)
+        self.max_model_len = _max_model_len(model, getattr(self._hf, "model_max_length", None))
+        self.vocab_size = self._vocabulary(model)
         self.segments = segmenter(self._rust, self._samples())
+
+    def _vocabulary(self, model: dict[str, Any]) -> int:
+        """One past the largest token ID the engine takes: vLLM 0.32 refuses a prompt's ID only past
+        ``max(tokenizer.max_token_id, model vocab_size - 1)`` (renderers/base.py
+        ``validate_token_ids``) — the tokenizer's largest ID (its vocabulary, added tokens
+        included, or its ``vocab_size`` where larger: tokenizers/hf.py), or the model's own
+        vocabulary (config.json ``vocab_size``, a multimodal model's ``text_config``'s), which
+        for Qwen-family models has rows no token names."""
+        ids = self._rust.get_vocab(with_added_tokens=True).values()
+        top = max(ids) + 1 if ids else 0
+        with contextlib.suppress(Exception):
+            top = max(top, int(self._hf.vocab_size))
+        text = model.get("text_config")
+        if not isinstance(text, dict):
+            text = model
+        rows = text.get("vocab_size")
+        if isinstance(rows, int) and not isinstance(rows, bool) and 0 < rows < 2**31:
+            top = max(top, rows)
+        return top
 
     def _samples(self) -> list[str]:
         """Texts the segment cache must encode exactly as the whole-text path before it is used:

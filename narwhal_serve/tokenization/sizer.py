@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from narwhal_serve.errors import InvalidRequest
 from narwhal_serve.protocol import truncated_to
+from narwhal_serve.protocol.estimate import CHARS_PER_TOKEN
 from narwhal_serve.tokenization.chat import NotExact
 
 if TYPE_CHECKING:
@@ -116,7 +117,11 @@ def _prompt_chars(parsed: "ParsedRequest") -> int:
     if parsed.route == "completion":
         p = body.get("prompt")
         return len(p) if isinstance(p, str) else len(p[0]) if isinstance(p, list) and p and isinstance(p[0], str) else 0
-    return sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 1024 for m in body["messages"])
+    # the estimate's characters: every message's text, its text parts' included (protocol/requests.py
+    # check_messages); tools and documents are rendered into the prompt too, unsized there: a chat
+    # that has them is tokenized on the pool (a long list of parts or tools stalled the event loop)
+    chars = int(parsed.prompt_tokens * CHARS_PER_TOKEN)
+    return chars + INLINE_CHARS if body.get("tools") or body.get("documents") else chars
 
 
 class Tokenizer(Protocol):
