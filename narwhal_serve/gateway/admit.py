@@ -47,8 +47,11 @@ def undelivered(lease: AdmissionLease, req: AdmitRequest) -> None:
 
 
 async def admit(reporter: Reporter, ticket: str, ask: Ask, deadline: float, now: float, mono: float,
-                call: Callable[[AdmitRequest], Awaitable[AdmitResult]]) -> Admitted | Refused:
-    """``call``: the scheduler's admit (the gateway wraps it so a client that leaves withdraws it)."""
+                call: Callable[[AdmitRequest], Awaitable[AdmitResult]], *, slots_counted: bool = False
+                ) -> Admitted | Refused:
+    """``call``: the scheduler's admit (the gateway wraps it so a client that leaves withdraws it).
+    ``slots_counted``: the request's tenant has a ``max_concurrent`` (its slots counted at the
+    scheduler), with or without admission leases."""
     lease = reporter.lease
     if lease is not None:
         verdict = lease.try_admit(ticket, ask, deadline, now, mono)
@@ -58,11 +61,10 @@ async def admit(reporter: Reporter, ticket: str, ask: Ask, deadline: float, now:
             remaining = lease.shares.remaining(ask.tenant, now) if lease.shares is not None else None
             return Admitted(verdict.routes, verdict.predicted_s, lease.view.epoch if lease.view is not None else 0,
                             "lease", remaining)
-    shares = lease.shares if lease is not None else None
-    if shares is not None and (spec := shares.budgeted(ask.tenant)) is not None and spec.max_concurrent is not None \
-            and reporter.ends_unheard():
+    if slots_counted and reporter.ends_unheard():
         # the tenant's slots are counted at the scheduler: it hears first what ended here (a client
-        # sending its next request as the last one ends is judged on its count of one, not two)
+        # sending its next request as the last one ends is judged on its count of one, not two) —
+        # without leases too (only a lease's shares said so: a sequential client was refused 429)
         await reporter.flush()
     admit_req = AdmitRequest.of(
         ticket, deadline, ask,

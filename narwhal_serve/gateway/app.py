@@ -27,10 +27,11 @@ from narwhal_serve.gateway.backend import Backend
 from narwhal_serve.gateway.completion import CompletionHandler
 from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.gateway.body import BodyIncomplete, read_body
-from narwhal_serve.gateway.responses import error_response
+from narwhal_serve.gateway.responses import BODY_INCOMPLETE, closing_after, error_response
 from narwhal_serve.gateway.streaming import internal_error
 from narwhal_serve.gateway.tokenize import detokenize, tokenize
 from narwhal_serve.protocol.requests import model_not_found
+from narwhal_serve.protocol.strictjson import decode_json
 from narwhal_serve.tokenization.sizer import PromptSizer
 
 log = logging.getLogger(__name__)
@@ -195,10 +196,9 @@ def build_api(
                     out["max_model_len"] = context  # the engines' own, as vLLM's /tokenize says its own
                 return JSONResponse(out)
             except NarwhalError as err:
-                return error_response(err.info(), None)
+                return closing_after(err, error_response(err.info(), None))
             except BodyIncomplete:
-                return error_response(InvalidRequest("the request body ended before its Content-Length",
-                                                     code="body_incomplete").info(), None)
+                return error_response(InvalidRequest(BODY_INCOMPLETE, code="body_incomplete").info(), None)
 
         return route
 
@@ -298,11 +298,16 @@ def build_api(
         async def route(request: Request) -> Response:
             try:
                 _check_admin(cfg, request)
-                arg = parse(await _json(request))
+                # strict JSON within the request limits, as every other body (deep nesting was a
+                # 500); none at all is {} (a bare `POST /admin/drain` drains with the default grace)
+                raw = await read_body(request, cfg.serving.max_request_bytes, cfg.serving.body_timeout_s)
+                arg = parse(decode_json(raw) if raw.strip() else {})
                 result = await backend.admin(op_on if request.method == "POST" else op_off, arg)
                 await reporter.flush()  # this replica's lease sees the change before the answer
             except NarwhalError as err:
-                return error_response(err.info(), None)
+                return closing_after(err, error_response(err.info(), None))
+            except BodyIncomplete:
+                return error_response(InvalidRequest(BODY_INCOMPLETE, code="body_incomplete").info(), None)
             except ValueError as exc:
                 return error_response(InvalidRequest(str(exc)).info(), None)
             return JSONResponse({"ok": True, "result": result})
@@ -323,13 +328,6 @@ def build_api(
     app.add_api_route("/admin/drain", admin_route("drain", "drain", lambda b: _drain_arg(b, cfg.serving.drain_grace_s)),
                       methods=["POST"])
     return app
-
-
-async def _json(request: Request) -> Any:
-    try:
-        return await request.json()
-    except ValueError:
-        raise InvalidRequest("admin body must be JSON") from None
 
 
 def _waves(body: Any) -> list[str]:

@@ -31,7 +31,7 @@ from narwhal_serve.gateway.admit import Refused, admit, undelivered
 from narwhal_serve.gateway.backend import Backend
 from narwhal_serve.gateway.body import BodyIncomplete, header, read_body, received_at, seconds_header
 from narwhal_serve.gateway.reporter import Reporter
-from narwhal_serve.gateway.responses import error_response
+from narwhal_serve.gateway.responses import BODY_INCOMPLETE, closing_after, error_response
 from narwhal_serve.gateway.streaming import (
     Flow,
     RelayStreamResponse,
@@ -211,15 +211,13 @@ class CompletionHandler:
         except BodyIncomplete as short:
             self._left_unsized(trail, "body_incomplete", 499 if short.left else 400)
             # the client ended the body early (it most likely left; if it still reads, it gets why)
-            err = InvalidRequest("the request body ended before its Content-Length", code="body_incomplete")
+            err = InvalidRequest(BODY_INCOMPLETE, code="body_incomplete")
             return error_response(err.info(), echo)
         except NarwhalError as err:
             resp = self._refused(trail, Outcome.INVALID, self._limited_for(err.info(), tenant), echo)
             if isinstance(err, BodyTimeout):
                 self.reporter.unsized()  # the body never ended: it was never sized
-                # the rest of that body may still come: the connection cannot carry another request
-                resp.headers["Connection"] = "close"
-            return resp
+            return closing_after(err, resp)
         except Exception as exc:  # a fault in the router's own code: answered, counted and logged as one
             log.exception("request %s failed before admission", rid)
             return self._refused(trail, Outcome.FAILED,
@@ -268,7 +266,8 @@ class CompletionHandler:
             return await self._admit(req)
 
         try:
-            got = await admit(self.reporter, ticket, ask, deadline, now, self.mono(), call)
+            got = await admit(self.reporter, ticket, ask, deadline, now, self.mono(), call,
+                              slots_counted=self.tenancy.slots_counted(ask.tenant))
         except asyncio.CancelledError:  # the client left before the call (a tenant's flush of what ended)
             if not called:
                 self.reporter.outcome(Outcome.CANCELLED, "client_disconnected", trail.tenant, trail.priority)

@@ -42,6 +42,11 @@ class Tenancy:
             raise InvalidApiKey("Incorrect or missing API key: send 'Authorization: Bearer <key>'.")
         return tenant
 
+    def slots_counted(self, tenant: str) -> bool:
+        """The tenant has a ``max_concurrent``: its slots are counted at the scheduler (gateway/admit.py)."""
+        spec = self.specs.get(tenant)
+        return spec is not None and spec.max_concurrent is not None
+
     def label(self, tenant: str) -> str | None:
         """Its tenant's label in counters and the request log (None: no tenants configured)."""
         return self.labels.label(tenant)

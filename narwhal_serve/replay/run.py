@@ -25,6 +25,7 @@ import httpx
 from narwhal_serve.admission.core import Ask
 from narwhal_serve.config import EngineConfig, KVEventsEndpoint, NarwhalConfig
 from narwhal_serve.config.sim import SimEngineConfig
+from narwhal_serve.config.tenants import TenantSpec
 from narwhal_serve.gateway.admit import Refused, admit
 from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.admission.lease import AdmissionLease
@@ -196,6 +197,7 @@ class Replay:
     memory_mb: dict[str, float] = field(default_factory=dict)  # with costs: what the router's state holds at the end (replay/costs.py)
     _left: int = 0
     _done: asyncio.Event | None = None
+    _specs: dict[str, TenantSpec] = field(default_factory=dict)  # the configured tenants by name
     _streams: dict[str, tuple[ReplayJob, Reporter, ReplayEngine]] = field(default_factory=dict)
 
     def _handler(self, request: httpx.Request) -> httpx.Response:
@@ -204,6 +206,7 @@ class Replay:
 
     async def run(self, trace: Sequence[TraceRequest]) -> list[Served]:
         loop = asyncio.get_running_loop()
+        self._specs = self.cfg.tenants.by_name() if self.cfg.tenants is not None else {}
         sims = self.fleet.engines()
         pl = self.cfg.placement
         costs = self.costs
@@ -318,7 +321,9 @@ class Replay:
                   min_output_tokens=fixed or 0)
         ticket = f"r{i}/{'retry' if retry_of is not None else 'first'}"
         deadline = now + self.cfg.serving.request_timeout_s
-        got = await admit(rep, ticket, ask, deadline, now, now, svc.admit)
+        spec = self._specs.get(req.tenant or "")
+        got = await admit(rep, ticket, ask, deadline, now, now, svc.admit,
+                          slots_counted=spec is not None and spec.max_concurrent is not None)
         if isinstance(got, Refused):
             if not got.counted:
                 rep.outcome(got.outcome, got.error.code, req.tenant or None)

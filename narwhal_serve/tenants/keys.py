@@ -26,13 +26,29 @@ ANONYMOUS = ""  # the tenant of a router with no tenants section
 
 
 def digest_of(key: str) -> bytes:
+    """A configured key's digest (the SHA-256 of its UTF-8 text)."""
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
-def parse_keys_file(text: str, known: frozenset[str]) -> tuple[list[tuple[bytes, str]], list[str]]:
-    """(digest, tenant) pairs from a keys file, and a problem per line that was skipped."""
+def sent_digest(key: str) -> bytes:
+    """The digest of a key as the client sent it: the HTTP server decodes header bytes as Latin-1,
+    so encoding back gives the bytes sent (UTF-8 re-encoding hashed other bytes: a key with any byte
+    past 0x7f never matched ``printf %s "$KEY" | sha256sum``)."""
+    try:
+        return hashlib.sha256(key.encode("latin-1")).digest()
+    except UnicodeEncodeError:  # (not from a header's bytes)
+        return digest_of(key)
+
+
+def parse_keys_file(text: str, known: frozenset[str], bound: dict[bytes, str] | None = None
+                    ) -> tuple[list[tuple[bytes, str]], list[str]]:
+    """(digest, tenant) pairs from a keys file, and a problem per line that was skipped.
+    ``bound``: the digests the config gives their tenants; a line that would give one of those (or
+    one of an earlier line's) to another tenant is skipped — the last match won: the key silently
+    another tenant's, as the config refuses it."""
     out: list[tuple[bytes, str]] = []
     problems: list[str] = []
+    owner = dict(bound or {})
     for n, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -52,6 +68,9 @@ def parse_keys_file(text: str, known: frozenset[str]) -> tuple[list[tuple[bytes,
             d = b""
         if len(d) != 32:
             problems.append(f"line {n}: not a SHA-256 hex digest")
+            continue
+        if owner.setdefault(d, tenant) != tenant:
+            problems.append(f"line {n}: this key is tenant {owner[d]!r}'s already")
             continue
         out.append((d, tenant))
     return out, problems
@@ -101,7 +120,7 @@ class KeyRing:
                 log.error("tenants.keys_file %s cannot be read (%s): keeping the keys loaded before", path, exc)
             self._file_sig = None
             return
-        pairs, problems = parse_keys_file(text, frozenset(t.name for t in self.cfg.list))
+        pairs, problems = parse_keys_file(text, frozenset(t.name for t in self.cfg.list), dict(self._inline))
         for p in problems:
             log.warning("tenants.keys_file %s: %s (skipped)", path, p)
         self._from_file = pairs
@@ -115,13 +134,15 @@ class KeyRing:
         ``tenants.anonymous``, a request without a key is that tenant."""
         if not self.required:
             return ANONYMOUS
-        if not authorization and self.cfg is not None and self.cfg.anonymous is not None:
-            return self.cfg.anonymous
-        self.maybe_reload()
-        given = authorization or ""
-        if not given[:7].lower() == "bearer ":
+        given = (authorization or "").strip()
+        scheme, _, key = given.partition(" ")
+        key = key.strip()
+        if not given or (scheme.lower() == "bearer" and not key):  # no key (a blank one is none)
+            return self.cfg.anonymous if self.cfg is not None else None
+        if scheme.lower() != "bearer":
             return None
-        d = digest_of(given[7:].strip())
+        self.maybe_reload()
+        d = sent_digest(key)
         found: str | None = None
         for known, tenant in (*self._inline, *self._from_file):
             if hmac.compare_digest(d, known):  # every digest compared: no early exit
