@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 from fastapi import Request
 
-from narwhal_serve.config import NarwhalConfig
+from narwhal_serve.config import AdmissionConfig, NarwhalConfig
+from narwhal_serve.config.tenants import TenantSpec
 from narwhal_serve.errors import InvalidApiKey, InvalidRequest
 from narwhal_serve.gateway.body import header
 from narwhal_serve.tenants.amounts import Amounts
@@ -54,21 +55,7 @@ class Tenancy:
     def priority(self, request: Request, tenant: str) -> tuple[int, float | None]:
         """(class rank, admit-within seconds) from ``X-Priority``, the tenant's default class when
         absent, lowered to the tenant's ceiling."""
-        adm = self.admission
-        spec = self.specs.get(tenant)
-        given = header(request, "x-priority")
-        if given is None:
-            rank = adm.class_rank((spec.default_class if spec is not None else None) or adm.default_class)
-        else:
-            rank = adm.class_rank(given.strip().lower())
-            if rank is None:
-                raise InvalidRequest(f"header X-Priority must be one of {[c.name for c in adm.classes]}",
-                                     param="x-priority")
-        assert rank is not None
-        if spec is not None and spec.max_class is not None:
-            rank = max(rank, adm.class_rank(spec.max_class) or 0)  # a higher class than allowed: its ceiling
-        share = adm.classes[rank].ttft_share
-        return rank, (share * adm.ttft_budget_s if share < 1.0 else None)
+        return class_of(self.admission, self.specs.get(tenant), header(request, "x-priority"))
 
     def class_name(self, rank: int) -> str | None:
         return self.labels.class_label(rank)
@@ -91,3 +78,21 @@ class Tenancy:
         elif (last := self.heard.get(tenant)) is not None:
             remaining = refilled(spec, last[0], now - last[1])
         return dict(ratelimit_headers(spec, remaining)) if remaining is not None else {}
+
+
+def class_of(adm: AdmissionConfig, spec: TenantSpec | None, given: str | None) -> tuple[int, float | None]:
+    """(class rank, admit-within seconds) of a request asking for class ``given`` (``X-Priority``;
+    None: its tenant's default class, else ``admission.default_class``), lowered to its tenant's
+    ceiling; 400 naming the header for a class not configured.  (The trace replay's too.)"""
+    if given is None:
+        rank = adm.class_rank((spec.default_class if spec is not None else None) or adm.default_class)
+    else:
+        rank = adm.class_rank(given.strip().lower())
+        if rank is None:
+            raise InvalidRequest(f"header X-Priority must be one of {[c.name for c in adm.classes]}",
+                                 param="x-priority")
+    assert rank is not None
+    if spec is not None and spec.max_class is not None:
+        rank = max(rank, adm.class_rank(spec.max_class) or 0)  # a higher class than allowed: its ceiling
+    share = adm.classes[rank].ttft_share
+    return rank, (share * adm.ttft_budget_s if share < 1.0 else None)

@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -27,6 +27,7 @@ from narwhal_serve.config import EngineConfig, KVEventsEndpoint, NarwhalConfig
 from narwhal_serve.config.sim import SimEngineConfig
 from narwhal_serve.config.tenants import TenantSpec
 from narwhal_serve.gateway.admit import Refused, admit
+from narwhal_serve.gateway.tenancy import class_of
 from narwhal_serve.gateway.reporter import Reporter
 from narwhal_serve.admission.lease import AdmissionLease
 from narwhal_serve.kvevents.index import KVEventIndex
@@ -207,6 +208,11 @@ class Replay:
     async def run(self, trace: Sequence[TraceRequest]) -> list[Served]:
         loop = asyncio.get_running_loop()
         self._specs = self.cfg.tenants.by_name() if self.cfg.tenants is not None else {}
+        adm = self.cfg.admission
+        unknown = sorted({r.klass for r in trace if r.klass and adm.class_rank(r.klass.strip().lower()) is None})
+        if unknown:
+            raise ValueError(f"trace classes {unknown} are not configured (admission.classes: "
+                             f"{[c.name for c in adm.classes]})")
         sims = self.fleet.engines()
         pl = self.cfg.placement
         costs = self.costs
@@ -322,11 +328,14 @@ class Replay:
         ticket = f"r{i}/{'retry' if retry_of is not None else 'first'}"
         deadline = now + self.cfg.serving.request_timeout_s
         spec = self._specs.get(req.tenant or "")
+        rank, within = class_of(self.cfg.admission, spec, req.klass or None)  # (as the gateway reads X-Priority)
+        klass = self.cfg.admission.classes[rank].name
+        ask = replace(ask, rank=rank, admit_within_s=within)
         got = await admit(rep, ticket, ask, deadline, now, now, svc.admit,
                           slots_counted=spec is not None and spec.max_concurrent is not None)
         if isinstance(got, Refused):
             if not got.counted:
-                rep.outcome(got.outcome, got.error.code, req.tenant or None)
+                rep.outcome(got.outcome, got.error.code, req.tenant or None, klass)
             res.status, res.error_code, res.retry_after = got.error.status, got.error.code, got.error.retry_after
             res.e2e = loop.time() - now
             if retry_of is None and self.opts.retries and got.error.retry_after is not None:
@@ -334,15 +343,21 @@ class Replay:
             else:
                 self._finished()
             return
-        res.status, res.predicted_ttft, res.engines = 200, got.predicted_s, got.routes[0].engines
-        rep.admission_wait(loop.time() - now)
-        self._serve(got.routes[0], ticket, prompt.ids, prompt.engine_hashes, req, res, rep, now)
+        wait = loop.time() - now
+        # its predicted TTFT counted as its TTFT is, from its send: the wait and the projection (as the gateway's)
+        res.status, res.engines = 200, got.routes[0].engines
+        res.predicted_ttft = None if got.predicted_s is None else wait + got.predicted_s
+        rep.admission_wait(wait)
+        self._serve(got.routes[0], ticket, prompt.ids, prompt.engine_hashes, req, res, rep, now, klass)
 
     def _serve(self, route: RouteChoice, ticket: str, ids: list[int], hashes: list[int], req: TraceRequest,
-               res: Served, rep: Reporter, sent: float) -> None:
+               res: Served, rep: Reporter, sent: float, klass: str) -> None:
+        """``sent``: the client's send; the engine's request goes now (the models learn the TTFT
+        from here, the client's counts its admission wait too: protocol/stats.py)."""
         first_at: list[float] = []
         ends: list[tuple[float, int]] = []  # an end that reached the hop before its first token got across
         loop, hop = asyncio.get_running_loop(), self.opts.hop_s
+        asked = loop.time()
 
         def first(t: float) -> None:
             first_at.append(t)
@@ -354,8 +369,9 @@ class Replay:
         def end(t: float, tokens: int) -> None:
             self._streams.pop(ticket, None)
             res.ok, res.e2e, res.output_tokens = True, t - sent, tokens
-            stats = RelayStats("completion", route.engines, res.ttft, tokens, t - first_at[0], 1)
-            rep.ended(ticket, Outcome.COMPLETED, "", stats, req.tenant or None)
+            stats = RelayStats("completion", route.engines, first_at[0] - asked, tokens, t - first_at[0], 1,
+                               received_ttft_s=res.ttft)
+            rep.ended(ticket, Outcome.COMPLETED, "", stats, req.tenant or None, klass)
             self._finished()
 
         def on_first(t: float) -> None:  # (reaches the router one hop after the engine made it)

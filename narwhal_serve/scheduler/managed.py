@@ -78,7 +78,8 @@ class ManagedFleet:
         if m.report is None or m.report.replica != rep.replica:
             m.replicas_seen += 1
             # a new process: nothing known about it yet (in-flight counts and the TTFT model stay)
-            st.breaker = Breaker()
+            # (its counters of faults and probes stay: a counter on /metrics never goes down)
+            st.breaker = Breaker(faults_total=st.breaker.faults_total, probes_total=st.breaker.probes_total)
             st.prefix.clear()  # its cache starts empty (the blocks of requests placed there stay pending)
             st.load = EngineLoad()
             st.max_running_seen, st.queued_seen = 0, False
