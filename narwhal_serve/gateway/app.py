@@ -359,7 +359,9 @@ def _mode_arg(body: Any) -> str:
 
 def _check_admin(cfg: NarwhalConfig, request: Request) -> None:
     token = os.environ.get(cfg.admin.token_env, "")
-    given = request.headers.get("authorization", "")
-    # bytes: compare_digest refuses non-ASCII str (a hostile header must be a 401, not a 500)
-    if not token or not secrets.compare_digest(given.encode("latin-1", "replace"), f"Bearer {token}".encode()):
+    scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+    # the scheme in any case (RFC 9110); bytes: compare_digest refuses non-ASCII str (a hostile
+    # header must be a 401, not a 500), and the header's bytes are what the client sent
+    if not token or scheme.lower() != "bearer" or not secrets.compare_digest(
+            given.strip().encode("latin-1", "replace"), token.encode()):
         raise InvalidApiKey("admin routes need 'Authorization: Bearer <admin token>'")

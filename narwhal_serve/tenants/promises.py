@@ -73,7 +73,8 @@ class Promises:
         if not p.gone or p.id in self.by_id:
             return
         p.gone = False
-        i = next((k for k, q in enumerate(self.queue) if q.due > p.due), len(self.queue))
-        self.queue.insert(i, p)
+        if not any(q is p for q in self.queue):  # (taken, it leaves the deque lazily: it may be there still)
+            i = next((k for k, q in enumerate(self.queue) if q.due > p.due), len(self.queue))
+            self.queue.insert(i, p)
         self.by_id[p.id] = p
         self.total = self.total + p.cost

@@ -224,6 +224,8 @@ def _arguments(raw: Any) -> Any:
             parsed = json.loads(raw)
         except ValueError:
             return {}
+        except RecursionError:  # (nested past Python's limit: /tokenize answered a 500)
+            raise NotExact("tool-call arguments nest too deep") from None
     return parsed if isinstance(parsed, dict) else {}
 
 

@@ -154,3 +154,61 @@ async def test_a_non_ascii_key_matches_the_digest_of_its_bytes(tok_dir: Path) ->
     async with asgi_client(app) as c:
         r = await c.get("/v1/models", headers={"Authorization": b"Bearer " + key})
     assert r.status_code == 200, r.text
+
+
+# --- 7. app.py: the admin token's scheme, in any case; /tokenize with deeply nested tool arguments --
+
+async def test_the_admin_bearer_scheme_is_read_in_any_case(tok_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RFC 9110 §11.1: the authentication scheme is case-insensitive (tenant keys were read so; the
+    admin token was compared with "Bearer " byte for byte: `bearer <token>` was a 401)."""
+    monkeypatch.setenv("NARWHAL_ADMIN_TOKEN", "adm-token")
+
+    class Fleet(NoFleet):
+        async def admin(self, op: str, arg: object) -> object:
+            return op
+
+    conf = NarwhalConfig.model_validate({"tokenizer": str(tok_dir), "sim": {"engines": [{"name": "u0"}]}})
+    app = build_api(conf, Fleet(), sizer=PromptSizer(HfTokenizer(tok_dir)))
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            ok = await c.post("/admin/state", json={"mode": "open"}, headers={"Authorization": "bearer adm-token"})
+            wrong = await c.post("/admin/state", json={"mode": "open"}, headers={"Authorization": "Basic adm-token"})
+            bare = await c.post("/admin/drain", headers={"Authorization": "BEARER  adm-token "})
+    finally:
+        await app.state.reporter.stop()
+    assert ok.status_code == 200, ok.text
+    assert wrong.status_code == 401
+    assert bare.status_code == 200, bare.text  # (no body: the default grace)
+
+
+async def test_tokenize_with_tool_arguments_nested_past_pythons_limit_is_a_400(tok_dir: Path) -> None:
+    """A tool call's ``arguments`` string nested deeper than Python's recursion limit: /tokenize
+    answered 500 internal_error (json.loads raised RecursionError out of the rendering)."""
+    app = fleetless_app(tok_dir, model="tiny")
+    deep = "[" * 5000 + "]" * 5000
+    body = {"model": "tiny", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "f", "arguments": deep}}]}]}
+    async with asgi_client(app) as c:
+        r = await c.post("/tokenize", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_promise_put_back_while_still_queued_is_counted_once() -> None:
+    """tenants/promises.py: a taken promise leaves the deque lazily; put back (its request refused
+    for another reason) it was inserted again, so the promises made after it counted it twice as
+    ahead of them (a Retry-After longer than the truth)."""
+    from narwhal_serve.tenants.amounts import Amounts
+    from narwhal_serve.tenants.promises import Promise, Promises
+
+    ps = Promises()
+    first = Promise("a", due=10.0, until=12.0, cost=Amounts(requests=1.0))
+    later = Promise("b", due=20.0, until=22.0, cost=Amounts(requests=1.0))
+    ps.add(first)
+    ps.add(later)
+    ps.take(first)
+    ps.put_back(first)
+    assert ps.ahead_of(later, now=0.0) == Amounts(requests=1.0)
+    assert sum(1 for q in ps.queue if q is first) == 1
