@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -74,6 +75,18 @@ async def test_a_body_timeout_on_the_token_routes_closes_the_connection(tok_dir:
     assert r.headers.get("connection", "").lower() == "close", dict(r.headers)
 
 
+def admin_app(tok_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The gateway app over a fleet whose admin calls answer their op, admin token ``adm-token``."""
+    monkeypatch.setenv("NARWHAL_ADMIN_TOKEN", "adm-token")
+
+    class Fleet(NoFleet):
+        async def admin(self, op: str, arg: object) -> object:
+            return op
+
+    conf = NarwhalConfig.model_validate({"tokenizer": str(tok_dir), "sim": {"engines": [{"name": "u0"}]}})
+    return build_api(conf, Fleet(), sizer=PromptSizer(HfTokenizer(tok_dir)))
+
+
 # --- 3. app.py: admin bodies nested past the limit ------------------------------------------------
 
 @pytest.mark.parametrize("path", ["/admin/state", "/admin/drain", "/admin/maintenance"])
@@ -82,14 +95,7 @@ async def test_an_admin_body_nested_too_deep_is_a_400_not_a_500(tok_dir: Path, p
     """docs/contract.md, "Errors": nesting deeper than 64 is a 400 invalid_request.  The admin routes
     parse with ``request.json()`` (no strict JSON, no size limit) and catch only ValueError: a deep
     body raises RecursionError, answered 500 internal_error (a "bug to report")."""
-    monkeypatch.setenv("NARWHAL_ADMIN_TOKEN", "adm-token")
-
-    class Fleet(NoFleet):
-        async def admin(self, op: str, arg: object) -> object:
-            return op
-
-    conf = NarwhalConfig.model_validate({"tokenizer": str(tok_dir), "sim": {"engines": [{"name": "u0"}]}})
-    app = build_api(conf, Fleet(), sizer=PromptSizer(HfTokenizer(tok_dir)))
+    app = admin_app(tok_dir, monkeypatch)
     deep = b'{"mode":' + b"[" * 5000 + b"]" * 5000 + b"}"
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # (Starlette re-raises after its 500)
     try:
@@ -161,14 +167,7 @@ async def test_a_non_ascii_key_matches_the_digest_of_its_bytes(tok_dir: Path) ->
 async def test_the_admin_bearer_scheme_is_read_in_any_case(tok_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """RFC 9110 §11.1: the authentication scheme is case-insensitive (tenant keys were read so; the
     admin token was compared with "Bearer " byte for byte: `bearer <token>` was a 401)."""
-    monkeypatch.setenv("NARWHAL_ADMIN_TOKEN", "adm-token")
-
-    class Fleet(NoFleet):
-        async def admin(self, op: str, arg: object) -> object:
-            return op
-
-    conf = NarwhalConfig.model_validate({"tokenizer": str(tok_dir), "sim": {"engines": [{"name": "u0"}]}})
-    app = build_api(conf, Fleet(), sizer=PromptSizer(HfTokenizer(tok_dir)))
+    app = admin_app(tok_dir, monkeypatch)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             ok = await c.post("/admin/state", json={"mode": "open"}, headers={"Authorization": "bearer adm-token"})

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +17,7 @@ from narwhal_serve.protocol.requests import parse_request
 from narwhal_serve.tokenization.chat import content_format, tool_dicts
 from narwhal_serve.tokenization.hf import HfTokenizer
 from narwhal_serve.tokenization.sizer import INLINE_CHARS, PromptSizer
-from tests.support.tokenizer import build_tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def tok(tok_dir: Path) -> HfTokenizer:
-    return HfTokenizer(tok_dir)
+from tests.support.tokenizer import prompt_threads
 
 
 # ----------------------------------------------------------------------------- 1. empty text parts
@@ -97,18 +86,8 @@ LONG = "the quick brown fox jumps over the lazy dog " * (4 * INLINE_CHARS // 44)
 ], ids=["text-part-list", "long-tools"])
 def test_long_chats_are_tokenized_off_the_event_loop(tok: HfTokenizer, body: dict[str, Any]) -> None:
     sizer = PromptSizer(tok)
-    threads: list[str] = []
-    real = tok.prompt
-
-    def spy(route: str, b: dict[str, Any]) -> Any:
-        threads.append(threading.current_thread().name)
-        return real(route, b)
-
-    tok.prompt = spy  # type: ignore[method-assign]
-    try:
+    with prompt_threads(tok) as threads:
         sized = asyncio.run(sizer.size(parse_request("chat", json.dumps(body).encode(), model="m")))
-    finally:
-        del tok.prompt  # type: ignore[method-assign]
     assert sized.method == "tokenizer" and len(sized.ids or ()) > INLINE_CHARS // 8
     assert threads and threads[0].startswith("narwhal-tokenize"), threads
 

@@ -4,7 +4,6 @@ sizing off the event loop, and the contract's prompt-alone row for a CJK prompt.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,19 +17,9 @@ from narwhal_serve.tokenization.chat import NotExact, content_format, conversati
 from narwhal_serve.tokenization.hf import HfTokenizer
 from narwhal_serve.tokenization.sizer import INLINE_CHARS, PromptSizer
 from tests.support.local_router import LocalRouter, start_local_router
-from tests.support.tokenizer import build_tiny_tokenizer
+from tests.support.tokenizer import prompt_threads
 
 CJK = "東京は日本の首都です。数据中心的路由器。"
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
-
-
-@pytest.fixture(scope="module")
-def tok(tok_dir: Path) -> HfTokenizer:
-    return HfTokenizer(tok_dir)
 
 
 def test_cjk_prompts_are_several_times_the_estimate(tok: HfTokenizer) -> None:
@@ -115,24 +104,15 @@ def test_requests_the_router_cannot_render_exactly_fall_back_to_the_estimate(tok
 
 def test_long_prompts_are_tokenized_off_the_event_loop(tok: HfTokenizer) -> None:
     sizer = PromptSizer(tok)
-    threads: list[str] = []
-    real = tok.prompt
 
-    def spy(route: str, body: dict[str, Any]) -> Any:
-        threads.append(threading.current_thread().name)
-        return real(route, body)
+    async def both() -> tuple[Any, Any]:
+        short = parse_request("completion", b'{"model": "m", "prompt": "short"}', model="m")
+        long_text = CJK * (INLINE_CHARS // len(CJK) + 1)
+        long = parse_request("completion", ('{"model": "m", "prompt": "%s"}' % long_text).encode(), model="m")
+        return await sizer.size(short), await sizer.size(long)
 
-    tok.prompt = spy  # type: ignore[method-assign]
-    try:
-        async def both() -> tuple[Any, Any]:
-            short = parse_request("completion", b'{"model": "m", "prompt": "short"}', model="m")
-            long_text = CJK * (INLINE_CHARS // len(CJK) + 1)
-            long = parse_request("completion", ('{"model": "m", "prompt": "%s"}' % long_text).encode(), model="m")
-            return await sizer.size(short), await sizer.size(long)
-
+    with prompt_threads(tok) as threads:
         short, long = asyncio.run(both())
-    finally:
-        del tok.prompt  # type: ignore[method-assign]
     assert threads[0] == "MainThread" and threads[1].startswith("narwhal-tokenize")
     assert short.method == long.method == "tokenizer"
     assert long.parsed.prompt_tokens == len(tok.encode(CJK * (INLINE_CHARS // len(CJK) + 1), True))
