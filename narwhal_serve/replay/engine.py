@@ -145,7 +145,9 @@ class ReplayEngine(Engine):
 
     def _prefilled(self, job: ReplayJob, now: float) -> None:
         """Its prompt is in the cache and its first token is out."""
-        self._cache_prompt(job.prompt_ids, job.hashes, self.cfg.kv_block_size)
+        # (its output's blocks are not cached: the replay's jobs carry no output token IDs, and the
+        # trace's next turns name their prefix blocks themselves)
+        self._cache_blocks(job.prompt_ids, job.hashes, self.cfg.kv_block_size)
         c = self.counters
         c.prompt_tokens += len(job.prompt_ids)
         c.ttft.observe(now - job.arrival)

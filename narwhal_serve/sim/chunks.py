@@ -35,6 +35,11 @@ class Shape:
     """Chat: ``top_logprobs`` (0 if absent) when ``logprobs`` is true; completion: ``logprobs``."""
     include_usage: bool
     dialect: str
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+    # streamed text held back while a stop string may be starting: the longest stop string less
+    # one, when stop strings are cut from the output (vLLM 0.32 v1/engine/detokenizer.py
+    # ``stop_buffer_length``), sent with the finish
+    holdback: int = 0
 
     @property
     def object(self) -> str:
@@ -130,6 +135,20 @@ def completion_step_chunk(
     if finish and not sh.include_usage:
         chunk["system_fingerprint"] = sh.fingerprint
     return adapt(chunk, sh)
+
+
+def with_running_usage(sh: Shape, chunk: dict[str, Any], completion_tokens: int) -> dict[str, Any]:
+    """A chunk with the usage so far, when the client asked for it on every chunk (vLLM 0.32: the
+    chat's role chunk with 0 completion tokens, then each chunk's count so far; a chat's carries
+    ``completion_tokens_details``: null)."""
+    if sh.continuous_usage:
+        p = len(sh.prompt_ids)
+        usage: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": completion_tokens,
+                                 "total_tokens": p + completion_tokens}
+        if sh.kind == "chat":
+            usage["completion_tokens_details"] = None
+        chunk["usage"] = usage
+    return chunk
 
 
 def usage_chunk(sh: Shape, completion_tokens: int) -> dict[str, Any]:

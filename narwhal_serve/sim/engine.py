@@ -201,8 +201,9 @@ class Engine:
             self.kv_events.close()
             self.kv_events = None
 
-    def _cache_prompt(self, prompt_ids: list[int], hashes: list[int], bs: int) -> list[int]:
-        """Cache a prefilled prompt's blocks, announcing the new and the evicted ones (KV events)."""
+    def _cache_blocks(self, prompt_ids: list[int], hashes: list[int], bs: int) -> list[int]:
+        """Cache the full blocks of the tokens computed so far (a prefilled prompt; then each block
+        its output fills), announcing the new and the evicted ones (KV events)."""
         ids, new, evicted = self.cache.insert_tracked(hashes)
         pub = self.kv_events
         if pub is not None and (new or evicted):
@@ -238,7 +239,7 @@ class Engine:
             self._tokens_held[seq] = len(job.prompt_ids)
             if job.skip_prefill:
                 deadline = loop.time()
-                job.block_ids = self._cache_prompt(job.prompt_ids, hashes, bs)
+                job.block_ids = self._cache_blocks(job.prompt_ids, hashes, bs)
             else:
                 # serial: one prefill at a time, first come first served (vLLM spends a token budget
                 # per step on waiting prefills in arrival order, so they add up); a request queued
@@ -249,12 +250,13 @@ class Engine:
                     deadline = prefill_deadline(cfg, start, len(job.prompt_ids) - cached)
                     await asyncio.sleep(max(0.0, deadline - loop.time()))
                     self.timer.prefill(deadline - start, loop.time() - deadline)
-                    job.block_ids = self._cache_prompt(job.prompt_ids, hashes, bs)
+                    job.block_ids = self._cache_blocks(job.prompt_ids, hashes, bs)
             if len(job.prompt_ids) % bs:
                 job.block_ids.append(self.cache.fresh_block_id())
             c.prompt_tokens += len(job.prompt_ids)
             last = loop.time()
             c.ttft.observe(last - job.arrival)
+            computed = list(job.prompt_ids)  # the tokens in its KV cache
             for i, step in enumerate(job.output.steps):
                 if i:
                     deadline = next_token_deadline(self.cfg, deadline, loop.time(), self.scheduler.running)
@@ -262,6 +264,11 @@ class Engine:
                     now = loop.time()
                     c.itl.observe(now - last)
                     last = now
+                    # this step ran the last token through the model: a block it fills is cached and
+                    # announced as vLLM caches every full block at every step (kv_cache_manager.py)
+                    computed.append(job.output.steps[i - 1].token.token_id)
+                    if len(computed) % bs == 0:
+                        self._cache_blocks(computed, block_hashes(computed, bs), bs)
                 c.generation_tokens += 1
                 self._tokens_held[seq] += 1
                 yield step

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -23,6 +24,7 @@ from narwhal_serve.sim.chunks import (
     completion_response,
     completion_step_chunk,
     usage_chunk,
+    with_running_usage,
 )
 from narwhal_serve.protocol.sse import DONE_EVENT, sse_event
 from narwhal_serve.sim.engine import Engine, Job
@@ -61,14 +63,15 @@ async def read_json(request: Request) -> Any:
         raise SimError(400, f"JSON decode error: {exc}", "Bad Request", "body") from None
 
 
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (its body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def wait_disconnect(request: Request, engine: Engine) -> None:
     """Block until the client goes away (or the app shuts down) without sending anything."""
-
-    async def _receive() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    tasks = {asyncio.ensure_future(_receive()), asyncio.ensure_future(engine.stall())}
+    tasks = {asyncio.ensure_future(_client_gone(request)), asyncio.ensure_future(engine.stall())}
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -185,13 +188,15 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
     # refused); unasked, the context left for a chat or a completion's explicit ``null``, 16 tokens
     # for a completion without the field (its request model's default).  Up to the context, it then
     # runs to ``default_max_tokens`` at most (the simulator's stand-in for a model that stops by
-    # itself), never short of ``min_tokens``.
+    # itself: its last token an EOS, ``stop``; vLLM says ``length`` only at max_tokens or the
+    # context), past ``min_tokens``.
     room = limit - n_prompt
     to_context = asked is None and (isinstance(req, ChatRequest) or "max_tokens" in req.model_fields_set)
     max_tokens = min(asked, room) if asked is not None else room if to_context else min(COMPLETION_DEFAULT, room)
     check_sampling(req, max_tokens)
-    if to_context:
-        max_tokens = min(max(cfg.default_max_tokens, req.min_tokens), max_tokens)
+    ends_itself = False
+    if to_context and (natural := max(cfg.default_max_tokens, req.min_tokens + 1)) <= max_tokens:
+        max_tokens, ends_itself = natural, True
     sim = req.sim
     plan = FaultPlan.of(cfg.faults, sim.faults() if sim else [], sim.fault_after if sim else 2)
 
@@ -214,7 +219,8 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
     greedy = req.temperature == 0
     gen = generate(rng_seed, max_tokens=max_tokens, min_tokens=min(req.min_tokens, max_tokens),
                    stop=req.stop_list(), ignore_eos=req.ignore_eos, eos_prob=cfg.eos_prob, num_top=k or 0,
-                   context=prompt_ids if greedy else None, include_stop=req.include_stop_str_in_output)
+                   context=prompt_ids if greedy else None, include_stop=req.include_stop_str_in_output,
+                   ends_itself=ends_itself)
     script = sim.script if sim else None
     if kind == "chat" and script is None and plan.has("tool_call_no_id"):
         script = "tool_calls"
@@ -233,6 +239,8 @@ def prepare(engine: Engine, raw: Any, kind: Kind, x_request_id: str | None) -> P
         logprobs=k,
         include_usage=req.include_usage() and not plan.has("missing_usage"),
         dialect=cfg.dialect,
+        continuous_usage=req.continuous_usage() and not plan.has("missing_usage"),
+        holdback=max(map(len, stops)) - 1 if (stops := req.stop_list()) and not req.include_stop_str_in_output else 0,
     )
     return Prepared(shape, output, prompt_ids, stream, skip_prefill, prefill_leg, plan, request_id, req.priority)
 
@@ -265,9 +273,8 @@ async def handle_generate(engine: Engine, request: Request, kind: Kind) -> Respo
     if prep.stream:
         return StreamingResponse(_sse(engine, prep, job), media_type="text/event-stream", headers=headers)
 
-    async with aclosing(engine.run(job)) as steps:
-        async for _ in steps:
-            pass
+    if not await _ran(engine, job, request):
+        return Response(status_code=499)  # (nobody reads it)
     kvp: dict[str, Any] | None = None
     if prep.prefill_leg and engine.cfg.dialect == "vllm":
         kvp = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine.cfg.name,
@@ -282,6 +289,28 @@ async def handle_generate(engine: Engine, request: Request, kind: Kind) -> Respo
         data = json.dumps(body).encode()
         return StreamingResponse(_partial(data[: len(data) // 2]), media_type="application/json", headers=headers)
     return JSONResponse(body, headers=headers)
+
+
+async def _ran(engine: Engine, job: Job, request: Request) -> bool:
+    """A non-streaming request run to its end — or until its client leaves, when it is aborted and
+    its slot freed at once, as vLLM 0.32's handlers are (``with_cancellation``): whether it ended."""
+
+    async def run() -> None:
+        async with aclosing(engine.run(job)) as steps:
+            async for _ in steps:
+                pass
+
+    work, gone = asyncio.ensure_future(run()), asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (work, gone):
+            t.cancel()
+        await asyncio.gather(work, gone, return_exceptions=True)
+    if work.cancelled():
+        return False
+    work.result()  # (its failure, raised)
+    return True
 
 
 async def _partial(data: bytes) -> AsyncIterator[bytes]:
@@ -314,19 +343,26 @@ async def _events(engine: Engine, prep: Prepared, job: Job) -> AsyncGenerator[di
     sh, plan, out = prep.shape, prep.plan, prep.output
     chat = sh.kind == "chat"
     if chat:
-        yield chat_role_chunk(sh)
+        yield with_running_usage(sh, chat_role_chunk(sh), 0)
     n, target, offset = len(out.steps), plan.token_target(len(out.steps)), 0
+    text, shown = "", 0  # the content so far, and how much of it went out
     async with aclosing(engine.run(job)) as steps:
         i = 0
         async for step in steps:
             finish = (out.finish_reason, out.stop_reason) if i == n - 1 else None
+            sent = step
+            if sh.holdback and step.kind == "content":  # (what may begin a stop string waits)
+                text += step.text
+                upto = len(text) if finish else len(text) - sh.holdback
+                sent = dataclasses.replace(step, text=text[shown:upto] if upto > shown else "")
+                shown = max(shown, upto)
             if chat:
-                obj = chat_step_chunk(sh, step, finish)
+                obj = chat_step_chunk(sh, sent, finish)
             else:
-                obj = completion_step_chunk(sh, step, i == 0, offset, finish)
+                obj = completion_step_chunk(sh, sent, i == 0, offset, finish)
                 offset += len(step.text)
             corrupt_stream_choice(obj["choices"][0], plan, i == target, chat)
-            yield obj
+            yield with_running_usage(sh, obj, i + 1)
             i += 1
     if sh.include_usage:
         yield usage_chunk(sh, n)

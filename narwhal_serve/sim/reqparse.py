@@ -65,6 +65,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class _Common(BaseModel):
@@ -105,6 +106,10 @@ class _Common(BaseModel):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk too: only with ``include_usage`` (vLLM 0.32 api_utils.py ``should_include_usage``)."""
+        return self.include_usage() and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ChatMessage(BaseModel):

@@ -174,12 +174,14 @@ def _alternatives(rng: random.Random, sampled: str, num_top: int) -> tuple[tuple
 
 
 def _find_stop(full: str, prev_len: int, stop: Sequence[str]) -> tuple[int, str] | None:
+    """The stop string that completes earliest in the new text (ties: the first in the list), as
+    vLLM 0.32 picks it (v1/engine/detokenizer.py ``check_stop_strings``)."""
     best: tuple[int, str] | None = None
     for s in stop:
         if not s:
             continue
         pos = full.find(s, max(0, prev_len - len(s) + 1))
-        if pos >= 0 and (best is None or pos < best[0]):
+        if pos >= 0 and (best is None or pos + len(s) < best[0] + len(best[1])):
             best = (pos, s)
     return best
 
@@ -195,9 +197,12 @@ def generate(
     num_top: int = 0,
     context: Sequence[int] | None = None,
     include_stop: bool = False,
+    ends_itself: bool = False,
 ) -> Generation:
     """Generate up to ``max_tokens`` tokens; stop strings are cut from the text (vLLM default).
-    ``context`` (greedy requests): the prompt IDs, each token then drawn from the whole context."""
+    ``context`` (greedy requests): the prompt IDs, each token then drawn from the whole context.
+    ``ends_itself``: ``max_tokens`` is where the model stops by itself (the simulator's stand-in for
+    an unbounded request): its last token is an EOS (``stop``), not a cut (``length``)."""
     rng = random.Random(rng_seed)
     lp_rng = random.Random(rng_seed ^ 0x5DEECE66D)
     ids: list[int] = []
@@ -211,7 +216,8 @@ def generate(
         eos_draw = rng.random()
         tid = rng.randrange(FIRST_WORD_ID, VOCAB_SIZE)
         h = _chain(h, tid)
-        if len(ids) >= min_tokens and not ignore_eos and eos_draw < eos_prob:
+        natural = ends_itself and len(ids) == max_tokens - 1
+        if len(ids) >= min_tokens and not ignore_eos and (eos_draw < eos_prob or natural):
             ids.append(EOS_ID)
             raw.append("")
             finish = "stop"
@@ -220,7 +226,7 @@ def generate(
         ids.append(tid)
         raw.append(VOCAB[tid])
         full += VOCAB[tid]
-        if len(ids) >= min_tokens and stop:
+        if len(ids) > min_tokens and stop:  # (vLLM: once past min_tokens, v1/engine/detokenizer.py)
             hit = _find_stop(full, prev_len, stop)
             if hit is not None:
                 cut, stop_reason, finish = hit[0] + (len(hit[1]) if include_stop else 0), hit[1], "stop"

@@ -83,7 +83,9 @@ async def test_default_and_chat_max_completion_tokens() -> None:
         plain = (await c.post(COMPLETIONS, json={"prompt": "x"})).json()
         null = (await c.post(COMPLETIONS, json={"prompt": "x", "max_tokens": None, "min_tokens": 30})).json()
     assert d["usage"]["completion_tokens"] == 5 and m["usage"]["completion_tokens"] == 3
-    assert plain["usage"]["completion_tokens"] == 16 and null["usage"]["completion_tokens"] == 30
+    # (the null one: its 30 tokens, then it stops by itself: an EOS)
+    assert plain["usage"]["completion_tokens"] == 16 and null["usage"]["completion_tokens"] == 31
+    assert d["choices"][0]["finish_reason"] == null["choices"][0]["finish_reason"] == "stop"
     assert n2.status_code == 400 and n2.json()["error"]["param"] == "n"
 
 
