@@ -32,8 +32,8 @@ def engine_client(stack: Literal["aiohttp", "httpx"] = "aiohttp") -> httpx.Async
     per request of plain httpx here: ``narwhal-bench transport``), or plain httpx."""
     timeout = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
     if stack == "httpx":
-        return httpx.AsyncClient(
-            timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        return httpx.AsyncClient(  # (the engines themselves, never through a proxy the environment names)
+            timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=512), trust_env=False
         )
     from httpx_aiohttp import AiohttpTransport
 

@@ -73,7 +73,13 @@ class EngineProcess:
         rc = self.returncode
         if rc is None:
             return f"engine {self.name} (pid {self.pid}) is running"
-        how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with status {rc}"
+        if rc < 0:
+            try:
+                how = f"was killed by {signal.Signals(-rc).name}"
+            except ValueError:  # (a signal the enum does not name: the real-time ones)
+                how = f"was killed by signal {-rc}"
+        else:
+            how = f"exited with status {rc}"
         return f"engine {self.name} (pid {self.pid}) {how}"
 
     async def start(self) -> None:
@@ -97,7 +103,9 @@ class EngineProcess:
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=5.0)
+            # its own engine, never through a proxy the environment names (HTTP_PROXY without the
+            # node's address in NO_PROXY: /health asked of the proxy, the engine never ready)
+            self._client = httpx.AsyncClient(timeout=5.0, trust_env=False)
         return self._client
 
     async def wait_ready(self, url: str, timeout_s: float, every_s: float = 0.5) -> float:

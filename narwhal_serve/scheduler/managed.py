@@ -12,11 +12,16 @@ keeping the slot's name (and its counts of requests still in flight), resetting 
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from narwhal_serve.config import KVEventsEndpoint, EngineConfig, NarwhalConfig
 from narwhal_serve.engines.metrics import EngineLoad
 from narwhal_serve.managed.slot import ManagedSlot, ReplicaReport, slot_names
 from narwhal_serve.placement.engines import EngineState
 from narwhal_serve.placement.health import Breaker
+
+
+GONE_REMEMBERED = 4096  # replicas whose engine ended, remembered (a late heartbeat of one is ignored)
 
 
 def initial_engines(cfg: NarwhalConfig) -> dict[str, EngineState]:
@@ -40,6 +45,9 @@ class ManagedFleet:
         self.specs: dict[str, EngineConfig] = {e.name: e for e in cfg.engines if e.launch is not None}
         self.engines = engines  # the scheduler's own dict: slots are added and removed in place
         self.cfg = cfg
+        # replicas that said their engine ended: a heartbeat of one sent before it ended may come
+        # after (Serve orders no two calls), and must not give it a slot again (none would leave)
+        self.gone: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def _slots(self, engine: str) -> list[EngineState]:
         return sorted((e for e in self.engines.values() if e.managed is not None and e.managed.engine == engine),
@@ -60,11 +68,15 @@ class ManagedFleet:
                 if m.report == rep:
                     return st.cfg.name, False
                 return self._take(st, rep, now), True
+        if (rep.engine, rep.replica) in self.gone:  # its engine ended, its slot taken over: no other
+            return "", False
         free = next((st for st in slots if st.managed is not None and st.managed.free_for(rep.replica, now)), None)
         if free is None:
             # every slot is held by a live replica (Serve starts a replacement before the old one
             # stops, e.g. on redeploy): an extra slot until one of them goes down
             index = max((st.managed.index for st in slots if st.managed is not None), default=-1) + 1
+            while f"{spec.name}-{index}" in self.engines:  # (a configured engine of that name: not it)
+                index += 1
             base = spec.model_copy(update={"name": f"{spec.name}-{index}", "launch": None})
             free = EngineState(base).configure(self.cfg)
             free.managed = ManagedSlot(engine=spec.name, index=index)
@@ -93,14 +105,26 @@ class ManagedFleet:
     def down(self, engine: str, replica: str, reason: str, now: float) -> str | None:
         """The engine of ``replica`` ended: its slot takes no work (the slot's name, or None when
         the replica holds none — a newer one took it over)."""
+        self.gone[(engine, replica)] = None
+        while len(self.gone) > GONE_REMEMBERED:
+            self.gone.popitem(last=False)
         for st in self._slots(engine):
             m = st.managed
             if m is not None and m.report is not None and m.report.replica == replica:
                 if m.state != "down":
                     m.state, m.since, m.last_exit = "down", now, reason
                 st.healthy = False
-                spec = self.specs[engine].launch
-                if spec is not None and m.index >= spec.replicas and st.inflight <= 0:
-                    del self.engines[st.cfg.name]  # an extra slot: gone with its replica
+                self.leave_if_done(st)
                 return st.cfg.name
         return None
+
+    def leave_if_done(self, st: EngineState) -> bool:
+        """An extra slot whose replica's engine ended leaves the fleet once nothing is in flight on
+        it (at its ``down``, or when its last request ends): whether it left."""
+        m = st.managed
+        spec = self.specs[m.engine].launch if m is not None and m.engine in self.specs else None
+        if m is None or spec is None or m.state != "down" or m.index < spec.replicas or st.inflight > 0:
+            return False
+        if self.engines.get(st.cfg.name) is st:
+            del self.engines[st.cfg.name]
+        return True

@@ -96,6 +96,9 @@ class SchedulerService(AdminOps):
                 e.prefix.resize(max(pl.prefix_index_blocks, e.load.kv_tokens // pl.prefix_block_tokens))
                 continue
             e.prefix.resize(index_capacity(pl.prefix_index_blocks, e.load.kv_tokens, learned))
+        for e in [e for e in self.engines.values() if e.managed is not None and e.managed.state == "down"]:
+            if self.managed.leave_if_done(e):  # an extra slot gone with its replica, its last request ended
+                self.kv_events.drop(e.cfg.name)
         self.router.started = True
         self.ha.last_pass = self.clock()
         self.views_stale()  # every engine's load and health read anew

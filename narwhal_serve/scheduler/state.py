@@ -134,7 +134,8 @@ class SchedulerState(ABC):
     def client(self) -> httpx.AsyncClient:
         """The one HTTP client for engine scrapes, probes and profiles (made on first use)."""
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.cfg.monitoring.scrape_timeout_s)
+            # (the engines themselves, never through a proxy the environment names)
+            self._client = httpx.AsyncClient(timeout=self.cfg.monitoring.scrape_timeout_s, trust_env=False)
         return self._client
 
     def _health_changed(self) -> None:
