@@ -8,7 +8,8 @@ Against one fast simulated engine (no prefill cost, 1 ms per token, room for eve
 2. throughput: closed loop at each ``tput_concurrency`` (default 8 and 64), non-streaming, 4 tokens; req/s and
    CPU per request of each target's process tree (``/proc``), gross and net of its idle burn;
 3. refusal path: ``narwhal-predictive`` with ``X-TTFT-Target: 0.001`` (every request refused with
-   429 ``prompt_exceeds_ttft_budget``): refusals per second and their latency.
+   429 ``prompt_exceeds_ttft_budget``), at 8 clients in rotated rounds: refusals per second, their
+   latency and CPU each.
 """
 
 from __future__ import annotations
@@ -169,27 +170,39 @@ class OverheadRun:
         return spent / (time.perf_counter() - t0)
 
     async def refusals(self) -> dict[str, Any] | None:
-        """The refusal path of narwhal-predictive, and of its ``@base`` when that runs too (each
-        alone, one after the other)."""
+        """The refusal path of narwhal-predictive, and of its ``@base`` when that runs too: each
+        alone, ``--rounds`` times in turn (the order rotated each round, as the other phases), at
+        the concurrency of the success path it is compared with (``REFUSAL_CONCURRENCY``)."""
         t = "narwhal-predictive"
         if t not in self.targets:
             return None
-        out = await self._refusals(t)
-        if f"{t}@base" in self.targets:
-            out["base"] = await self._refusals(f"{t}@base")
+        builds = [t] + ([f"{t}@base"] if f"{t}@base" in self.targets else [])
+        runs: dict[str, list[tuple[list[RequestResult], float]]] = {b: [] for b in builds}
+        for rnd in range(self.a.rounds):
+            for b in builds[rnd % len(builds):] + builds[:rnd % len(builds)]:
+                before = _cpu_snapshot(self.fleet, b)
+                rs = await self.closed(b, "refusal", REFUSAL_CONCURRENCY, self.a.refusal_s, False, 4,
+                                       headers=(("X-TTFT-Target", "0.001"),))
+                runs[b].append((rs, sum(procs.cpu_delta(before, _cpu_snapshot(self.fleet, b)).values())))
+        out = _refusal_row(runs[t])
+        if len(builds) > 1:
+            out["base"] = _refusal_row(runs[builds[1]])
         return out
 
-    async def _refusals(self, t: str) -> dict[str, Any]:
-        before = _cpu_snapshot(self.fleet, t)
-        rs = await self.closed(t, "refusal", 32, self.a.refusal_s, False, 4, headers=(("X-TTFT-Target", "0.001"),))
-        cpu = sum(procs.cpu_delta(before, _cpu_snapshot(self.fleet, t)).values())
-        s = summarize(rs, LOOSE_SLO)
-        return {
-            "offered": s["offered"], "refused": s["refused"], "error_codes": s["error_codes"],
-            "refusals_per_s": round(s["refused"] / s["duration_s"], 1) if s["duration_s"] else None,
-            "latency_ms": s["refusal_latency_ms"],
-            "cpu_ms_per_refusal": round(1000 * cpu / s["refused"], 3) if s["refused"] else None,
-        }
+
+def _refusal_row(rounds: list[tuple[list[RequestResult], float]]) -> dict[str, Any]:
+    """One build's refusal rounds pooled: refusals over the rounds' own durations (not the span
+    across them, which holds the other build's rounds), CPU over every refusal."""
+    ss = [summarize(rs, LOOSE_SLO) for rs, _ in rounds]
+    refused, duration, cpu = sum(s["refused"] for s in ss), sum(s["duration_s"] for s in ss), sum(c for _, c in rounds)
+    pooled = summarize([r for rs, _ in rounds for r in rs], LOOSE_SLO)
+    return {
+        "offered": pooled["offered"], "refused": refused, "error_codes": pooled["error_codes"],
+        "concurrency": REFUSAL_CONCURRENCY, "rounds": len(rounds),
+        "refusals_per_s": round(refused / duration, 1) if duration else None,
+        "latency_ms": pooled["refusal_latency_ms"],
+        "cpu_ms_per_refusal": round(1000 * cpu / refused, 3) if refused else None,
+    }
 
 
 def _latency_row(s: dict[str, Any]) -> dict[str, Any]:
@@ -217,6 +230,9 @@ ADDED_TTFT_MS = {1: (4.0, 8.0), 8: (12.0, None)}
 ADDED_ITL_P99_MS = 1.0
 CPU_MS_PER_REQ = 3.0
 REFUSALS_VS_SUCCESS = 5.0
+# the refusal phase's clients: the concurrency of the success path it is compared with (until
+# 2026-12-07 it ran at 32 against successes at 8: not like for like)
+REFUSAL_CONCURRENCY = 8
 
 
 def overhead_checks(lat: dict[str, Any], tput: dict[str, Any], refusal: dict[str, Any] | None = None
