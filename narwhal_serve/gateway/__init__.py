@@ -30,9 +30,10 @@ _EXPORTS = {
     "Refused": "admit",
     "Reporter": "reporter",
     "build_api": "app",
+    "class_of": "tenancy",
 }
 __all__ = [
-    "Refused", "Reporter", "build_api",
+    "Refused", "Reporter", "build_api", "class_of",
 ]
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
@@ -40,3 +41,4 @@ if TYPE_CHECKING:
     from narwhal_serve.gateway.admit import Refused as Refused
     from narwhal_serve.gateway.reporter import Reporter as Reporter
     from narwhal_serve.gateway.app import build_api as build_api
+    from narwhal_serve.gateway.tenancy import class_of as class_of

@@ -112,7 +112,11 @@ async def _scrape_apart(client: httpx.AsyncClient, e: EngineState, now: float, t
         await scrape_one(client, e, now, timeout_s)
     except Exception:
         log.exception("scrape of engine %s failed in the router: counted down", e.cfg.name)
-        scraped(e, now, False, None)  # answered, unusably: down
+        # answered, unusably: down (as scraped() books a down answer, not through it: the fault
+        # may be in it)
+        e.healthy = False
+        e.failures += 1
+        e.last_answer = now
 
 
 async def probe_one(client: httpx.AsyncClient, e: EngineState, model: str, timeout_s: float) -> tuple[bool, str]:
