@@ -64,6 +64,10 @@ class SimEngineConfig(BaseModel):
     them add up); ``parallel``: each request's prefill takes its own time whatever else is waiting."""
     num_gpu_blocks: int = Field(default=4096, ge=1)
     """KV-cache capacity in blocks: bounds the prefix cache and scales ``kv_cache_usage_perc``."""
+    cache_output_blocks: bool = True
+    """As vLLM: the blocks a request's output fills are cached (and announced) as each fills. The
+    trace replay's engine (narwhal_serve/replay/engine.py) counts tokens between events and caches
+    prompts only: its equality test with the simulator runs both without."""
     # vLLM --scheduling-policy priority: waiting requests are admitted by their `priority` (lower
     # first), then arrival; without it a request with a non-zero priority is refused, as vLLM does
     priority_scheduling: bool = False

@@ -11,7 +11,9 @@ looked up when it starts, filled when it ends); a decoding sequence's next token
 Between two changes of ``running`` every interval is the same, so the tokens in between are
 counted, not stepped: the engine wakes only when a slot is taken or freed, a prefill ends or a
 sequence ends.  ``tests/unit/replay/test_engine.py`` runs both engines on the same jobs and
-checks they agree on every first and last token.
+checks they agree on every first and last token.  One difference: the simulator also caches the
+blocks a request's output fills, as vLLM does (``cache_output_blocks``); here only prompts are
+cached (its jobs carry no output token IDs), and the equality test turns that off.
 """
 
 from __future__ import annotations

@@ -267,7 +267,7 @@ class Engine:
                     # this step ran the last token through the model: a block it fills is cached and
                     # announced as vLLM caches every full block at every step (kv_cache_manager.py)
                     computed.append(job.output.steps[i - 1].token.token_id)
-                    if len(computed) % bs == 0:
+                    if self.cfg.cache_output_blocks and len(computed) % bs == 0:
                         self._cache_blocks(computed, block_hashes(computed, bs), bs)
                 c.generation_tokens += 1
                 self._tokens_held[seq] += 1

@@ -87,7 +87,8 @@ async def _replay(cfg: SimEngineConfig, jobs: list[tuple[float, list[int], int]]
 def test_same_first_and_last_tokens_as_the_simulator(mode: str, seqs: int) -> None:
     # (timings off any common grid: events at the very same instant happen in either order in the
     # simulator, whichever timer its loop pops first)
-    cfg = SimEngineConfig(max_num_seqs=seqs, prefill_mode=mode, num_gpu_blocks=40, prefill_overhead_s=0.0021137,
+    cfg = SimEngineConfig(max_num_seqs=seqs, prefill_mode=mode, num_gpu_blocks=40, cache_output_blocks=False,
+                          prefill_overhead_s=0.0021137,
                           prefill_per_token_s=0.00051379, tpot_base_s=0.0041731, tpot_per_running_s=0.00071293)
     jobs = _jobs(seqs, 300)
     sim, sim_engine = run_virtual(_sim(cfg, jobs))
