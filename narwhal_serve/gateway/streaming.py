@@ -198,23 +198,28 @@ class RelayStreamResponse(Response):
                 if self._size > self.buffer_bytes:
                     self._room.clear()
                     await self._room.wait()
-            self._take(_failure("the assembler stream ended early"))
+            self._take(self._ending(internal_error("the assembler stream ended early")))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._take(_failure(f"relay failed: {type(exc).__name__}"))
+            self._take(self._ending(internal_error(f"relay failed: {type(exc).__name__}")))
+
+    def _ending(self, err: ErrorInfo) -> RelayMessage:
+        """The stream's last message when the router ends it: a usage chunk if the client asked
+        for usage and the engine's has not gone out (the output tokens identified so far: on
+        every failure path, one usage chunk, never two), the error event and ``[DONE]``."""
+        usage = b""
+        if self._usage_meta is not None:
+            meta, prompt_tokens = self._usage_meta
+            usage = sse_event(usage_chunk(meta, prompt_tokens, self.flow.tokens))
+        return RelayMessage(data=usage + error_events(err), error=err, final=True)
 
     def cut(self, err: ErrorInfo) -> None:
-        """End the stream with ``err`` (an error event and ``[DONE]``) after what is already
-        buffered, a usage chunk before them if the client asked for usage (the output tokens
-        identified so far): the router is stopping.  The relay is closed as the stream ends."""
+        """End the stream with ``err`` (:meth:`_ending`) after what is already buffered: the
+        router is stopping.  The relay is closed as the stream ends."""
         if not self._cut:
             self._cut = True
-            usage = b""
-            if self._usage_meta is not None:
-                meta, prompt_tokens = self._usage_meta
-                usage = sse_event(usage_chunk(meta, prompt_tokens, self.flow.tokens))
-            self._buf.append(RelayMessage(data=usage + error_events(err), error=err, final=True))
+            self._buf.append(self._ending(err))
             self._more.set()
 
     def _take(self, msg: RelayMessage) -> bool:
@@ -222,6 +227,8 @@ class RelayStreamResponse(Response):
             return True  # the stream is being ended: nothing more goes into it
         if msg.usage_meta is not None:
             self._usage_meta = msg.usage_meta
+        if msg.usage_sent:
+            self._usage_meta = None  # (the engine's went out: no second one)
         self.flow.observe(msg)
         self._buf.append(msg)
         self._size += len(msg.data)
@@ -239,6 +246,7 @@ class RelayStreamResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         end: tuple[Outcome, str, RelayStats | None] = (Outcome.CANCELLED, "client_disconnected", None)
         reader: asyncio.Task[None] | None = None
+        delivered = False  # the final message (its [DONE]) was written
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             if not self.first.final:
@@ -246,7 +254,7 @@ class RelayStreamResponse(Response):
             while True:
                 while not self._buf:
                     if reader is not None and reader.done():  # it stopped before the final message
-                        self._buf.append(_failure("the relay reader stopped"))
+                        self._buf.append(self._ending(internal_error("the relay reader stopped")))
                         break
                     self._more.clear()
                     try:
@@ -261,6 +269,7 @@ class RelayStreamResponse(Response):
                 if msg.data:
                     await self._write(send, msg.data)
                 if msg.final:
+                    delivered = True
                     if msg.error is not None:
                         end = (outcome_of(msg.error), msg.error.reason or msg.error.code, msg.stats)
                     else:
@@ -268,6 +277,8 @@ class RelayStreamResponse(Response):
                     break
             await self._write(send, b"", more_body=False)
         except _SlowReader:
+            if delivered:  # only the closing empty write was slow: the answer was handed over whole
+                return
             end = (Outcome.FAILED, "slow_reader", None)
             err = NarwhalError("the client did not read the stream fast enough; it was cut", code="slow_reader")
             with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -280,8 +291,3 @@ class RelayStreamResponse(Response):
             close_detached(self.gen, reader)
             if self.on_done is not None:
                 self.on_done(self)
-
-
-def _failure(message: str) -> RelayMessage:
-    err = internal_error(message)
-    return RelayMessage(data=error_events(err), error=err, final=True)

@@ -71,3 +71,4 @@ class RelayMessage:
     # created, model) and its prompt tokens, for a usage chunk the router writes itself (a drain
     # ending the stream)
     usage_meta: tuple[dict[str, Any], int] | None = None
+    usage_sent: bool = False  # the engine's usage chunk went out, in this message or an earlier one

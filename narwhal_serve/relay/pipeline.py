@@ -246,6 +246,7 @@ class Relay(ResumingReads):
         held: list[bytes] = []  # chunks before the first generated token (e.g. the role chunk)
         usage = UsageWatch(req.prompt_tokens)
         bare = req.route == "chat" and not req.return_token_ids
+        usage_sent = False  # the engine's usage chunk is in what went to the client
         chunks = self._chunks(placed, at, headers, span)
         try:
             async for batch in chunks:
@@ -253,8 +254,10 @@ class Relay(ResumingReads):
                     usage.observe(chunk)
                     if "model" in chunk:
                         chunk["model"] = placed.model
-                    if not chunk.get("choices") and "usage" in chunk and not req.include_usage:
-                        continue  # the router asked for usage; this client did not
+                    if not chunk.get("choices") and "usage" in chunk:
+                        if not req.include_usage:
+                            continue  # the router asked for usage; this client did not
+                        usage_sent = True
                     if bare and ids_only(chunk):
                         continue  # the router asked for token IDs; this client did not
                     if not req.include_usage:
@@ -267,7 +270,7 @@ class Relay(ResumingReads):
                     committed = True
                     meta = ({**usage.meta, "model": placed.model}, usage.prompt_tokens) if first and req.include_usage else None
                     yield RelayMessage(data=b"".join(held), first_token=first, tokens=meter.tokens, usage_meta=meta,
-                                       **{"engines": at.route.engines, **at.news()})
+                                       usage_sent=usage_sent, **{"engines": at.route.engines, **at.news()})
                     held = []
         except (EngineFailure, BadEngineResponse, DeadlinePassed) as exc:
             if not committed:
