@@ -7,11 +7,13 @@ script, run atomically by Redis:
 * the caller holds it under the epoch it says → extend it by ``ttl``, same epoch: won;
 * the key names the caller under another epoch (its own lease ran out on its clock: fenced, or a
   restart) → a new epoch at once (nobody else holds it), never the old one again: won;
-* no lease, the counter there → increment the epoch (never below the highest epoch the caller has
-  seen), take the lease for ``ttl``: won;
-* no counter: Redis lost its data (a restart without persistence) or is new.  The counter restarts
-  from Redis' clock in milliseconds (above every epoch handed out before, whoever asks: epochs never
-  repeat).  A caller that holds an epoch by its own clock keeps it (it was the holder: nobody can
+* no lease, the counter there and not below the highest epoch the caller has seen → a new epoch:
+  the counter's next, never below Redis' clock in milliseconds (so a counter Redis restored from an
+  older snapshot never hands out an epoch again: epochs follow the clock), take the lease for
+  ``ttl``: won;
+* no counter, or one below an epoch the caller has seen: Redis lost its data (a restart without
+  persistence, or from an older snapshot) or is new.  The counter restarts from Redis' clock in
+  milliseconds (above every epoch handed out before, whoever asks: epochs never repeat).  A caller that holds an epoch by its own clock keeps it (it was the holder: nobody can
   have taken the lease since).  A caller that has seen epochs knows Redis had data: until ``ttl`` has
   passed, a router may still be active under a lease Redis forgot, so the lease is held for that
   long by nobody (``LOST_DATA``), except for that router when it renews: lost.  A caller that has seen
@@ -39,10 +41,15 @@ local function take(e)
   redis.call('SET', KEYS[1], me .. ':' .. e, 'PX', ttl)
   return {1, e, me}
 end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 local function next_epoch()
   local e = redis.call('INCR', KEYS[2])
-  if e <= floor then
-    e = floor + 1
+  local lo = math.max(floor + 1, now_ms())
+  if e < lo then
+    e = lo
     redis.call('SET', KEYS[2], e)
   end
   return e
@@ -64,11 +71,11 @@ if cur then
   end
   return {0, epoch, holder or cur}
 end
-if redis.call('EXISTS', KEYS[2]) == 1 then
+local counter = tonumber(redis.call('GET', KEYS[2]) or '')
+if counter and counter >= floor then
   return take(next_epoch())
 end
-local t = redis.call('TIME')
-local e = math.max(floor, held, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+local e = math.max(floor, held, now_ms(), counter or 0)
 redis.call('SET', KEYS[2], e)
 if held > 0 then
   return take(held)
@@ -82,6 +89,9 @@ return take(next_epoch())
 
 RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
+  if tonumber(ARGV[2]) > 0 then
+    return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  end
   return redis.call('DEL', KEYS[1])
 end
 return 0
@@ -157,9 +167,10 @@ class RedisLease:
             raise
         return LeaseAnswer(bool(won), int(epoch), _text(holder))
 
-    async def release(self, holder_id: str, epoch: int) -> None:
-        """Hand the lease over at once (a clean shutdown), if this holder still has it."""
-        await self._release(keys=[self.key], args=[f"{holder_id}:{epoch}"])
+    async def release(self, holder_id: str, epoch: int, keep_ms: int = 0) -> None:
+        """Hand the lease over (a clean shutdown), if this holder still has it: at once, or in
+        ``keep_ms`` (the admission leases its ingress replicas hold end then)."""
+        await self._release(keys=[self.key], args=[f"{holder_id}:{epoch}", max(0, int(keep_ms))])
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -16,6 +16,7 @@ monitoring (monitoring_degraded).  The scheduler owns one :class:`RouterHA`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -51,6 +52,7 @@ class RouterHA:
         self._last_mode: str | None = None
         self._giving_up = False  # draining: stop renewing (the lease is released)
         self._released = False
+        self._grants_until = 0.0  # monotonic: when the last admission lease it granted its ingress replicas ends
         # one backend call at a time: a release waits for the renewal in flight (one that reached
         # Redis after the release would take the lease again, and nobody would release it)
         self._calls = asyncio.Lock()
@@ -75,7 +77,10 @@ class RouterHA:
         """How long an ingress lease granted now may admit: never past the router's own lease."""
         if self.lease is None:
             return cap
-        return min(cap, self.lease.remaining(self.mono()))
+        now = self.mono()
+        ttl = min(cap, self.lease.remaining(now))
+        self._grants_until = max(self._grants_until, now + ttl)
+        return ttl
 
     async def run(self, on_change: Callable[[], None]) -> None:
         """Acquire or renew every ``renew_s`` until cancelled."""
@@ -92,7 +97,16 @@ class RouterHA:
                 started = loop.time()
                 try:
                     if self._connect():
-                        await self.renew_once()
+                        renewal = asyncio.ensure_future(self.renew_once())
+                        try:
+                            await asyncio.shield(renewal)
+                        except asyncio.CancelledError:
+                            # stopping: the renewal already sent is answered first (bounded by
+                            # renew_s), else the release could reach Redis before it and the
+                            # renewal take the lease back for a router that stopped
+                            with contextlib.suppress(Exception):
+                                await renewal
+                            raise
                     on_change()
                 except Exception:  # (one fault must not end the renewals: the lease would lapse for good)
                     log.exception("router lease: renewal pass failed")
@@ -138,9 +152,13 @@ class RouterHA:
             if self.lease is None or self.backend is None:
                 return
             try:
-                if self.lease.mode(self.mono()) == "active":
+                now = self.mono()
+                if self.lease.mode(now) == "active":
+                    # the key lives on until the admission leases granted under it end: they may
+                    # admit till then, and the standby must not before (one active at a time)
+                    keep_ms = math.ceil(max(0.0, self._grants_until - now) * 1000)
                     async with asyncio.timeout(self.cfg.ha.lease.renew_s):
-                        await self.backend.release(self.lease.holder_id, self.lease.epoch)
+                        await self.backend.release(self.lease.holder_id, self.lease.epoch, keep_ms)
             except Exception:
                 log.warning("could not release the router lease; it lapses after ha.lease.ttl_s")
             finally:

@@ -194,7 +194,7 @@ async def test_the_standby_takes_over_when_the_active_stops(ha: HaPair) -> None:
         await _wait_reason(c, ha.b, None, TTL + RENEW + 10)
         took = time.monotonic() - t0
         snap = await _status(c, ha.b)
-        assert snap["epoch"] == first + 1 and snap["ha"]["holder"] == snap["ha"]["holder_id"]
+        assert snap["epoch"] > first and snap["ha"]["holder"] == snap["ha"]["holder_id"]
         r = await c.post(ha.b + "/v1/chat/completions", json=chat_body())
         assert r.status_code == 200, r.text
         print(json.dumps({"standby_active_after_delete_s": round(took, 2)}))

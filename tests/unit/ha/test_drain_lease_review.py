@@ -38,7 +38,7 @@ class FakeBackend:
         self.calls += 1
         return LeaseAnswer(True, 7, holder_id)
 
-    async def release(self, holder_id: str, epoch: int) -> None:
+    async def release(self, holder_id: str, epoch: int, keep_ms: int = 0) -> None:
         self.released.append(epoch)
 
     async def close(self) -> None:

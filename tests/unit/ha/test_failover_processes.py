@@ -120,7 +120,8 @@ async def test_pause_fences_the_active_and_the_standby_takes_over(routers: tuple
         took = await wait_ready(c, b, 200, TTL + RENEW + 3)
         print(f"failover after a pause: {took:.2f} s (ttl {TTL}, renew {RENEW})")
         assert took <= TTL + RENEW + 1.0, f"failover took {took:.2f} s"
-        assert await epoch(c, b) == first + 1
+        second = await epoch(c, b)
+        assert second is not None and second > first
         assert (await c.post(b.url + "/v1/chat/completions", json=BODY)).status_code == 200
 
         a.signal(signal.SIGCONT)  # resumed past its lease: it must refuse, whatever its old view
@@ -138,4 +139,5 @@ async def test_pause_fences_the_active_and_the_standby_takes_over(routers: tuple
         took = await wait_ready(c, a, 200, TTL + RENEW + 3)
         print(f"failover after a kill: {took:.2f} s")
         assert took <= TTL + RENEW + 1.0
-        assert await epoch(c, a) == first + 2
+        third = await epoch(c, a)
+        assert third is not None and third > second

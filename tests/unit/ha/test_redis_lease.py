@@ -40,7 +40,7 @@ async def test_one_holder_and_takeover_within_ttl_plus_one_renewal(redis_server:
         # a stops renewing (paused, partitioned): it fences itself before b can take over
         took = await renew_until(b, "active", TTL + RENEW + 1.0)
         assert took <= TTL + 2 * RENEW + 0.3
-        assert a.lease_mode() == "fenced" and b.epoch() == first + 1
+        assert a.lease_mode() == "fenced" and b.epoch() > first
         for _ in range(10):  # (a call that times out on a loaded machine changes nothing: until one is answered)
             await a.renew_once()
             if a.lease.last_error is None:
