@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import operator
 import sys
 from array import array
@@ -102,23 +103,44 @@ def id_block_hashes(ids: Sequence[int], block_tokens: int, max_blocks: int) -> t
     return _chain(b"i" + raw[i * step:(i + 1) * step] for i in range(n))
 
 
+def _digest(value: Any) -> str:
+    """A short stand-in for what a template renders that the text does not show (media, tools)."""
+    raw = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.blake2b(raw.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
+
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # content parts: their text, in order (the text parts the request check takes)
-        texts = (p if isinstance(p, str) else p.get(part_text_key(p)) for p in content
-                 if isinstance(p, str) or isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES)
-        return "".join(t for t in texts if isinstance(t, str))
+    if isinstance(content, list):  # content parts in order: their text (the text parts the request
+        out = []                   # check takes), each other part by a digest of it (an image's data)
+        for p in content:
+            text = p if isinstance(p, str) else p.get(part_text_key(p)) if (
+                isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES) else None
+            out.append(text if isinstance(text, str) else f"\x1c{_digest(p)}")
+        return "\n".join(out)  # (as vLLM joins a message's parts)
     return ""
 
 
+def _message_text(m: dict[str, Any]) -> str:
+    calls, name = m.get("tool_calls"), m.get("name")
+    named = "\x1d" + name if isinstance(name, str) else ""
+    called = "\x1b" + _digest(calls) if calls else ""
+    return f"\x1e{m.get('role', '')}{named}\x1f{_content_text(m.get('content'))}{called}"
+
+
 def prompt_text(route: str, body: dict[str, Any]) -> str | None:
-    """The prompt as the prefix index reads it: chat messages with their roles, or the prompt string."""
+    """The prompt as the prefix index reads it: chat messages with their roles (and names, tool
+    calls, media parts by a digest of them), after a digest of what the template renders before
+    them (tools, documents, template arguments: two chats that differ there share no block); or
+    the prompt string."""
     if route == "chat":
         msgs = body.get("messages")
         if not isinstance(msgs, list):
             return None
-        return "".join(f"\x1e{m.get('role', '')}\x1f{_content_text(m.get('content'))}" for m in msgs if isinstance(m, dict))
+        rendered = {k: body[k] for k in ("tools", "documents", "chat_template_kwargs") if body.get(k)}
+        head = f"\x1d{_digest(rendered)}" if rendered else ""
+        return head + "".join(_message_text(m) for m in msgs if isinstance(m, dict))
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt
@@ -136,6 +158,8 @@ def request_prefix(route: str, body: dict[str, Any], ids: Sequence[int] | None, 
         return (), 0.0
     if ids is not None:
         return id_block_hashes(ids, block_tokens, max_blocks), float(block_tokens)
+    if body.get("truncate_prompt_tokens") is not None:
+        return (), 0.0  # a text the engine cuts (its last N tokens): its characters' blocks are not what it holds
     text = prompt_text(route, body)
     if text is None:
         return (), 0.0
@@ -218,6 +242,13 @@ class PrefixIndex:
         self._recent = None
         if new or not self._whole():  # (a block may have left the most recent ones)
             self._frozen = None
+
+    def learn(self, prompt: Sequence[int]) -> None:
+        """A prompt's blocks, learned as held (an engine without KV events, where the router sent
+        it): its first block last, so the prompt's start is the most recent — blocks chain, a
+        prompt matches from its first block only, and an engine frees a request's tail first (in
+        prompt order, a full index evicted the starts and kept tails no prompt can match)."""
+        self.insert(prompt[::-1])
 
     def touch(self, hashes: Iterable[int]) -> None:
         """A request just used these blocks here (its prefill is done): those held become the most

@@ -174,7 +174,7 @@ class SchedulerService(AdminOps):
                     if e.prefix_exact:  # (its first block last: the prompt's start is the most recent)
                         e.prefix.touch(reversed(t.placement.prefix))
                     else:
-                        e.prefix.insert(t.placement.prefix)
+                        e.prefix.learn(t.placement.prefix)
                     self.touch(e.cfg.name)
                 self._ticket_event(tid, t, lambda t: ledger.first_token(t, engines, self.clock()))  # (called at once)
                 if t.decode_engine is not None:  # it holds a slot there now (its slot releases)
