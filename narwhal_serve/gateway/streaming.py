@@ -186,7 +186,8 @@ class RelayStreamResponse(Response):
         self._cut = False
         self.on_done: Callable[[RelayStreamResponse], None] | None = None  # the handler's registry
         self._room = asyncio.Event()  # the writer brought the buffer down to half its cap
-        self._usage_meta = first.usage_meta  # (RelayMessage.usage_meta)
+        # (RelayMessage.usage_meta; none once the engine's usage chunk went out, in this one too)
+        self._usage_meta = None if first.usage_sent else first.usage_meta
 
     async def _read(self) -> None:
         """Pull relay messages ahead of the client, up to the final one, pausing at the cap (one

@@ -59,7 +59,7 @@ class RouterLease:
 
     def released(self) -> None:
         """This router handed its lease over (or tried to, stopping): it admits nothing more under
-        it — another router may take the lease at once."""
+        it — another router may take the lease once the admission leases granted under it end."""
         self.epoch = 0
         self.valid_until = 0.0
         self.fenced_epoch = 0

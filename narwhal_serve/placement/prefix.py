@@ -109,6 +109,23 @@ def _digest(value: Any) -> str:
     return hashlib.blake2b(raw.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
+MEDIA_SAMPLE = 4096  # of a media part's data: its length, and this much of its start and of its end
+
+
+def _media_digest(part: Any) -> str:
+    """A media part by a digest of its data (an image's URL or base64 bytes: its length, start and
+    end — a whole 4 MB image JSON-encoded and hashed cost ~24 ms a request on the event loop)."""
+    if not isinstance(part, dict):
+        return _digest(part)
+    value = part.get(part.get("type")) if isinstance(part.get("type"), str) else None
+    if isinstance(value, dict):
+        value = value.get("url", value.get("data", value))
+    if not isinstance(value, str):
+        return _digest(part)
+    key = f"{part.get('type')}:{len(value)}:{value[:MEDIA_SAMPLE]}:{value[-MEDIA_SAMPLE:]}"
+    return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
+
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -117,7 +134,7 @@ def _content_text(content: Any) -> str:
         for p in content:
             text = p if isinstance(p, str) else p.get(part_text_key(p)) if (
                 isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES) else None
-            out.append(text if isinstance(text, str) else f"\x1c{_digest(p)}")
+            out.append(text if isinstance(text, str) else f"\x1c{_media_digest(p)}")
         return "\n".join(out)  # (as vLLM joins a message's parts)
     return ""
 
@@ -129,18 +146,26 @@ def _message_text(m: dict[str, Any]) -> str:
     return f"\x1e{m.get('role', '')}{named}\x1f{_content_text(m.get('content'))}{called}"
 
 
-def prompt_text(route: str, body: dict[str, Any]) -> str | None:
+def prompt_text(route: str, body: dict[str, Any], limit: int | None = None) -> str | None:
     """The prompt as the prefix index reads it: chat messages with their roles (and names, tool
     calls, media parts by a digest of them), after a digest of what the template renders before
     them (tools, documents, template arguments: two chats that differ there share no block); or
-    the prompt string."""
+    the prompt string.  ``limit``: the characters that are hashed (a chat's later messages are not
+    read past it)."""
     if route == "chat":
         msgs = body.get("messages")
         if not isinstance(msgs, list):
             return None
         rendered = {k: body[k] for k in ("tools", "documents", "chat_template_kwargs") if body.get(k)}
-        head = f"\x1d{_digest(rendered)}" if rendered else ""
-        return head + "".join(_message_text(m) for m in msgs if isinstance(m, dict))
+        parts = [f"\x1d{_digest(rendered)}"] if rendered else []
+        size = len(parts[0]) if parts else 0
+        for m in msgs:
+            if limit is not None and size >= limit:
+                break
+            if isinstance(m, dict):
+                parts.append(text := _message_text(m))
+                size += len(text)
+        return "".join(parts)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt
@@ -160,7 +185,7 @@ def request_prefix(route: str, body: dict[str, Any], ids: Sequence[int] | None, 
         return id_block_hashes(ids, block_tokens, max_blocks), float(block_tokens)
     if body.get("truncate_prompt_tokens") is not None:
         return (), 0.0  # a text the engine cuts (its last N tokens): its characters' blocks are not what it holds
-    text = prompt_text(route, body)
+    text = prompt_text(route, body, block_chars * max_blocks)
     if text is None:
         return (), 0.0
     return text_block_hashes(text, block_chars, max_blocks), block_chars / CHARS_PER_TOKEN

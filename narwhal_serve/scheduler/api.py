@@ -61,7 +61,7 @@ class SchedulerApi:
             return svc.deregister_engine(str(arg))
         if op == "drain":
             until = svc.drain(float(arg), time.time())
-            await svc.ha.release()  # under a router lease: the standby takes over now
+            await svc.ha.release()  # under a router lease: the standby takes over once its ingress leases end
             return until
         if op == "set_mode":
             svc.set_mode(str(arg))

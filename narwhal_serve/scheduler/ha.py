@@ -53,6 +53,7 @@ class RouterHA:
         self._giving_up = False  # draining: stop renewing (the lease is released)
         self._released = False
         self._grants_until = 0.0  # monotonic: when the last admission lease it granted its ingress replicas ends
+        self._releasing = False  # the release has begun: no more admission leases
         # one backend call at a time: a release waits for the renewal in flight (one that reached
         # Redis after the release would take the lease again, and nobody would release it)
         self._calls = asyncio.Lock()
@@ -77,6 +78,8 @@ class RouterHA:
         """How long an ingress lease granted now may admit: never past the router's own lease."""
         if self.lease is None:
             return cap
+        if self._releasing:  # (what it grants now would outlive the key the release shortens)
+            return 0.0
         now = self.mono()
         ttl = min(cap, self.lease.remaining(now))
         self._grants_until = max(self._grants_until, now + ttl)
@@ -103,9 +106,11 @@ class RouterHA:
                         except asyncio.CancelledError:
                             # stopping: the renewal already sent is answered first (bounded by
                             # renew_s), else the release could reach Redis before it and the
-                            # renewal take the lease back for a router that stopped
-                            with contextlib.suppress(Exception):
-                                await renewal
+                            # renewal take the lease back for a router that stopped (a second
+                            # cancel does not cut it short either: asyncio.wait cancels nothing)
+                            while not renewal.done():
+                                with contextlib.suppress(asyncio.CancelledError):
+                                    await asyncio.wait({renewal})
                             raise
                     on_change()
                 except Exception:  # (one fault must not end the renewals: the lease would lapse for good)
@@ -147,6 +152,7 @@ class RouterHA:
 
     async def release(self) -> None:
         """Hand the lease over at once on a clean stop (best effort), after the renewal in flight."""
+        self._releasing = True
         async with self._calls:
             self._released = True
             if self.lease is None or self.backend is None:

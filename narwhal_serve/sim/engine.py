@@ -257,6 +257,7 @@ class Engine:
             last = loop.time()
             c.ttft.observe(last - job.arrival)
             computed = list(job.prompt_ids)  # the tokens in its KV cache
+            chain = list(hashes)  # their full blocks' hashes (each new one chained to the last)
             for i, step in enumerate(job.output.steps):
                 if i:
                     deadline = next_token_deadline(self.cfg, deadline, loop.time(), self.scheduler.running)
@@ -268,7 +269,8 @@ class Engine:
                     # announced as vLLM caches every full block at every step (kv_cache_manager.py)
                     computed.append(job.output.steps[i - 1].token.token_id)
                     if self.cfg.cache_output_blocks and len(computed) % bs == 0:
-                        self._cache_blocks(computed, block_hashes(computed, bs), bs)
+                        chain += block_hashes(computed[-bs:], bs, chain[-1] if chain else 0)
+                        self._cache_blocks(computed, chain, bs)
                 c.generation_tokens += 1
                 self._tokens_held[seq] += 1
                 yield step

@@ -163,7 +163,7 @@ async def test_one_timed_out_renewal_does_not_fence_the_active() -> None:
                 third.set()
             return LeaseAnswer(True, 1, holder)
 
-        async def release(self, holder: str, epoch: int) -> None:
+        async def release(self, holder: str, epoch: int, keep_ms: int = 0) -> None:
             pass
 
         async def close(self) -> None:

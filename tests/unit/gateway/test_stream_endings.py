@@ -196,3 +196,23 @@ async def test_a_slow_closing_write_after_done_is_no_slow_reader() -> None:
         await response(relay, ends, write_timeout_s=0.05)({"type": "http"}, _receive, client)
     assert client.body.count(b"[DONE]") == 1 and b'"error"' not in client.body, client.body
     assert [(o, r) for o, r, _ in ends] == [(Outcome.COMPLETED, "")]
+
+
+async def test_a_cut_after_a_first_message_that_carried_the_engines_usage_writes_no_second_one() -> None:
+    """A short answer's first message may carry the engine's usage chunk too (one read): the
+    stream's ending read usage_sent only from later messages."""
+    first = RelayMessage(data=token_event("a") + finish_event() + engine_usage_event(1), first_token=True,
+                         engines=("e1",), tokens=1, usage_meta=(dict(META), PROMPT_TOKENS), usage_sent=True)
+    ends: Ends = []
+    flow = Flow(lambda m: None, lambda o, r, st, code: ends.append((o, r, st)))
+    flow.observe(first)
+    client = Client()
+    resp = RelayStreamResponse(first, Relay([], end="hang"), flow, 60.0, {})
+    async with asyncio.timeout(10):
+        task = asyncio.create_task(resp({"type": "http"}, _receive, client))
+        while b'"usage"' not in client.body:
+            client.wrote.clear()
+            await client.wrote.wait()
+        resp.cut(drained_error())
+        await task
+    assert len(usage_chunks(client.body)) == 1, usage_chunks(client.body)

@@ -201,3 +201,36 @@ async def test_a_stop_during_a_renewal_in_flight_still_hands_the_lease_over(redi
         with contextlib.suppress(Exception):
             await wire.close()
         await close(a, b)
+
+
+async def test_no_admission_lease_is_granted_once_the_release_began() -> None:
+    """The release shortens the key to the end of the admission leases granted so far: one granted
+    during its round trip to Redis would outlive it (a review of this fix found it)."""
+    from narwhal_serve.config import NarwhalConfig
+    from narwhal_serve.scheduler.ha import RouterHA
+
+    cfg = NarwhalConfig.model_validate({"ha": {"lease": {"backend": "redis", "url": "redis://127.0.0.1:9/0"}}})
+    t = [100.0]
+    ha = RouterHA(cfg, mono=lambda: t[0])
+    assert ha.lease is not None
+    ha.lease.on_answer(True, 5, ha.lease.holder_id, sent_at=t[0])
+    assert ha.ingress_ttl(2.0) == 2.0
+    at_redis, go = asyncio.Event(), asyncio.Event()
+    kept: list[int] = []
+
+    class Slow:
+        async def release(self, holder: str, epoch: int, keep_ms: int = 0) -> None:
+            kept.append(keep_ms)
+            at_redis.set()
+            await go.wait()
+
+        async def close(self) -> None:
+            pass
+
+    ha.backend = Slow()  # type: ignore[assignment]
+    releasing = asyncio.create_task(ha.release())
+    await at_redis.wait()
+    granted = ha.ingress_ttl(2.0)  # a report answered while the release is on its way
+    go.set()
+    await releasing
+    assert granted == 0.0 and kept == [2000]
