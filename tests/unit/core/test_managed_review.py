@@ -23,28 +23,19 @@ from narwhal_serve.managed.slot import ReplicaReport
 from narwhal_serve.scheduler.messages import AdmitRequest, Report
 from narwhal_serve.scheduler.service import SchedulerService
 from tests.support.scheduler import Clock
+from tests.unit.core.test_managed_fleet import engine_transport
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups, prctl")
 
-METRICS = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
 
 
 # --- the scheduler's bookkeeping (as tests/unit/core/test_managed_fleet.py sets it up) -------------
-
-def _transport(down: set[str]) -> httpx.MockTransport:
-    def handler(request: httpx.Request) -> httpx.Response:
-        if f"{request.url.host}:{request.url.port}" in down:
-            raise httpx.ConnectError("refused", request=request)
-        return httpx.Response(200, text=METRICS if request.url.path == "/metrics" else "")
-
-    return httpx.MockTransport(handler)
-
 
 def _fleet(engines: list[dict[str, object]]) -> tuple[SchedulerService, Clock, set[str]]:
     clock = Clock()
     svc = SchedulerService(NarwhalConfig.model_validate({"engines": engines}), clock=clock)
     down: set[str] = set()
-    svc._client = httpx.AsyncClient(transport=_transport(down))
+    svc._client = httpx.AsyncClient(transport=engine_transport(down))
     svc.router.started = True
     return svc, clock, down
 

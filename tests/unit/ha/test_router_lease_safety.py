@@ -21,6 +21,7 @@ from narwhal_serve.scheduler.ha import RouterHA
 from narwhal_serve.scheduler.messages import Report
 from tests.support.redis_server import RedisServer, lease_router
 from tests.support.scheduler import scheduler_service
+from tests.unit.ha.test_redis_semantics import close
 
 TTL, RENEW = 2.0, 0.4
 KEY = "narwhal:review-lease"
@@ -51,14 +52,6 @@ async def acquire(ha: RouterHA) -> None:
             raise AssertionError(f"not active: {ha.view()}")
         await ha.renew_once()
         await asyncio.sleep(0.05)
-
-
-async def close(*routers: RouterHA) -> None:
-    for ha in routers:
-        if ha.backend is not None:
-            with contextlib.suppress(Exception):
-                await ha.backend.close()
-            ha.backend = None
 
 
 def restart_from_snapshot(server: RedisServer) -> None:
