@@ -16,6 +16,7 @@ decode engines' and is "clamped" to the prefill's.
 
 from __future__ import annotations
 
+import itertools
 import math
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -172,7 +173,8 @@ class RouteOrder(Generic[E]):
     def __contains__(self, name: object) -> bool:
         return name in self._engine
 
-    def _sources(self, changed: Mapping[str, E], only: Collection[str] | None, k: int) -> list[_Source]:
+    def _sources(self, changed: Mapping[str, E], only: Collection[str] | None, k: int,
+                 rotation: int = 0) -> list[_Source]:
         if only is not None and not self._prefills and ONLY_SHARE * len(only) <= self.size:
             # a few engines of a unified fleet: just theirs, sorted
             unified = sorted((bucket(f) if (f := changed.get(name)) is not None else self._bucket[name], self._n[name])
@@ -192,12 +194,9 @@ class RouteOrder(Generic[E]):
                                              if self._n.get(name, self.size) < self.first_pd])
         sources = [_Source(unified)]
         for dialect, prefills in self._prefills.items():
-            best = next(((s, i, name) for s, i, name in prefills if name not in moved), None)
-            for name in moved:
-                e = self._engine[name]
-                if e.cfg.role == "prefill" and e.cfg.dialect == dialect:
-                    mine = (load_score(changed[name]), self._place[name], name)
-                    best = mine if best is None or mine < best else best
+            best = _tied_prefill(prefills, [(load_score(changed[name]), self._place[name], name) for name in moved
+                                            if (c := self._engine[name].cfg).role == "prefill" and c.dialect == dialect],
+                                 moved, rotation)
             if best is None or (only is not None and best[2] not in only):
                 continue
             keys = _moved(self._decodes[dialect], [
@@ -214,7 +213,7 @@ class RouteOrder(Generic[E]):
         if self.size == 0 or k <= 0:
             return []
         r = rotation % self.size
-        sources = self._sources(changed or {}, only, k)
+        sources = self._sources(changed or {}, only, k, rotation)
         out: list[RouteChoice] = []
         b = -math.inf
         while len(out) < k:
@@ -253,3 +252,21 @@ class RouteOrder(Generic[E]):
             route = self._routes[key] = (RouteChoice(kind="single", decode=cfg) if prefill is None
                                          else RouteChoice(kind="pd", decode=cfg, prefill=prefill))
         return route
+
+
+def _tied_prefill(prefills: list[tuple[float, int, str]], moved_ones: list[tuple[float, int, str]],
+                  moved: Collection[str], rotation: int) -> tuple[float, int, str] | None:
+    """The prefill engine of a dialect's P/D routes: the least loaded, and among those equally
+    loaded (idle ones, say) the one ``rotation`` turns to in the fleet's order — as
+    :func:`~narwhal_serve.placement.picker.candidate_routes` picks it (every lease put its next
+    request on the fleet's first idle prefill engine).  ``prefills``: sorted (load, place, name),
+    stale for the ``moved`` engines, whose entries are ``moved_ones``."""
+    first = next((p for p in prefills if p[2] not in moved), None)
+    scores = ([first[0]] if first is not None else []) + [p[0] for p in moved_ones]
+    if not scores:
+        return None
+    lo = min(scores)
+    ties = [p for p in itertools.takewhile(lambda p: p[0] <= lo, prefills) if p[2] not in moved]
+    if moved_ones:
+        ties = sorted(ties + [p for p in moved_ones if p[0] == lo], key=lambda p: p[1])
+    return ties[rotation % len(ties)]

@@ -51,8 +51,13 @@ def candidate_routes(eligible: Sequence[E], rotation: int, limit: int | None = M
     for e in unified:
         scored.append((load_score(e), n, RouteChoice(kind="single", decode=e.cfg)))
         n += 1
+    firsts: dict[str, Scorable] = {}  # per dialect: the least loaded prefill; equally loaded ones take turns
+    for dialect in {p.cfg.dialect for p in prefills}:
+        mine = [p for p in prefills if p.cfg.dialect == dialect]
+        ties = [p for p in mine if load_score(p) == load_score(mine[0])]
+        firsts[dialect] = ties[rotation % len(ties)]
     for d in decodes:
-        p = next((p for p in prefills if p.cfg.dialect == d.cfg.dialect), None)
+        p = firsts.get(d.cfg.dialect)
         if p is not None and d.cfg.dialect != "openai":
             score = max(load_score(p), load_score(d))
             scored.append((score, n, RouteChoice(kind="pd", decode=d.cfg, prefill=p.cfg)))

@@ -96,3 +96,24 @@ def test_the_view_of_the_most_recent_blocks_holds_the_prompts_starts() -> None:
     idx.learn([1, 2, 3])
     idx.learn([10, 11])
     assert matched_blocks(idx.frozen(3), [1, 2, 3]) >= 1, sorted(idx.frozen(3))
+
+
+def test_idle_prefill_engines_take_turns() -> None:
+    """"Ties rotate from a place of each lease's own (its id's hash): leases deciding on the same
+    view in the same instant would otherwise each put their next request on the same idle engine"
+    (contract, "Ranking").  P/D routes rotated over their decode engines only: every lease, at any
+    rotation, put its prefill on the first idle prefill engine of the fleet's order."""
+    from narwhal_serve.admission.core import Ask, Placement, decide
+    from narwhal_serve.config import EngineConfig
+    from tests.unit.admission.test_overload_decisions import NOW, engine, view
+
+    def leg(name: str, role: str) -> Any:
+        return engine(name, cfg=EngineConfig(name=name, url=f"http://{name}", role=role))
+
+    v = view(leg("p1", "prefill"), leg("p2", "prefill"), leg("d1", "decode"), leg("d2", "decode"))
+    firsts = set()
+    for rotation in range(16):
+        out = decide(v, Ask(100, 30.0), NOW, rotation)
+        assert isinstance(out, Placement), out
+        firsts.add(out.first_engine)
+    assert firsts == {"p1", "p2"}, firsts
