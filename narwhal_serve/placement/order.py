@@ -212,8 +212,10 @@ class RouteOrder(Generic[E]):
         first-token engine is one of these."""
         if self.size == 0 or k <= 0:
             return []
-        r = rotation % self.size
-        sources = self._sources(changed or {}, only, k, rotation)
+        return self._walk(self._sources(changed or {}, only, k, rotation), k, rotation % self.size)
+
+    def _walk(self, sources: list[_Source], k: int, r: int) -> list[RouteChoice]:
+        """The first ``k`` routes of ``sources`` by bucket, ties in the order ``r`` turns them to."""
         out: list[RouteChoice] = []
         b = -math.inf
         while len(out) < k:
@@ -227,6 +229,33 @@ class RouteOrder(Generic[E]):
             for n, s in group[:m]:
                 out.append(self._route(n, s.prefill))
         return out
+
+    def prefill_holders(self, holding: Collection[str], k: int, changed: Mapping[str, E] | None = None) -> list[str]:
+        """The ``k`` least loaded eligible prefill engines among ``holding`` (by load score, then
+        place; the engines in ``changed`` scored as they are there)."""
+        if not self._prefills:
+            return []
+        moved = changed or {}
+        ones = [(s, i, name) for ps in self._prefills.values() for s, i, name in ps
+                if name in holding and name not in moved]
+        ones += [(load_score(f), self._place[name], name) for name, f in moved.items()
+                 if name in holding and (e := self._engine.get(name)) is not None and e.cfg.role == "prefill"
+                 and e.cfg.dialect in self._prefills]
+        return [name for _, _, name in sorted(ones)[:k]]
+
+    def over(self, prefill: str, k: int, rotation: int, changed: Mapping[str, E] | None = None) -> list[RouteChoice]:
+        """The ``k`` least loaded P/D routes through prefill engine ``prefill`` (a dialect's routes
+        pair with its least loaded one: these pair one that holds the prompt's prefix), ties in the
+        rotation's order."""
+        moved = changed or {}
+        e = moved.get(prefill, self._engine.get(prefill))
+        if e is None or e.cfg.role != "prefill" or e.cfg.dialect not in self._decodes or self.size == 0:
+            return []
+        dialect = e.cfg.dialect
+        keys = _moved(self._decodes[dialect], [
+            (self._bucket[name], bucket(f), self._n[name]) for name, f in moved.items()
+            if name in self._n and (c := self._engine[name].cfg).role == "decode" and c.dialect == dialect])
+        return self._walk([_Source(keys, bucket(e), e.cfg)], k, rotation % self.size)
 
     def other_prefill(self, dialect: str, but: str, changed: Mapping[str, E] | None = None,
                       fits: Callable[[str], bool] = lambda _: True) -> EngineConfig | None:

@@ -117,3 +117,30 @@ def test_idle_prefill_engines_take_turns() -> None:
         assert isinstance(out, Placement), out
         firsts.add(out.first_engine)
     assert firsts == {"p1", "p2"}, firsts
+
+
+def test_the_prefill_engine_holding_the_prefix_is_preferred() -> None:
+    """"Ranking ... within both targets first; among those, the route whose first-token engine
+    holds the longest prefix of the prompt" (contract, "Admission").  A unified holder wins (u2
+    below); a P/D prefill holder busier than another prefill engine by one request never did: P/D
+    routes existed only over the least loaded prefill engine, so the whole prefix was prefilled
+    again on a cold engine."""
+    from narwhal_serve.admission.core import Ask, Placement, decide
+    from narwhal_serve.config import EngineConfig
+    from tests.unit.admission.test_overload_decisions import NOW, engine, view
+
+    def leg(name: str, role: str, **kw: Any) -> Any:
+        return engine(name, cfg=EngineConfig(name=name, url=f"http://{name}", role=role), **kw)
+
+    def placed(v: Any, ask: Ask) -> Placement:
+        out = decide(v, ask, NOW, 0)
+        assert isinstance(out, Placement), out
+        return out
+
+    prefix = (11, 22, 33, 44)
+    ask = Ask(1000, 30.0, prefix=prefix, prefix_block_tokens=64.0)
+    unified = placed(view(leg("u1", "unified"), leg("u2", "unified", inflight=1, prefix=frozenset(prefix))), ask)
+    assert unified.first_engine == "u2" and unified.cached_tokens > 0  # (the rule, on unified engines)
+    pd = placed(view(leg("p1", "prefill"), leg("p2", "prefill", inflight=1, prefix=frozenset(prefix)),
+                     leg("d1", "decode"), leg("d2", "decode")), ask)
+    assert pd.first_engine == "p2" and pd.cached_tokens > 0, pd
