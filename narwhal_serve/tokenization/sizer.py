@@ -121,6 +121,11 @@ def _prompt_chars(parsed: "ParsedRequest") -> int:
     # check_messages); tools and documents are rendered into the prompt too, unsized there: a chat
     # that has them is tokenized on the pool (a long list of parts or tools stalled the event loop)
     chars = int(parsed.prompt_tokens * CHARS_PER_TOKEN)
+    for m in body["messages"]:  # an assistant turn's tool-call arguments are rendered too
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if isinstance(calls, list):
+            chars += sum(len(a) for c in calls if isinstance(c, dict) and isinstance(f := c.get("function"), dict)
+                         and isinstance(a := f.get("arguments"), str))
     return chars + INLINE_CHARS if body.get("tools") or body.get("documents") else chars
 
 

@@ -106,3 +106,16 @@ def test_a_tools_defer_loading_fills_its_functions_null_one() -> None:
     assert out is not None
     assert out[0]["function"].get("defer_loading") is True
     assert out[0].get("defer_loading") is True
+
+
+def test_a_chat_with_long_tool_call_arguments_is_tokenized_off_the_event_loop(tok: HfTokenizer) -> None:
+    """An assistant turn's tool-call arguments are rendered into the prompt: a chat whose text is
+    short but whose arguments are long was tokenized on the event loop."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"x": LONG})}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"},
+                                       {"role": "assistant", "content": None, "tool_calls": [call]},
+                                       {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
+    sizer = PromptSizer(tok)
+    with prompt_threads(tok) as threads:
+        sized = asyncio.run(sizer.size(parse_request("chat", json.dumps(body).encode(), model="m")))
+    assert sized.method == "tokenizer" and threads and threads[0].startswith("narwhal-tokenize"), threads
