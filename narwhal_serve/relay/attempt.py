@@ -64,7 +64,9 @@ class UsageWatch:
         self.meta: dict[str, Any] = {}
 
     def observe(self, chunk: dict[str, Any]) -> None:
-        if chunk.get("usage") is not None:
+        if chunk.get("usage") is not None and not chunk.get("choices"):
+            # the stream's usage chunk (usage on every chunk, continuous_usage_stats, is not it:
+            # the engine still ends with one; one rule with the gateway's ending, usage_sent)
             self.seen = True
         for k in ("id", "object", "created", "system_fingerprint"):
             if k in chunk:

@@ -216,3 +216,17 @@ async def test_a_cut_after_a_first_message_that_carried_the_engines_usage_writes
         resp.cut(drained_error())
         await task
     assert len(usage_chunks(client.body)) == 1, usage_chunks(client.body)
+
+
+def test_usage_on_every_chunk_is_not_the_streams_usage_chunk() -> None:
+    """With ``continuous_usage_stats`` every chunk carries usage, and the engine still ends with its
+    usage-only chunk: the relay counted the first chunk as it (no usage chunk on a failure after),
+    the gateway's ending only the usage-only one — one rule now."""
+    from narwhal_serve.relay.attempt import UsageWatch
+
+    watch = UsageWatch(3)
+    watch.observe({**META, "choices": [{"index": 0, "delta": {"content": "a"}}],
+                   "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+    assert not watch.seen
+    watch.observe({**META, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+    assert watch.seen
