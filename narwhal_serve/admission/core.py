@@ -192,25 +192,25 @@ def _ranked(view: FleetView, ask: Ask, now: float, rotation: int) -> tuple[list[
         # few; and of those holding the most of it, the least loaded few (placement/order.py:
         # none of it scores the whole fleet)
         routes = order.top(SCORED_ROUTES, rotation, view.changed)
-        if ask.prefix:
+        every = len(routes) < SCORED_ROUTES  # (fewer routes than that: every route was scored)
+        if ask.prefix and (not every or order.has_prefills):
             seen = {r.engines for r in routes}
-            first = view.holding(ask.prefix[0])
-            # (the deepest holders are among the first's: with few of those, all are scored; with
-            # fewer routes than that, every route was)
-            for holding in (first, view.deepest(ask.prefix) if len(first) > SCORED_ROUTES else frozenset()):
-                if len(routes) < SCORED_ROUTES:
-                    break
-                for r in order.top(SCORED_ROUTES, rotation, view.changed, only=holding):
+
+            def add(more: list[RouteChoice]) -> None:
+                for r in more:
                     if r.engines not in seen:
                         seen.add(r.engines)
                         routes.append(r)
+
+            first = view.holding(ask.prefix[0])
+            # (the deepest holders are among the first's: with few of those, all are scored)
+            deepest = view.deepest(ask.prefix) if not every and len(first) > SCORED_ROUTES else frozenset()
+            for holding in () if every else (first, deepest):
+                add(order.top(SCORED_ROUTES, rotation, view.changed, only=holding))
             # a prefill engine holding it that is not its dialect's least loaded one: its own P/D
             # routes (else they never existed, and the prefix was prefilled again on a cold engine)
             for name in order.prefill_holders(first, SCORED_ROUTES, view.changed):
-                for r in order.over(name, SCORED_ROUTES, rotation, view.changed):
-                    if r.engines not in seen:
-                        seen.add(r.engines)
-                        routes.append(r)
+                add(order.over(name, SCORED_ROUTES, rotation, view.changed))
     else:
         routes = order.top(MAX_CANDIDATES, rotation, view.changed)
     routes = _roomy(view, order, routes, ask, rotation)

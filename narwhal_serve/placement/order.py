@@ -230,6 +230,11 @@ class RouteOrder(Generic[E]):
                 out.append(self._route(n, s.prefill))
         return out
 
+    @property
+    def has_prefills(self) -> bool:
+        """Some P/D routes here (a dialect with eligible prefill engines)."""
+        return bool(self._prefills)
+
     def prefill_holders(self, holding: Collection[str], k: int, changed: Mapping[str, E] | None = None) -> list[str]:
         """The ``k`` least loaded eligible prefill engines among ``holding`` (by load score, then
         place; the engines in ``changed`` scored as they are there)."""
